@@ -1,0 +1,23 @@
+"""kimik3: one Kimi K3 decode step, from naive PyTorch to a CuTe DSL megakernel, measured step by step."""
+
+from kimik3.checkpoint import from_pretrained, save_pretrained
+from kimik3.config import PRESET_NAMES, ModelConfig, config_from_hf, get_preset, load_config
+from kimik3.decoder import Decoder
+from kimik3.init import build_model, from_preset
+from kimik3.model import KimiForCausalLM
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Decoder",
+    "KimiForCausalLM",
+    "ModelConfig",
+    "PRESET_NAMES",
+    "build_model",
+    "config_from_hf",
+    "from_preset",
+    "from_pretrained",
+    "get_preset",
+    "load_config",
+    "save_pretrained",
+]

@@ -1,0 +1,127 @@
+"""The one public decode API every stage sits behind.
+
+```python
+model = kimik3.from_preset("tiny", seed=0)
+dec = kimik3.Decoder(model, stage="naive", batch_size=2, max_seq_len=256)
+logits = dec.prefill(input_ids)          # [B, T] -> fp32 [B, vocab] at the last prompt position
+logits = dec.step(next_ids)              # [B]    -> fp32 [B, vocab]
+tokens = dec.generate(input_ids, max_new_tokens=16)   # greedy -> [B, T + 16]
+```
+Right-padded batches pass ``lengths``: each sequence continues from its own length and padding never touches a
+cache or state. Every misuse is a ``ValueError`` that says what was wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimik3.model import KimiForCausalLM
+from kimik3.stages import get_stage
+
+__all__ = ["Decoder"]
+
+
+class Decoder:
+    def __init__(self, model: KimiForCausalLM, stage: str = "naive", batch_size: int = 1,
+                 max_seq_len: int = 1024, **stage_options) -> None:
+        if not isinstance(model, KimiForCausalLM):
+            raise ValueError(f"Decoder needs a kimik3 model (from_preset / from_pretrained), got {type(model)}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+        self.model = model
+        self.stage_name = stage
+        self.batch_size = batch_size
+        self.max_seq_len = max_seq_len
+        self.stage = get_stage(stage)(model, batch_size, max_seq_len, **stage_options)
+        self.lengths: torch.Tensor | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def reset(self) -> None:
+        self.stage.reset()
+        self.lengths = None
+
+    def _ids(self, ids: torch.Tensor, what: str, ndim: int) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor):
+            ids = torch.as_tensor(ids)
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise ValueError(f"{what} must be an integer tensor, got {ids.dtype}")
+        if ids.dim() != ndim:
+            raise ValueError(f"{what} must have {ndim} dimension(s) ({'[B, T]' if ndim == 2 else '[B]'}), "
+                             f"got shape {list(ids.shape)}")
+        if ids.shape[0] != self.batch_size:
+            raise ValueError(f"{what} has batch size {ids.shape[0]}, but this Decoder was built for "
+                             f"batch_size={self.batch_size}")
+        return ids.to(device=self.model.device, dtype=torch.long)
+
+    def _check_vocab(self, ids: torch.Tensor, what: str) -> None:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            bad = ids[(ids < 0) | (ids >= self.vocab_size)][0].item()
+            raise ValueError(f"{what} contains token id {bad} outside the vocabulary [0, {self.vocab_size})")
+
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+        """Start (or restart) every sequence from its prompt; returns fp32 logits at each last prompt token."""
+        ids = self._ids(input_ids, "input_ids", 2)
+        B, T = ids.shape
+        if T < 1:
+            raise ValueError("input_ids must hold at least one token per sequence")
+        if lengths is None:
+            lens = torch.full((B,), T, dtype=torch.long, device=ids.device)
+        else:
+            lens = torch.as_tensor(lengths, dtype=torch.long).to(ids.device)
+            if lens.shape != (B,):
+                raise ValueError(f"lengths must have shape [{B}], got {list(lens.shape)}")
+            if int(lens.min()) < 1 or int(lens.max()) > T:
+                raise ValueError(f"lengths must be in 1..{T} (the padded prompt width), got {lens.tolist()}")
+        if int(lens.max()) > self.max_seq_len:
+            raise ValueError(f"prompt of {int(lens.max())} tokens exceeds max_seq_len={self.max_seq_len}")
+        valid = torch.arange(T, device=ids.device)[None, :] < lens[:, None]
+        self._check_vocab(ids[valid], "input_ids")
+        ids = torch.where(valid, ids, torch.zeros_like(ids))  # padding values are never embedded into a state
+        self.lengths = None
+        logits = self.stage.prefill(ids, lens)
+        self.lengths = lens.clone()
+        return logits
+
+    def step(self, next_ids: torch.Tensor) -> torch.Tensor:
+        """Append one token to every sequence; returns fp32 logits [B, vocab]."""
+        if self.lengths is None:
+            raise ValueError("step() called before prefill(): there is no sequence to continue")
+        ids = self._ids(next_ids, "next_ids", 1)
+        self._check_vocab(ids, "next_ids")
+        if int(self.lengths.max()) + 1 > self.max_seq_len:
+            raise ValueError(f"sequence would grow to {int(self.lengths.max()) + 1} tokens, past the cache "
+                             f"(max_seq_len={self.max_seq_len}); call reset() or build a Decoder with a larger one")
+        logits = self.stage.step(ids, self.lengths)
+        self.lengths = self.lengths + 1
+        return logits
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 16,
+                 lengths: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+        """Greedy decoding. Returns [B, T + max_new_tokens]: each row is its own prompt (``lengths[b]`` tokens)
+        followed by its new tokens, then ``pad_token_id`` (0 if unset) up to the common width."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        ids = self._ids(input_ids, "input_ids", 2)
+        B, T = ids.shape
+        logits = self.prefill(ids, lengths)
+        lens0 = self.lengths.clone()
+        if int(lens0.max()) + max_new_tokens > self.max_seq_len + 1:
+            raise ValueError(f"{int(lens0.max())} prompt + {max_new_tokens} new tokens exceed "
+                             f"max_seq_len={self.max_seq_len}")
+        pad = self.model.config.pad_token_id or 0
+        out = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=ids.device)
+        cols = torch.arange(T, device=ids.device)[None, :]
+        out[:, :T] = torch.where(cols < lens0[:, None], ids, torch.full_like(ids, pad))
+        rows = torch.arange(B, device=ids.device)
+        for i in range(max_new_tokens):
+            nxt = logits.argmax(-1)
+            out[rows, lens0 + i] = nxt
+            if i + 1 < max_new_tokens:
+                logits = self.step(nxt)
+        return out

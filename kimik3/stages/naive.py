@@ -1,0 +1,38 @@
+"""Stage "naive": the model's own eager code, the obvious way.
+
+Prefill runs token by token through the same per-token path as decode (padding rows masked out); MLA
+re-expands every cached latent into per-head keys and values each step; MoE loops in Python over the
+experts actually selected. Slow on purpose: it is the reference every other stage is compared with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimik3.stages.base import Stage
+
+__all__ = ["NaiveStage"]
+
+
+class NaiveStage(Stage):
+    name = "naive"
+
+    def reset(self) -> None:
+        self.state = self.model.new_state(self.batch_size, self.max_seq_len)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        self.reset()
+        B, T = input_ids.shape
+        out = torch.full((B, self.model.config.vocab_size), float("nan"), device=input_ids.device)
+        for t in range(T):
+            active = t < lengths
+            pos = torch.full((B, 1), t, device=input_ids.device, dtype=torch.long)
+            logits = self.model.forward_tokens(input_ids[:, t : t + 1], self.state, pos, active[:, None])
+            last = lengths == t + 1
+            out[last] = logits[last, 0]
+        return out
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_tokens(ids[:, None], self.state, positions[:, None])[:, 0]
