@@ -39,6 +39,7 @@ __all__ = [
     "attn_res_mix",
     "kda_recurrent_step",
     "keeps_fp32",
+    "f32",
 ]
 
 # Parameters the spec keeps in fp32 whatever the model dtype (§3.1, pitfall 7; router bias §5.2).
@@ -54,16 +55,26 @@ def keeps_fp32(name: str) -> bool:
 # ====================================================================== numerics
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the spec's "fp32" math: fp32, or fp64 when the whole model runs as an fp64 oracle."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def f32(x: torch.Tensor) -> torch.Tensor:
+    """The spec's "compute in fp32" upcast (float64 passes through, see ``acc_dtype``)."""
+    return x.to(acc_dtype(x.dtype))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``KimiRMSNorm`` order: normalise in fp32, cast back to the input dtype, then multiply by the weight."""
-    x32 = x.float()
+    x32 = f32(x)
     xhat = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return weight * xhat
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, beta_lin: float | None) -> torch.Tensor:
     """SiTU-GLU (§5.1): [β·tanh(a/β)·σ(a)]·[β_lin·tanh(b/β_lin)] in fp32, cast back to the input dtype."""
-    a, b = gate.float(), up.float()
+    a, b = f32(gate), f32(up)
     g = beta * torch.tanh(a / beta) * torch.sigmoid(a)
     u = b if beta_lin is None else beta_lin * torch.tanh(b / beta_lin)
     return (g * u).to(gate.dtype)
@@ -115,8 +126,8 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, cfg: M
     The correction bias only chooses; the weights come from the unbiased scores. Grouped top-k masks
     the groups outside the best ``topk_group`` with -inf (HF / K3 convention).
     """
-    scores = torch.sigmoid(F.linear(x.float(), gate_weight.float()))
-    choice = scores + bias.float()
+    scores = torch.sigmoid(F.linear(f32(x), f32(gate_weight).to(f32(x).dtype)))
+    choice = scores + bias.to(scores.dtype)
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
         grouped = choice.view(-1, cfg.n_group, E // cfg.n_group)
@@ -188,10 +199,10 @@ class MoE(nn.Module):
         """x: normed FFN input [N, H]. The obvious way: a Python loop over the experts actually selected."""
         w, idx = self.gate(x)
         xl = self.to_latent(x)
-        acc = torch.zeros(xl.shape, dtype=torch.float32, device=x.device)
+        acc = torch.zeros(xl.shape, dtype=acc_dtype(x.dtype), device=x.device)
         for e in idx.unique().tolist():
             rows, slot = (idx == e).nonzero(as_tuple=True)
-            acc.index_add_(0, rows, self.expert(e, xl[rows]).float() * w[rows, slot, None])
+            acc.index_add_(0, rows, f32(self.expert(e, xl[rows])) * w[rows, slot, None])
         out = self.from_latent(acc.to(x.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -256,14 +267,15 @@ class KDA(nn.Module):
         c = self.cfg
         return KDAState(
             conv=torch.zeros(batch, 3 * c.kda_proj_dim, c.kda_conv_size - 1, device=device, dtype=dtype),
-            S=torch.zeros(batch, c.kda_num_heads, c.kda_head_dim, c.kda_head_dim, device=device, dtype=torch.float32),
+            S=torch.zeros(batch, c.kda_num_heads, c.kda_head_dim, c.kda_head_dim, device=device,
+                          dtype=acc_dtype(dtype)),
         )
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Per-channel log-decay g [.., nh, dk] in fp32: lb·σ(exp(A_log)·(u+dt_bias)) for K3 (pitfall 1),
         -exp(A_log)·softplus(u+dt_bias) for Kimi-Linear (no lower bound)."""
         c = self.cfg
-        u = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias).unflatten(-1, (c.kda_num_heads, c.kda_head_dim))
+        u = (f32(self.f_b_proj(self.f_a_proj(x))) + self.dt_bias).unflatten(-1, (c.kda_num_heads, c.kda_head_dim))
         lam = self.A_log[: c.kda_num_heads].exp()[:, None]
         if c.kda_gate_lower_bound is not None:
             return c.kda_gate_lower_bound * torch.sigmoid(lam * u)
@@ -278,9 +290,9 @@ class KDA(nn.Module):
 
     def gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm over head dim with fp32 weight, times σ(gate), in fp32; o, gate [.., nh, dk]."""
-        o32 = o.float()
+        o32 = f32(o)
         o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return (o32 * self.o_norm.weight * torch.sigmoid(gate.float())).to(o.dtype)
+        return (o32 * self.o_norm.weight * torch.sigmoid(f32(gate))).to(o.dtype)
 
     def forward(self, x: torch.Tensor, state: KDAState, active: torch.Tensor | None = None) -> torch.Tensor:
         c = self.cfg
@@ -288,13 +300,13 @@ class KDA(nn.Module):
         nh, dk = c.kda_num_heads, c.kda_head_dim
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [B, T, 3P] raw projections
         g = self.decay(x)  # [B, T, nh, dk]
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, nh]; a raw 0 still writes with strength 0.5
+        beta = torch.sigmoid(f32(self.b_proj(x)))  # [B, T, nh]; a raw 0 still writes with strength 0.5
         wconv = self.conv_weight()
         outs = []
         for t in range(T):
             window = torch.cat([state.conv, mixed[:, t, :, None]], -1)  # [B, 3P, W] oldest first
-            z = F.silu((window.float() * wconv).sum(-1)).to(x.dtype)  # conv always SiLU (pitfall 5)
-            q, k, v = z.float().unflatten(-1, (3, nh, dk)).unbind(1)
+            z = F.silu((f32(window) * wconv).sum(-1)).to(x.dtype)  # conv always SiLU (pitfall 5)
+            q, k, v = f32(z).unflatten(-1, (3, nh, dk)).unbind(1)
             q, k = l2norm(q) * dk**-0.5, l2norm(k)
             o, S = kda_recurrent_step(q, k, v, g[:, t], beta[:, t], state.S)
             keep = None if active is None else active[:, t]
@@ -446,7 +458,7 @@ class MLA(nn.Module):
         kv = self.kv_b_proj(cache.latent).unflatten(-1, (c.num_attention_heads, -1))  # [B, S, nh, nope+v]
         k_n, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], -1)
         scores = (torch.einsum("bthd,bshd->bhts", q_n, k_n) + torch.einsum("bthr,bsr->bhts", q_r, cache.k_r))
-        scores = scores.float() * c.mla_softmax_scale
+        scores = f32(scores) * c.mla_softmax_scale
         S = cache.latent.shape[1]
         causal = torch.arange(S, device=x.device)[None, None, :] <= positions[:, :, None]  # [B, T, S]
         scores = scores.masked_fill(~causal[:, None], float("-inf"))
@@ -461,9 +473,9 @@ def attn_res_mix(candidates: list[torch.Tensor], norm_w: torch.Tensor, proj_w: t
                  ) -> torch.Tensor:
     """Softmax mixture over depth (§2.2). Scores use ω = norm_w ⊙ proj_w on RMS-normalised candidates;
     the mix is over the RAW candidates, in fp32, cast once."""
-    V = torch.stack(candidates, 0).float()  # [K, ..., H]
+    V = f32(torch.stack(candidates, 0))  # [K, ..., H]
     r = torch.rsqrt(V.pow(2).mean(-1) + eps)
-    omega = norm_w.float() * proj_w.float().reshape(-1)
+    omega = f32(norm_w).to(V.dtype) * f32(proj_w).to(V.dtype).reshape(-1)
     alpha = torch.softmax((V * omega).sum(-1) * r, dim=0)
     return (alpha[..., None] * V).sum(0).to(candidates[-1].dtype)
 
@@ -584,7 +596,7 @@ class KimiForCausalLM(nn.Module):
         return m.norm(p)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h).float()
+        return f32(self.lm_head(h))
 
     def forward_tokens(self, input_ids: torch.Tensor, state: DecodeState, positions: torch.Tensor,
                        active: torch.Tensor | None = None) -> torch.Tensor:
@@ -599,8 +611,9 @@ class KimiForCausalLM(nn.Module):
 
     def cast_(self, dtype: torch.dtype) -> KimiForCausalLM:
         """Cast to ``dtype`` in place, keeping the spec's fp32 tensors (A_log, dt_bias, conv, o_norm, router bias)."""
-        for name, prm in self.named_parameters():
-            prm.data = prm.data.to(torch.float32 if keeps_fp32(name) else dtype)
+        for name, prm in self.named_parameters():  # (an fp64 model is the validation oracle: all fp64)
+            keep = keeps_fp32(name) and dtype != torch.float64
+            prm.data = prm.data.to(torch.float32 if keep else dtype)
         return self
 
     def reset_buffers(self) -> None:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from kimik3.stages.base import Stage
+from kimik3.model import acc_dtype
+from kimik3.stages.base import Stage, StageSupport
 
 __all__ = ["NaiveStage"]
 
 
 class NaiveStage(Stage):
     name = "naive"
+    # fp64 too: the validation suite's oracle is this stage run in float64
+    support = StageSupport(dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64))
 
     def reset(self) -> None:
         self.state = self.model.new_state(self.batch_size, self.max_seq_len)
@@ -24,7 +27,8 @@ class NaiveStage(Stage):
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         self.reset()
         B, T = input_ids.shape
-        out = torch.full((B, self.model.config.vocab_size), float("nan"), device=input_ids.device)
+        out = torch.full((B, self.model.config.vocab_size), float("nan"), device=input_ids.device,
+                         dtype=acc_dtype(self.model.dtype))  # fp32 logits (fp64 for the fp64 oracle)
         for t in range(T):
             active = t < lengths
             pos = torch.full((B, 1), t, device=input_ids.device, dtype=torch.long)

@@ -1,0 +1,80 @@
+"""Shared fixtures: small transformers oracle checkpoints, written once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+ORACLE_VOCAB = 160
+
+
+def _dsv3_config(q_lora: int | None, norm_topk: bool, **kw):
+    from transformers import DeepseekV3Config
+
+    # grouped routing (n_group 4 > topk_group 2), YaRN with mscale, two dense layers, tiny widths
+    base = dict(vocab_size=ORACLE_VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=2,
+                q_lora_rank=q_lora, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                norm_topk_prob=norm_topk, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2,
+                rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    base.update(kw)
+    return DeepseekV3Config(**base)
+
+
+def _kimi_linear_config():
+    from transformers import KimiLinearConfig
+
+    return KimiLinearConfig(
+        vocab_size=ORACLE_VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=64,
+        intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=4, num_experts=8, num_experts_per_token=2, num_shared_experts=1, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
+        linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
+                            "kda_layers": [1, 2, 3, 5], "full_attn_layers": [4]})
+
+
+def randomize_router_bias(hf_model, seed: int = 0) -> None:
+    """transformers initialises e_score_correction_bias to zero; make it non-zero so selection-only use matters."""
+    g = torch.Generator().manual_seed(seed)
+    for mod in hf_model.modules():
+        if hasattr(mod, "e_score_correction_bias"):
+            mod.e_score_correction_bias.copy_(torch.randn(mod.e_score_correction_bias.shape, generator=g) * 0.05)
+
+
+ORACLES = {
+    "dsv3-qlora-norm": lambda: ("deepseek_v3", _dsv3_config(16, True)),
+    "dsv3-qlora-nonorm": lambda: ("deepseek_v3", _dsv3_config(16, False)),
+    "dsv3-noqlora-norm": lambda: ("deepseek_v3", _dsv3_config(None, True)),
+    "dsv3-noqlora-nonorm": lambda: ("deepseek_v3", _dsv3_config(None, False)),
+    "kimi-linear": lambda: ("kimi_linear", _kimi_linear_config()),
+}
+
+
+@pytest.fixture(scope="session")
+def oracle_checkpoint(tmp_path_factory):
+    """name -> (directory written by transformers' save_pretrained, the transformers model)."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            from transformers import DeepseekV3ForCausalLM, KimiLinearForCausalLM
+
+            kind, cfg = ORACLES[name]()
+            torch.manual_seed(1234)
+            cls = DeepseekV3ForCausalLM if kind == "deepseek_v3" else KimiLinearForCausalLM
+            hf = cls(cfg).eval()
+            with torch.no_grad():
+                randomize_router_bias(hf)
+            path = tmp_path_factory.mktemp(name)
+            hf.save_pretrained(path)
+            cache[name] = (path, hf)
+        return cache[name]
+
+    return get

@@ -1,0 +1,29 @@
+"""Every notebook executes headless under papermill with small parameters (the CI half of `make run`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kimik3.notebooks import CI, list_notebooks, run_notebook
+
+NOTEBOOKS = list_notebooks()
+
+
+def test_notebooks_exist_and_are_committed_clean():
+    assert NOTEBOOKS, "no notebooks found"
+    for nb in NOTEBOOKS:
+        data = json.loads(nb.read_text())
+        code = [c for c in data["cells"] if c["cell_type"] == "code"]
+        assert code and "parameters" in code[0].get("metadata", {}).get("tags", []), f"{nb.name}: no parameters cell"
+        assert not any(c.get("outputs") or c.get("execution_count") for c in code), f"{nb.name} has outputs"
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_executes(nb, tmp_path):
+    out = run_notebook(nb, tmp_path, CI.get(nb.stem, {}), timeout=900)
+    data = json.loads(out.read_text())
+    errors = [o for c in data["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
+    assert any((tmp_path / nb.stem).glob("*.html")), f"{nb.name} wrote no figure"
