@@ -2,6 +2,7 @@
 
 from kimik3.checkpoint import from_pretrained, save_pretrained
 from kimik3.config import PRESET_NAMES, ModelConfig, config_from_hf, get_preset, load_config
+from kimik3.cost import decode_cost, parameter_counts
 from kimik3.decoder import Decoder
 from kimik3.init import build_model, from_preset
 from kimik3.model import KimiForCausalLM
@@ -15,6 +16,8 @@ __all__ = [
     "PRESET_NAMES",
     "build_model",
     "config_from_hf",
+    "decode_cost",
+    "parameter_counts",
     "from_preset",
     "from_pretrained",
     "get_preset",

@@ -517,19 +517,24 @@ class DecoderLayer(nn.Module):
 
     def forward(self, p: torch.Tensor, R: list[torch.Tensor], state, positions: torch.Tensor,
                 active: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.residual(p, R, lambda x: self.mixer(x, state, positions, active), self.ffn)
+
+    def residual(self, p: torch.Tensor, R: list[torch.Tensor], mixer, ffn) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The residual wiring around ``mixer(x)`` and ``ffn(x)`` (callables on normed inputs), shared by every
+        stage: additive for DeepSeek / Kimi-Linear, Attention Residuals for K3 (§2.3)."""
         cfg = self.cfg
-        if not cfg.attn_res_block_size:  # additive residual (DeepSeek / Kimi-Linear)
-            h = p + self.mixer(self.input_layernorm(p), state, positions, active)
-            return h + self.ffn(self.post_attention_layernorm(h)), R
+        if not cfg.attn_res_block_size:
+            h = p + mixer(self.input_layernorm(p))
+            return h + ffn(self.post_attention_layernorm(h)), R
         eps = cfg.rms_norm_eps
         a_in = attn_res_mix(R + [p], self.self_attention_res_norm.weight, self.self_attention_res_proj.weight, eps) \
             if R else p
         if self.idx % cfg.attn_res_block_size == 0:  # block boundary: freeze the partial sum (after the mix)
             R, p = R + [p], None
-        a = self.mixer(self.input_layernorm(a_in), state, positions, active)
+        a = mixer(self.input_layernorm(a_in))
         p = a if p is None else p + a
         m_in = attn_res_mix(R + [p], self.mlp_res_norm.weight, self.mlp_res_proj.weight, eps)
-        return p + self.ffn(self.post_attention_layernorm(m_in)), R
+        return p + ffn(self.post_attention_layernorm(m_in)), R
 
 
 class KimiModel(nn.Module):
@@ -585,10 +590,16 @@ class KimiForCausalLM(nn.Module):
     def hidden(self, input_ids: torch.Tensor, state: DecodeState, positions: torch.Tensor,
                active: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``T`` new tokens per sequence through every layer; returns the final-normed hidden [B, T, H]."""
-        p = self.model.embed_tokens(input_ids)
+        return self.run_layers(self.model.embed_tokens(input_ids),
+                               lambda layer, st: (lambda x: layer.mixer(x, st, positions, active)),
+                               lambda layer, st: layer.ffn, state)
+
+    def run_layers(self, p: torch.Tensor, mixer_for, ffn_for, state: DecodeState) -> torch.Tensor:
+        """Embedded input -> final-normed hidden. ``mixer_for(layer, layer_state)`` / ``ffn_for(layer, state)``
+        return the callables each layer uses, so every stage reuses this wiring with its own blocks."""
         R: list[torch.Tensor] = []
         for layer, st in zip(self.model.layers, state.layers):
-            p, R = layer(p, R, st, positions, active)
+            p, R = layer.residual(p, R, mixer_for(layer, st), ffn_for(layer, st))
         m = self.model
         if self.config.attn_res_block_size:  # the model output is itself an AttnRes mix (pitfall 11)
             p = attn_res_mix(R + [p], m.output_attn_res_norm.weight, m.output_attn_res_proj.weight,

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import importlib
+
+from kimik3.stages.absorbed import AbsorbedStage
 from kimik3.stages.base import Stage, StageSupport
+from kimik3.stages.compiled import CompiledStage, GraphsStage
 from kimik3.stages.naive import NaiveStage
 
 __all__ = ["Stage", "StageSupport", "STAGES", "get_stage", "register_stage"]
 
-STAGES: dict[str, type[Stage]] = {"naive": NaiveStage}
+STAGES: dict[str, type[Stage]] = {
+    "naive": NaiveStage,
+    "absorbed": AbsorbedStage,
+    "graphs": GraphsStage,
+    "compiled": CompiledStage,
+}
 
 
 def register_stage(cls: type[Stage]) -> type[Stage]:
@@ -15,8 +24,16 @@ def register_stage(cls: type[Stage]) -> type[Stage]:
     return cls
 
 
+# Stages that live outside this package and register themselves on import (kept lazy: importing
+# kimik3.distributed here would make `python -m kimik3.distributed` warn about a module already imported).
+_LAZY_STAGES = {"expert-parallel": "kimik3.distributed", "megakernel-cpu": "kimik3.megakernel.interpreter"}
+
+
 def get_stage(name: str) -> type[Stage]:
+    if name not in STAGES and name in _LAZY_STAGES:
+        importlib.import_module(_LAZY_STAGES[name])
     try:
         return STAGES[name]
     except KeyError:
-        raise ValueError(f"unknown stage {name!r}; known stages: {', '.join(STAGES)}") from None
+        known = list(STAGES) + [n for n in _LAZY_STAGES if n not in STAGES]
+        raise ValueError(f"unknown stage {name!r}; known stages: {', '.join(known)}") from None

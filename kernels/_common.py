@@ -1,0 +1,314 @@
+"""Shared pieces of the CuTe DSL decode kernels: compile plumbing and small device helpers.
+
+Host side (plain Python): target-architecture scope, fake tensors for compiling without a GPU,
+compile options, reading PTX/cubin artefacts (which the DSL hands back either as content or as a
+path, guide pitfall 8), recording shared-memory allocations at trace time, and source hashing.
+
+Device side (``@cute.jit`` helpers, inlined into the kernels): warp reductions, fast exp/sigmoid
+built on ``ex2.approx``, bf16 rounding, and the warp-wide arg-max used by the router and lm_head.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, Uint8
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+__all__ = [
+    "SUPPORTED_ARCHS",
+    "LOG2E",
+    "arch_scope",
+    "fake",
+    "fake_stream",
+    "compile_options",
+    "dump_dir_scope",
+    "artifact_text",
+    "artifact_bytes",
+    "smem_tensor",
+    "smem_log",
+    "source_hash",
+    "dsl_version",
+    "ceil_div",
+    "batch_tile",
+    "warp_sum",
+    "warp_max",
+    "exp_fast",
+    "sigmoid",
+    "bf16_round",
+    "warp_argmax",
+    "torch_dtype",
+    "launch",
+    "ref_rms_norm",
+    "Rng",
+]
+
+# Every kernel here uses only sm_80-era instructions (ld.global.nc.v4, shfl.sync, ex2/tanh.approx,
+# bar.sync): no wgmma/TMA, so nothing is Hopper-only and sm_100a is expected to compile too.
+SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
+LOG2E = 1.4426950408889634
+VEC = 8  # bf16 elements per 16-byte vector load
+
+
+# ---------------------------------------------------------------------------------------------- host side
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def batch_tile(batch: int, cap: int = 16) -> int:
+    """Batch rows one CTA handles: all of them up to ``cap``, else the largest divisor <= cap.
+
+    Keeping the per-warp accumulators for at most ``cap`` rows bounds register use at B = 64;
+    the remaining tiles run as extra CTAs (grid x, fastest-varying, so CTAs that read the same
+    weight rows are resident together and the re-reads hit L2).
+    """
+    if batch <= cap:
+        return batch
+    return max(d for d in range(1, cap + 1) if batch % d == 0)
+
+
+@contextlib.contextmanager
+def arch_scope(arch: str) -> Iterator[None]:
+    """Compile for ``arch``: set CUTE_DSL_ARCH and the DSL's cached copy of it, restore afterwards.
+
+    ``--gpu-arch`` in the options alone already selects the target (checked: sm_90a and sm_100a
+    alternate fine in one process), but some trace-time checks consult the environment copy, and
+    without either the DSL silently targets sm_100a (guide pitfall 1).
+    """
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}")
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    old_env = os.environ.get("CUTE_DSL_ARCH")
+    envar = CuTeDSL._get_dsl().envar
+    old_arch = getattr(envar, "_arch", None)
+    os.environ["CUTE_DSL_ARCH"] = arch
+    envar.arch = arch
+    try:
+        yield
+    finally:
+        if old_env is None:
+            os.environ.pop("CUTE_DSL_ARCH", None)
+        else:
+            os.environ["CUTE_DSL_ARCH"] = old_env
+        if old_arch is not None:
+            envar.arch = old_arch
+
+
+def fake(dtype: Any, shape: Sequence[Any], align: int = 16) -> Any:
+    """A row-major fake tensor (no data, no GPU needed) with a 16-byte aligned base pointer."""
+    order = tuple(range(len(shape) - 1, -1, -1))
+    return make_fake_compact_tensor(dtype, tuple(shape), stride_order=order, assumed_align=align)
+
+
+def fake_stream(tvm_ffi: bool = False) -> Any:
+    """A stream placeholder; with TVM-FFI the caller's current torch stream is used implicitly."""
+    return make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+
+
+_DUMP_DIR: list[str] = []  # stack: innermost dump_dir_scope wins
+
+
+@contextlib.contextmanager
+def dump_dir_scope(path: str | os.PathLike) -> Iterator[None]:
+    """Write the kept PTX/cubin of compiles inside the block to ``path``."""
+    _DUMP_DIR.append(str(path))
+    try:
+        yield
+    finally:
+        _DUMP_DIR.pop()
+
+
+def _default_dump_dir() -> str:
+    # Kept artefacts would otherwise land in the current directory (the DSL's default dump dir).
+    if not _DUMP_DIR:
+        d = tempfile.mkdtemp(prefix="kimik3-cute-")
+        atexit.register(shutil.rmtree, d, ignore_errors=True)
+        _DUMP_DIR.insert(0, d)
+    return _DUMP_DIR[-1]
+
+
+def compile_options(arch: str, *, tvm_ffi: bool = False, keep: bool = True, remark_file: str | None = None) -> str:
+    """Options string for ``cute.compile``: explicit target, artefacts kept (in the current dump dir,
+    never the working directory), ptxas report to a YAML file."""
+    opts = [f"--gpu-arch {arch}"]
+    if keep:
+        opts.append(f"--keep-ptx --keep-cubin --dump-dir {_default_dump_dir()}")
+    if remark_file:
+        opts.append(f"remarks{{ptx}} --remark-output {remark_file}")
+    if tvm_ffi:
+        opts.append("--enable-tvm-ffi")
+    return " ".join(opts)
+
+
+def artifact_text(value: Any) -> str:
+    """``compiled.__ptx__`` is the PTX text or a path to it, depending on the keep options."""
+    if isinstance(value, (str, os.PathLike)) and len(str(value)) < 4096 and os.path.exists(value):
+        return Path(value).read_text()
+    return value if isinstance(value, str) else (value.decode() if isinstance(value, bytes) else "")
+
+
+def artifact_bytes(value: Any) -> bytes:
+    """``compiled.__cubin__`` is the cubin bytes or a path to it."""
+    if isinstance(value, (str, os.PathLike)) and len(str(value)) < 4096 and os.path.exists(value):
+        return Path(value).read_bytes()
+    return value if isinstance(value, bytes) else b""
+
+
+_TORCH_DTYPES = {BFloat16: torch.bfloat16, Float32: torch.float32, Int32: torch.int32, Uint8: torch.uint8}
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    return _TORCH_DTYPES[dtype]
+
+
+def launch(compiled: Any, args: Sequence[Any], tvm_ffi: bool) -> None:
+    """Call a compiled op on CUDA tensors, every parameter positional (None for an absent optional
+    tensor, a float for a scalar): the compiled signature keeps the None parameters.
+
+    With TVM-FFI the torch tensors go in directly and the current torch stream is used (checked on CPU:
+    the call is rejected only for the device type). Without it, tensors are wrapped with
+    ``from_dlpack`` (16-byte alignment asserted, static layout as compiled) and the current stream is
+    passed explicitly: that path is not exercised without a GPU.
+    """
+    if tvm_ffi:
+        compiled(*args)
+        return
+    from cuda.bindings.driver import CUstream
+    from cutlass.cute.runtime import from_dlpack
+
+    wrapped = [from_dlpack(a, assumed_align=16) if isinstance(a, torch.Tensor) else a for a in args]
+    compiled(*wrapped, CUstream(torch.cuda.current_stream().cuda_stream))
+
+
+class Rng:
+    """Seeded random tensors generated directly on ``device`` (k3-shard inputs are GBs: no CPU detour)."""
+
+    def __init__(self, seed: int, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.g = torch.Generator(device=self.device).manual_seed(seed)
+
+    def randn(self, *shape: int, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (torch.randn(shape, generator=self.g, device=self.device) * scale).to(dtype)
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return torch.rand(shape, generator=self.g, device=self.device)
+
+    def randint(self, lo: int, hi: int, *shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=self.g, device=self.device).to(dtype)
+
+    def randperm(self, n: int) -> torch.Tensor:
+        return torch.randperm(n, generator=self.g, device=self.device)
+
+    def poisoned(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An output buffer filled with NaN (-1 for integer outputs), so an unwritten element fails."""
+        fill = float("nan") if dtype.is_floating_point else -1
+        return torch.full(tuple(shape), fill, dtype=dtype, device=self.device)
+
+
+def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's RMSNorm (normalise in fp32, cast to x.dtype, then times the weight)."""
+    from kimik3.model import rms_norm
+
+    return rms_norm(x, weight, eps)
+
+
+# Shared memory comes from SmemAllocator as *dynamic* shared memory, whose size never appears in
+# the PTX or the ptxas report. The kernels allocate through smem_tensor(), which records the bytes
+# at trace time, so the build can check the budget without a GPU.
+_SMEM_LOG: dict[str, int] = {}
+
+
+def smem_tensor(alloc: Any, dtype: Any, shape: Any, kernel: str, align: int = 16) -> Any:
+    """``alloc.allocate_tensor`` plus a trace-time record of the bytes under ``kernel``."""
+    layout = cute.make_layout(shape)
+    nbytes = math.prod(shape if isinstance(shape, tuple) else (shape,)) * (dtype.width // 8)
+    used = _SMEM_LOG.get(kernel, 0)
+    _SMEM_LOG[kernel] = -(-used // align) * align + nbytes
+    return alloc.allocate_tensor(dtype, layout, align)
+
+
+@contextlib.contextmanager
+def smem_log() -> Iterator[dict[str, int]]:
+    """Collect the shared-memory bytes of every kernel traced inside the block."""
+    _SMEM_LOG.clear()
+    out: dict[str, int] = {}
+    try:
+        yield out
+    finally:
+        out.update(_SMEM_LOG)
+        _SMEM_LOG.clear()
+
+
+def dsl_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("nvidia-cutlass-dsl")
+    except Exception:  # pragma: no cover - the wheel always has metadata
+        return getattr(cutlass, "__version__", "unknown")
+
+
+def source_hash(module: ModuleType) -> str:
+    """sha256 of the kernel module's source, the kernel modules it inlines, and this file (see _source),
+    as captured when the module was (re)imported, i.e. of the code that actually gets compiled."""
+    from ._source import kernel_source_hash
+
+    return getattr(module, "SOURCE_HASH", None) or kernel_source_hash(module.__name__.rsplit(".", 1)[-1])
+
+
+# ---------------------------------------------------------------------------------------------- device side
+@cute.jit
+def warp_sum(x: Float32) -> Float32:
+    """Butterfly sum over the 32 lanes (5 x shfl.sync.bfly); every lane gets the total."""
+    for off in cutlass.range_constexpr(5):
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=16 >> off)
+    return x
+
+
+@cute.jit
+def warp_max(x: Float32) -> Float32:
+    for off in cutlass.range_constexpr(5):
+        x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=16 >> off))
+    return x
+
+
+@cute.jit
+def exp_fast(x: Float32) -> Float32:
+    """exp(x) as ex2.approx(x * log2 e): ~2 ulp, plenty for bf16 outputs and the fp32 KDA decay."""
+    return cute.math.exp2(x * LOG2E, approx=True)
+
+
+@cute.jit
+def sigmoid(x: Float32) -> Float32:
+    """1 / (1 + exp(-x)); exp overflows to inf for x << 0 and rcp(inf) = 0, so no clamp is needed."""
+    return cute.arch.rcp_approx(1.0 + exp_fast(-x))
+
+
+@cute.jit
+def bf16_round(x: Float32) -> Float32:
+    """Round to bf16 and back: where the reference materialises a bf16 intermediate."""
+    return x.to(BFloat16).to(Float32)
+
+
+@cute.jit
+def warp_argmax(v: Float32, i: Int32) -> tuple[Float32, Int32]:
+    """Butterfly arg-max over the warp; ties go to the lower index (as torch.argmax / topk order)."""
+    for off in cutlass.range_constexpr(5):
+        ov = cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
+        oi = cute.arch.shuffle_sync_bfly(i, offset=16 >> off)
+        take = (ov > v) | ((ov == v) & (oi < i))
+        v, i = (ov, oi) if take else (v, i)
+    return v, i

@@ -1,0 +1,467 @@
+"""Routed experts of a LatentMoE layer for decode (spec §5.3, §5.5): grouped GEMV over the selected experts only.
+
+One ``@cute.jit`` op launches four kernels:
+
+1. ``moe_align_kernel`` (one warp): groups the B·k (token, slot) pairs by expert, deterministically.
+   Pairs are scanned 32 at a time; ``match.any.sync`` finds the lanes routed to the same expert, the
+   rank inside that group (popc of the lower lanes) plus a running per-expert counter in shared memory
+   gives each pair its position; a shuffle scan over the experts gives the starts. Outputs: the pairs
+   sorted by expert (stable), the active experts in ascending id order with start / count, and their
+   number.
+2. ``expert_gemv_kernel`` (gate/up, GLU): grid (I / 4 rows, A = min(E, B·k) active-expert slots);
+   CTAs past the number of active experts exit at once. Each warp owns one row i of w1 and w3 and
+   walks the expert's tokens in tiles of BT <= 8 (``token_tile``: about the expected tokens per
+   expert), so an expert's weights are streamed once per tile, never once per token.
+   h = SiTU(bf16(x·w1_i), bf16(x·w3_i)) in fp32 (β = 4, β_lin = 25, ``tanh.approx`` + ``ex2.approx``),
+   stored bf16 per pair.
+3. ``expert_gemv_kernel`` (down): same structure over w2 rows, x = h of the pair; y stored bf16 per pair.
+4. ``moe_combine_kernel``: out[b] = bf16(Σ_j w[b, j] · fp32(y[b·k + j])) (fp32 combine, cast once).
+
+Weights are either bf16 (16-byte ``ld.global.nc.v4`` of 8 weights) or MXFP4 (compressed-tensors
+layout: ``packed`` uint8 [.., K/2], low nibble = even column; ``scale`` uint8 [.., K/32], 2^(e-127)).
+For MXFP4 one 16-byte load is exactly one 32-column scale group (32 codes) plus one scale byte:
+4.25 bits per weight are read, and the codes are expanded in registers. Each 32-bit word of codes
+becomes four fp16x2 values by masking the magnitude bits into the fp16 exponent/mantissa
+(``(c & 7) << 9``) and the sign into bit 15: fp16 value = E2M1(c) · 2^-14, exact (code 1 lands on an
+fp16 subnormal, which cvt.f32.f16 keeps). The 2^14 is folded into the group scale, which is applied
+once per 32-column dot product, built directly as fp32 bits ((e + 14) << 23); x is put in the
+matching (pair) order by static register moves. Scale bytes above 240 (2^114 and up) are not
+representable this way and are not expected. No sm_100a-only conversion (cvt.rn.f16x2.e2m1x2) is
+used, so the same code runs on Hopper.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float16, Float32, Int32, Uint8, Uint32, const_expr
+
+from . import _common as C
+from ._source import kernel_source_hash
+
+# hash of the source as imported: the build cache and prebuilt manifests key on the code that runs
+SOURCE_HASH = kernel_source_hash(__name__.rsplit(".", 1)[-1])
+VEC = C.VEC
+WARPS = 4
+BATCH_TILE_CAP = 8  # tokens per pass over an expert's rows: x row addresses + 2 x BT accumulators
+UNROLL_BF16 = 4  # 16-byte weight loads per lane per step (one matrix: down)
+UNROLL_BF16_GLU = 2  # per matrix for gate/up: 2 x 2 loads in flight, 64 weights live (218 -> fewer registers)
+# 32-column MXFP4 groups (16-byte code loads) per lane per step and matrix. 2 made ptxas fall back to
+# 32 registers + 2.5 KB of spills for the gate/up kernel at B = 1 (CUDA 13 ptxas); 1 compiles clean.
+UNROLL_FP4 = 1
+COMBINE_THREADS = 128
+SITU_BETA = 4.0
+SITU_BETA_LIN = 25.0
+VARIANTS = ("bf16", "mxfp4")
+OUTPUTS = {"bf16": ("out",), "mxfp4": ("out",)}
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def token_tile(B: int, topk: int, E: int) -> int:
+    """Tokens per pass over an expert's rows: the expected tokens per active expert, B·k / min(E, B·k),
+    rounded up to a power of two and capped at BATCH_TILE_CAP. Past the expert's count the tile
+    recomputes (and discards) a clamped token, so a tile much larger than the typical count wastes
+    FMAs and registers (B = 8, k = 16, E = 56: ~2.3 tokens per expert -> tile 4)."""
+    per_expert = -(-B * topk // min(E, B * topk))
+    return min(BATCH_TILE_CAP, 1 << (per_expert - 1).bit_length(), B)
+
+
+# ---------------------------------------------------------------------------------------------- device code
+@cute.kernel
+def moe_align_kernel(mIds: cute.Tensor, mSorted: cute.Tensor, mActE: cute.Tensor, mActStart: cute.Tensor,
+                     mActCount: cute.Tensor, mNAct: cute.Tensor, E: cutlass.Constexpr):
+    lane, _, _ = cute.arch.thread_idx()
+    B, K = cute.size(mIds, mode=[0]), cute.size(mIds, mode=[1])
+    P = B * K
+    A = cute.size(mActE, mode=[0])
+    alloc = cutlass.memory.SmemAllocator()
+    sCnt = C.smem_tensor(alloc, Int32, (E,), "moe_align")
+    sStart = C.smem_tensor(alloc, Int32, (E,), "moe_align")
+    sPos = C.smem_tensor(alloc, Int32, (P,), "moe_align")
+    for e in cutlass.range(lane, E, 32, unroll=1):
+        sCnt[e] = 0
+    cute.arch.sync_warp()
+    lt = cute.arch.lanemask_lt()
+    for c0 in cutlass.range(0, P, 32, unroll=1):
+        p = c0 + lane
+        e = -1 - lane  # distinct sentinels: idle lanes match nobody
+        if p < P:
+            e = mIds[p // K, p % K]
+        grp = cute.arch.match_sync(cute.arch.FULL_MASK, e)  # lanes routed to the same expert
+        rank = cute.arch.popc(grp & lt)
+        base = Int32(0)
+        if p < P:
+            base = sCnt[e]
+        cute.arch.sync_warp()  # every lane has read its counter before the group leader bumps it
+        if p < P:
+            sPos[p] = base + Int32(rank)
+            if rank == 0:
+                sCnt[e] = base + Int32(cute.arch.popc(grp))
+        cute.arch.sync_warp()
+    carry_n, carry_a = Int32(0), Int32(0)
+    for c0 in cutlass.range(0, E, 32, unroll=1):  # exclusive scans of counts and of "active"
+        e = c0 + lane
+        n = Int32(0)
+        if e < E:
+            n = sCnt[e]
+        act = Int32(1) if n > 0 else Int32(0)
+        sn, sa = n, act
+        for off in cutlass.range_constexpr(5):
+            on = cute.arch.shuffle_sync_up(sn, offset=1 << off)
+            oa = cute.arch.shuffle_sync_up(sa, offset=1 << off)
+            sn = sn + on if lane >= (1 << off) else sn
+            sa = sa + oa if lane >= (1 << off) else sa
+        start = carry_n + sn - n
+        slot = carry_a + sa - act
+        if e < E:
+            sStart[e] = start
+        if n > 0:
+            mActE[slot], mActStart[slot], mActCount[slot] = e, start, n
+        carry_n = carry_n + cute.arch.shuffle_sync(sn, 31)
+        carry_a = carry_a + cute.arch.shuffle_sync(sa, 31)
+    for a in cutlass.range(carry_a + lane, A, 32, unroll=1):  # unused slots: well-defined values
+        mActE[a], mActStart[a], mActCount[a] = -1, 0, 0
+    if lane == 0:
+        mNAct[0] = carry_a
+    cute.arch.sync_warp()
+    for c0 in cutlass.range(0, P, 32, unroll=1):
+        p = c0 + lane
+        if p < P:
+            mSorted[sStart[mIds[p // K, p % K]] + sPos[p]] = p
+
+
+@cute.jit
+def _bf16_step(gA: cute.Tensor, gB: Any, mX: cute.Tensor, xrow: cute.Tensor, c0: Int32, accA: cute.Tensor,
+               accB: cute.Tensor, n: cutlass.Constexpr, BT: cutlass.Constexpr):
+    ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
+    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
+                               l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_LAST)
+    ra = cute.make_rmem_tensor((VEC, n), BFloat16)
+    for u in cutlass.range_constexpr(n):
+        cute.copy(ld_w, gA[(None, c0 + 32 * u)], ra[None, u])
+    if const_expr(gB is not None):
+        rb = cute.make_rmem_tensor((VEC, n), BFloat16)
+        for u in cutlass.range_constexpr(n):
+            cute.copy(ld_w, gB[(None, c0 + 32 * u)], rb[None, u])
+    wa = ra.load().to(Float32)
+    rx = cute.make_rmem_tensor((VEC, n), BFloat16)
+    for t in cutlass.range_constexpr(BT):
+        gX = cute.zipped_divide(mX[xrow[t], None], (VEC,))
+        for u in cutlass.range_constexpr(n):
+            cute.copy(ld_x, gX[(None, c0 + 32 * u)], rx[None, u])
+        x = rx.load().to(Float32)
+        accA[t] += (wa * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)
+        if const_expr(gB is not None):
+            accB[t] += (rb.load().to(Float32) * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)
+
+
+@cute.jit
+def _fp4_expand(words: cute.Tensor) -> Any:
+    """32 E2M1 codes (4 words of 8) -> TensorSSA (32,) fp32 of value · 2^-14, in *pair order*:
+    word j, shift s gives the fp16x2 (column 8j+s, column 8j+s+4), so element q = 8j + 2s + hi holds
+    column 8j + s + 4·hi. ``_x_pair_order`` reads x in the same order."""
+    h32 = cute.make_rmem_tensor((16,), Uint32)
+    for j in cutlass.range_constexpr(4):
+        w = words[j]
+        for s in cutlass.range_constexpr(4):
+            t = (w >> (4 * s)) & 0x000F000F
+            h32[4 * j + s] = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
+    return h32.load().bitcast(Float16).to(Float32)
+
+
+def _pair_col(q: int) -> int:
+    """Column (within a 32-column group) held by element q of _fp4_expand's output."""
+    j, s, hi = q // 8, (q // 2) % 4, q % 2
+    return 8 * j + s + 4 * hi
+
+
+@cute.jit
+def _x_pair_order(rx: cute.Tensor) -> Any:
+    """rx: (8, 4) bf16, the group's 32 columns in order -> TensorSSA (32,) fp32 in the pair order of
+    _fp4_expand. Static register moves only; written element by element (rather than through a
+    permuted layout view) so the order does not depend on how a view is flattened."""
+    xs = rx.load().to(Float32)
+    xp = cute.make_rmem_tensor((32,), Float32)
+    for q in cutlass.range_constexpr(32):
+        col = _pair_col(q)
+        xp[q] = xs[(col % VEC, col // VEC)]
+    return xp.load()
+
+
+@cute.jit
+def _fp4_scale(e: Any) -> Float32:
+    """2^(e - 127) · 2^14 as fp32 bits ((e + 14) << 23): also undoes the fp16 placement of the codes."""
+    return ((Uint32(e) + 14) << 23).bitcast(Float32)
+
+
+@cute.jit
+def _fp4_step(gPA: cute.Tensor, gPB: Any, gSA: cute.Tensor, gSB: Any, mX: cute.Tensor, xrow: cute.Tensor,
+              c0: Int32, accA: cute.Tensor, accB: cute.Tensor, n: cutlass.Constexpr, BT: cutlass.Constexpr):
+    """n 32-column groups (c0, c0+32, ...): all code/scale loads first, then one group at a time is
+    expanded (32 fp32 per matrix live) and applied to the BT rows of x."""
+    ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint32, num_bits_per_copy=128, invariant=True)
+    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
+                               l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_LAST)
+    GLU = gPB is not None
+    rpa = cute.make_rmem_tensor((4, n), Uint32)
+    rpb = cute.make_rmem_tensor((4, n), Uint32)
+    for u in cutlass.range_constexpr(n):
+        cute.copy(ld_w, gPA[(None, c0 + 32 * u)], rpa[None, u])
+        if const_expr(GLU):
+            cute.copy(ld_w, gPB[(None, c0 + 32 * u)], rpb[None, u])
+    sa = cute.make_rmem_tensor((n,), Uint8)
+    sb = cute.make_rmem_tensor((n,), Uint8)
+    for u in cutlass.range_constexpr(n):
+        sa[u] = gSA[c0 + 32 * u]
+        if const_expr(GLU):
+            sb[u] = gSB[c0 + 32 * u]
+    rx = cute.make_rmem_tensor((VEC, 4), BFloat16)
+    for u in cutlass.range_constexpr(n):
+        wa = _fp4_expand(rpa[None, u])
+        wb = wa
+        if const_expr(GLU):
+            wb = _fp4_expand(rpb[None, u])
+        for t in cutlass.range_constexpr(BT):
+            gX = cute.zipped_divide(mX[xrow[t], None], (VEC,))
+            for v in cutlass.range_constexpr(4):
+                cute.copy(ld_x, gX[(None, (c0 + 32 * u) * 4 + v)], rx[None, v])
+            x = _x_pair_order(rx)
+            # group scale applied once per 32-column dot product
+            accA[t] += (wa * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0) * _fp4_scale(sa[u])
+            if const_expr(GLU):
+                accB[t] += (wb * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0) * _fp4_scale(sb[u])
+
+
+@cute.jit
+def _walk_row(gA: cute.Tensor, gB: Any, gSA: Any, gSB: Any, mX: cute.Tensor, xrow: cute.Tensor, lane: Int32,
+              accA: cute.Tensor, accB: cute.Tensor, NCH: cutlass.Constexpr, BT: cutlass.Constexpr,
+              FP4: cutlass.Constexpr):
+    """Traverse one weight row as NCH chunks (lane owns l, l+32, ...): full unrolled steps, a static
+    remainder step, then the predicated partial lane round (as gemv.row_dot)."""
+    unroll = UNROLL_FP4 if FP4 else (UNROLL_BF16_GLU if gB is not None else UNROLL_BF16)
+    rounds = NCH // 32
+    steps = rounds // unroll
+    for it in cutlass.range(steps, unroll=1):
+        if const_expr(FP4):
+            _fp4_step(gA, gB, gSA, gSB, mX, xrow, it * (32 * unroll) + lane, accA, accB, unroll, BT)
+        else:
+            _bf16_step(gA, gB, mX, xrow, it * (32 * unroll) + lane, accA, accB, unroll, BT)
+    if const_expr(rounds % unroll > 0):
+        c0 = steps * (32 * unroll) + lane
+        if const_expr(FP4):
+            _fp4_step(gA, gB, gSA, gSB, mX, xrow, c0, accA, accB, rounds % unroll, BT)
+        else:
+            _bf16_step(gA, gB, mX, xrow, c0, accA, accB, rounds % unroll, BT)
+    if const_expr(NCH % 32 > 0):
+        if lane < NCH % 32:
+            if const_expr(FP4):
+                _fp4_step(gA, gB, gSA, gSB, mX, xrow, rounds * 32 + lane, accA, accB, 1, BT)
+            else:
+                _bf16_step(gA, gB, mX, xrow, rounds * 32 + lane, accA, accB, 1, BT)
+
+
+@cute.jit
+def situ(a: Float32, b: Float32) -> Float32:
+    """SiTU-GLU (§5.1): [β tanh(a/β) σ(a)] · [β_lin tanh(b/β_lin)], fp32."""
+    g = SITU_BETA * cute.math.tanh(a * (1.0 / SITU_BETA), approx=True) * C.sigmoid(a)
+    return g * (SITU_BETA_LIN * cute.math.tanh(b * (1.0 / SITU_BETA_LIN), approx=True))
+
+
+@cute.kernel
+def expert_gemv_kernel(mWA: cute.Tensor, mWB: Any, mSA: Any, mSB: Any, mX: cute.Tensor, mOut: cute.Tensor,
+                       mSorted: cute.Tensor, mActE: cute.Tensor, mActStart: cute.Tensor, mActCount: cute.Tensor,
+                       mNAct: cute.Tensor, K: cutlass.Constexpr, XDIV: cutlass.Constexpr, BT: cutlass.Constexpr):
+    """Rows of the selected experts' weights x the rows of mX routed to them.
+
+    mWA/mWB: [E, R, K] bf16, or [E, R, K/2] uint8 codes with mSA/mSB [E, R, K/32] scales (MXFP4).
+    mX row of pair p is p // XDIV (tokens for gate/up, pairs for down); out row is the pair p.
+    """
+    tidx, _, _ = cute.arch.thread_idx()
+    rg, a, _ = cute.arch.block_idx()
+    warp, lane = tidx // 32, tidx % 32
+    R = cute.size(mWA, mode=[1])
+    FP4 = mSA is not None
+    GLU = mWB is not None
+    row = rg * WARPS + warp
+    if (a < mNAct[0]) & (row < R):  # warp-uniform
+        e = mActE[a]
+        start, cnt = mActStart[a], mActCount[a]
+        gB, gSA, gSB = None, None, None
+        if const_expr(FP4):  # codes read as 16-byte chunks of four uint32 words (= one scale group)
+            gA = cute.zipped_divide(cute.recast_tensor(mWA[e, row, None], Uint32), (4,))
+            if const_expr(GLU):
+                gB = cute.zipped_divide(cute.recast_tensor(mWB[e, row, None], Uint32), (4,))
+        else:
+            gA = cute.zipped_divide(mWA[e, row, None], (VEC,))
+            if const_expr(GLU):
+                gB = cute.zipped_divide(mWB[e, row, None], (VEC,))
+        if const_expr(FP4):
+            gSA = mSA[e, row, None]
+            if const_expr(GLU):
+                gSB = mSB[e, row, None]
+        accA = cute.make_rmem_tensor((BT,), Float32)
+        accB = cute.make_rmem_tensor((BT,), Float32)
+        pair = cute.make_rmem_tensor((BT,), Int32)
+        xrow = cute.make_rmem_tensor((BT,), Int32)
+        for t0 in cutlass.range(0, cnt, BT, unroll=1):
+            for t in cutlass.range_constexpr(BT):  # clamp past the end: reload a valid row, skip its store
+                pair[t] = mSorted[start + cutlass.min(t0 + t, cnt - 1)]
+                xrow[t] = pair[t] // XDIV
+            accA.fill(0.0)
+            accB.fill(0.0)
+            _walk_row(gA, gB, gSA, gSB, mX, xrow, lane, accA, accB, K // 32 if FP4 else K // VEC, BT, FP4)
+            for t in cutlass.range_constexpr(BT):
+                ya = C.warp_sum(accA[t])
+                if const_expr(GLU):
+                    # experts run in the activation dtype: the projections are bf16 before SiTU
+                    ya = situ(C.bf16_round(ya), C.bf16_round(C.warp_sum(accB[t])))
+                if t0 + t < cnt:
+                    if lane == t % 32:
+                        mOut[pair[t], row] = ya.to(BFloat16)
+
+
+@cute.kernel
+def moe_combine_kernel(mY: cute.Tensor, mWts: cute.Tensor, mOut: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    b, _, _ = cute.arch.block_idx()
+    K = cute.size(mWts, mode=[1])
+    L = cute.size(mOut, mode=[1])
+    ld = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)
+    st = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), BFloat16, num_bits_per_copy=128)
+    r = cute.make_rmem_tensor((VEC,), BFloat16)
+    o = cute.make_rmem_tensor((VEC,), BFloat16)
+    gOut = cute.zipped_divide(mOut[b, None], (VEC,))
+    for c in cutlass.range(tidx, L // VEC, COMBINE_THREADS, unroll=1):
+        acc = cute.make_rmem_tensor((VEC,), Float32)
+        acc.fill(0.0)
+        for j in cutlass.range_constexpr(K):
+            cute.copy(ld, cute.zipped_divide(mY[b * K + j, None], (VEC,))[(None, c)], r)
+            acc.store(acc.load() + r.load().to(Float32) * mWts[b, j])
+        o.store(acc.load().to(BFloat16))
+        cute.copy(st, o, gOut[(None, c)])
+
+
+@cute.jit
+def moe_experts(mX: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW1: cute.Tensor, mW3: cute.Tensor,
+                mW2: cute.Tensor, mS1: Any, mS3: Any, mS2: Any, mH: cute.Tensor, mY: cute.Tensor,
+                mSorted: cute.Tensor, mActE: cute.Tensor, mActStart: cute.Tensor, mActCount: cute.Tensor,
+                mNAct: cute.Tensor, mOut: cute.Tensor, stream: Any, E: cutlass.Constexpr, L: cutlass.Constexpr,
+                I: cutlass.Constexpr):  # noqa: E741 - spec notation
+    B, TOPK = cute.size(mIds, mode=[0]), cute.size(mIds, mode=[1])
+    A = cute.size(mActE, mode=[0])
+    FP4 = mS1 is not None
+    assert L % (32 if FP4 else VEC) == 0 and I % (32 if FP4 else VEC) == 0
+    BT = token_tile(B, TOPK, E)
+    moe_align_kernel(mIds, mSorted, mActE, mActStart, mActCount, mNAct, E).launch(
+        grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+    expert_gemv_kernel(mW1, mW3, mS1, mS3, mX, mH, mSorted, mActE, mActStart, mActCount, mNAct, L, TOPK, BT).launch(
+        grid=[C.ceil_div(I, WARPS), A, 1], block=[WARPS * 32, 1, 1], stream=stream)
+    expert_gemv_kernel(mW2, None, mS2, None, mH, mY, mSorted, mActE, mActStart, mActCount, mNAct, I, 1, BT).launch(
+        grid=[C.ceil_div(L, WARPS), A, 1], block=[WARPS * 32, 1, 1], stream=stream)
+    moe_combine_kernel(mY, mWts, mOut).launch(grid=[B, 1, 1], block=[COMBINE_THREADS, 1, 1], stream=stream)
+
+
+# ---------------------------------------------------------------------------------------------- host code
+def _specs(variant: str, B: int, E: int, L: int, I: int, topk: int) -> dict[str, tuple[Any, tuple[int, ...]]]:  # noqa: E741
+    P, A = B * topk, min(E, B * topk)
+    spec: dict[str, tuple[Any, tuple[int, ...]]] = {
+        "x": (BFloat16, (B, L)), "ids": (Int32, (B, topk)), "weights": (Float32, (B, topk))}
+    if variant == "mxfp4":
+        spec.update({"w1": (Uint8, (E, I, L // 2)), "w3": (Uint8, (E, I, L // 2)), "w2": (Uint8, (E, L, I // 2)),
+                     "s1": (Uint8, (E, I, L // 32)), "s3": (Uint8, (E, I, L // 32)), "s2": (Uint8, (E, L, I // 32))})
+    else:
+        spec.update({"w1": (BFloat16, (E, I, L)), "w3": (BFloat16, (E, I, L)), "w2": (BFloat16, (E, L, I))})
+    spec.update({"h": (BFloat16, (P, I)), "y": (BFloat16, (P, L)), "sorted": (Int32, (P,)), "act_e": (Int32, (A,)),
+                 "act_start": (Int32, (A,)), "act_count": (Int32, (A,)), "n_act": (Int32, (1,)),
+                 "out": (BFloat16, (B, L))})
+    return spec
+
+
+_ORDER = ("x", "ids", "weights", "w1", "w3", "w2", "s1", "s3", "s2", "h", "y", "sorted", "act_e", "act_start",
+          "act_count", "n_act", "out")
+
+
+def compile_for(arch: str, *, variant: str = "bf16", B: int, E: int, L: int, I: int, topk: int,  # noqa: E741
+                tvm_ffi: bool = False, remark_file: str | None = None) -> Any:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown moe variant {variant!r}; expected one of {VARIANTS}")
+    spec = _specs(variant, B, E, L, I, topk)
+    args = [C.fake(*spec[k]) if k in spec else None for k in _ORDER]
+    opts = C.compile_options(arch, tvm_ffi=tvm_ffi, remark_file=remark_file)
+    with C.arch_scope(arch):
+        return cute.compile(moe_experts, *args, C.fake_stream(tvm_ffi), E, L, I, options=opts)
+
+
+# ---------------------------------------------------------------------------------------------- references
+def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Spec §5.5 MXFP4 -> fp32: low nibble = even column; E2M1 codes, sign bit 3; 2^(e-127) per 32 columns."""
+    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=packed.device)
+    p = packed.to(torch.int64)
+    codes = torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2)  # [.., K]: (even, odd) per byte
+    w = lut[codes]
+    s = torch.exp2(scale.to(torch.float32) - 127.0).repeat_interleave(32, dim=-1)
+    return w * s
+
+
+def make_inputs(variant: str = "bf16", *, B: int, E: int, L: int, I: int, topk: int, device: str = "cpu",  # noqa: E741
+                seed: int = 0, **_: Any) -> dict[str, torch.Tensor]:
+    """Random routing (distinct experts per token) and expert weights; outputs poisoned with NaN / -1."""
+    rng = C.Rng(seed, device)
+    ids = torch.stack([rng.randperm(E)[:topk] for _ in range(B)]).to(torch.int32)
+    w = rng.rand(B, topk)
+    t: dict[str, torch.Tensor] = {"x": rng.randn(B, L, dtype=torch.bfloat16), "ids": ids,
+                                  "weights": w / w.sum(-1, keepdim=True)}
+    for name, (dt, shp) in _specs(variant, B, E, L, I, topk).items():
+        if name in t:
+            continue
+        fan_in = I if name in ("w2", "s2") else L
+        if name in ("w1", "w3", "w2"):
+            if variant == "mxfp4":
+                t[name] = rng.randint(0, 256, *shp, dtype=torch.uint8)
+            else:
+                t[name] = rng.randn(*shp, scale=fan_in**-0.5, dtype=torch.bfloat16)
+        elif name in ("s1", "s3", "s2"):
+            # |E2M1| ~ 2 on average: pick e so that weights are ~ fan_in^-0.5, +-1 binade of spread
+            e0 = 127 - round(math.log2(2.0 * fan_in**0.5))
+            t[name] = rng.randint(e0 - 1, e0 + 2, *shp, dtype=torch.uint8)
+        else:
+            t[name] = rng.poisoned(shp, C.torch_dtype(dt))
+    return t
+
+
+def expert_weights(variant: str, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w1, w3, w2) as fp32 [E, out, in]: the bf16 weights, or the MXFP4 ones dequantised (§5.5)."""
+    if variant == "mxfp4":
+        return (mxfp4_dequant(t["w1"], t["s1"]), mxfp4_dequant(t["w3"], t["s3"]), mxfp4_dequant(t["w2"], t["s2"]))
+    return t["w1"].float(), t["w3"].float(), t["w2"].float()
+
+
+def reference(variant: str, t: dict[str, torch.Tensor], **_: Any) -> dict[str, torch.Tensor]:
+    """The reference MoE expert path (§5.3, §10): experts in bf16 (each projection rounded to bf16),
+    SiTU-GLU from the model (kimik3.model.situ_glu), expert outputs bf16, fp32 weighted combine.
+
+    TODO: kimik3.model.MoE.expert() runs one expert on module parameters (bf16 nn.Linear, no MXFP4);
+    delegate to it once it accepts weight tensors (and dequantised MXFP4 weights)."""
+    from kimik3.model import situ_glu
+
+    w1, w3, w2 = expert_weights(variant, t)
+    x, ids, wts = t["x"].float(), t["ids"].long(), t["weights"].float()
+    B, topk = ids.shape
+    out = torch.zeros(B, x.shape[1], device=x.device)
+    for b in range(B):
+        for j in range(topk):
+            e = int(ids[b, j])
+            a = (x[b] @ w1[e].T).to(torch.bfloat16)
+            u = (x[b] @ w3[e].T).to(torch.bfloat16)
+            h = situ_glu(a, u, SITU_BETA, SITU_BETA_LIN)
+            y = (h.float() @ w2[e].T).to(torch.bfloat16)
+            out[b] += y.float() * wts[b, j]
+    return {"out": out}
+
+
+def launch(compiled: Any, variant: str, t: dict[str, torch.Tensor], tvm_ffi: bool = False) -> None:
+    C.launch(compiled, [t.get(k) for k in _ORDER], tvm_ffi)

@@ -1,0 +1,218 @@
+"""Every kernel variant the package builds, with its static shapes, resource budget and PTX features.
+
+A *family* is one kernel op (a module + a variant of it) with a budget and the PTX instructions
+its design relies on; a *variant* is a family at the static shapes of one preset and batch size.
+Shapes are read from ``kimik3.config.get_preset(...)`` for the presets in :data:`PRESETS` and the
+batch sizes in :data:`BATCHES`. ``ci=True`` marks the representative subset compiled by the CPU
+test suite (every family at ``k3-shard`` B = 8, plus every family at ``tiny`` B = 1, whose odd
+widths exercise the predicated tails); the full matrix runs under ``pytest -m slow`` and in
+``python -m kimik3 kernels build``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from kimik3.config import ModelConfig, get_preset
+
+__all__ = ["Budget", "Family", "KernelVariant", "FAMILIES", "PRESETS", "BATCHES", "all_variants", "ci_variants",
+           "get_variant", "variants_for"]
+
+PRESETS = ("tiny", "k3-shard")
+BATCHES = (1, 8, 64)
+CI_POINTS = (("k3-shard", 8), ("tiny", 1))
+MLA_CONTEXT = {"tiny": 256, "k3-shard": 4096}  # static cache capacity S compiled in (lengths are runtime)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Per-kernel limits checked on the ptxas report: every kernel of the op must fit.
+
+    ``max_registers``: per thread; the GEMV-style kernels want several CTAs per SM to keep enough
+    loads in flight, so most budgets sit well under 255. Spills and stack must be 0 (no local memory).
+    ``max_shared_bytes``: dynamic shared memory recorded at trace time (plus any static smem).
+    """
+
+    max_registers: int = 255
+    max_spill_bytes: int = 0
+    max_stack_bytes: int = 0
+    max_shared_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Family:
+    module: str
+    variant: str
+    budget: Budget
+    ptx_features: tuple[str, ...]  # substrings that must appear in the PTX
+    shapes: Callable[[ModelConfig, int], dict[str, Any]]
+    runtime: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
+    archs: tuple[str, ...] = ("sm_90a", "sm_100a")  # nothing here is Hopper-only (no wgmma / TMA)
+    description: str = ""
+
+
+def _kda_lb(cfg: ModelConfig) -> float | None:
+    return cfg.kda_gate_lower_bound
+
+
+FAMILIES: dict[str, Family] = {
+    "gemv.plain": Family(
+        "gemv", "plain", Budget(max_registers=128),
+        ("ld.global.nc.v4", "shfl.sync.bfly"),
+        lambda c, b: dict(B=b, N=c.kda_proj_dim, K=c.hidden_size),
+        description="q_proj-shaped GEMV [P, H]"),
+    "gemv.rmsnorm": Family(
+        "gemv", "rmsnorm", Budget(max_registers=168),
+        ("ld.global.nc.v4", "shfl.sync.bfly", "rsqrt.approx"),
+        lambda c, b: dict(B=b, N=3 * c.kda_proj_dim, K=c.hidden_size),
+        description="input RMSNorm fused into the concatenated q/k/v projection [3P, H]"),
+    "gemv.residual": Family(
+        "gemv", "residual", Budget(max_registers=128),
+        ("ld.global.nc.v4", "shfl.sync.bfly"),
+        lambda c, b: dict(B=b, N=c.hidden_size, K=c.kda_proj_dim),
+        description="o_proj [H, P] with the residual add in the epilogue"),
+    "gemv.f32out": Family(
+        "gemv", "f32out", Budget(max_registers=128),
+        ("ld.global.nc.v4", "shfl.sync.bfly"),
+        lambda c, b: dict(B=b, N=c.kda_num_heads, K=c.hidden_size),
+        description="b_proj [nh, H] (fp32 out; nh need not be a multiple of 4)"),
+    "gemv.lm_head": Family(
+        "gemv", "lm_head", Budget(max_registers=168, max_shared_bytes=2048),
+        ("ld.global.nc.v4", "shfl.sync.bfly", "rsqrt.approx", "bar.sync"),
+        lambda c, b: dict(B=b, N=c.vocab_size, K=c.hidden_size),
+        description="final RMSNorm + lm_head GEMV + arg-max (two kernels)"),
+    "router": Family(
+        "router", "router", Budget(max_registers=128),
+        ("ld.global.nc.v4", "shfl.sync.bfly", "ex2.approx"),
+        lambda c, b: dict(B=b, E=c.n_routed_experts, H=c.hidden_size, topk=c.num_experts_per_tok,
+                          n_group=c.n_group, topk_group=c.topk_group, scale=c.routed_scaling_factor,
+                          renorm=c.norm_topk_prob),
+        description="sigmoid router GEMV + (grouped) top-k + renormalise"),
+    "kda": Family(
+        "kda", "kda", Budget(max_registers=128, max_shared_bytes=16384),
+        ("ld.global.v4.b32", "st.global.v4.b32", "shfl.sync.bfly", "ex2.approx", "bar.sync"),
+        lambda c, b: dict(B=b, nh=c.kda_num_heads, D=c.kda_head_dim, W=c.kda_conv_size,
+                          lower_bound=_kda_lb(c)),
+        description="KDA decode step: conv + l2norm + gated delta rule + gated RMSNorm"),
+    "mla": Family(
+        "mla_decode", "mla", Budget(max_registers=224),
+        ("ld.global.nc.v4", "shfl.sync.bfly", "ex2.approx"),
+        lambda c, b: dict(B=b, nh=c.num_attention_heads, DL=c.kv_lora_rank, DR=c.qk_rope_head_dim,
+                          S=MLA_CONTEXT.get(c.name, 4096)),
+        lambda c: dict(scale=c.mla_softmax_scale),
+        description="absorbed MLA decode: split-K partial softmax + combine"),
+    "moe.bf16": Family(
+        "moe", "bf16", Budget(max_registers=168, max_shared_bytes=8192),
+        ("ld.global.nc.v4", "match.any.sync", "tanh.approx", "ex2.approx", "shfl.sync.bfly"),
+        lambda c, b: dict(B=b, E=c.n_routed_experts, L=c.expert_in_dim, I=c.moe_intermediate_size,
+                          topk=c.num_experts_per_tok),
+        description="routed experts, bf16 weights: align + gate/up SiTU + down + combine"),
+    "moe.mxfp4": Family(
+        "moe", "mxfp4", Budget(max_registers=232, max_shared_bytes=8192),
+        ("ld.global.nc.v4", "match.any.sync", "tanh.approx", "cvt.f32.f16", "shfl.sync.bfly"),
+        lambda c, b: dict(B=b, E=c.n_routed_experts, L=c.expert_in_dim, I=c.moe_intermediate_size,
+                          topk=c.num_experts_per_tok),
+        description="routed experts, MXFP4 weights unpacked in registers"),
+    "attn_res": Family(
+        "attn_res", "mix", Budget(max_registers=128, max_shared_bytes=4096),
+        ("ld.global.nc.v4", "st.global.v4", "shfl.sync.bfly", "ex2.approx", "bar.sync"),
+        lambda c, b: dict(B=b, H=c.hidden_size, NC=max(2, c.attn_res_slots + 1)),
+        description="AttnRes depth mix over all candidates of the model output site"),
+}
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    family: str
+    preset: str
+    batch: int
+    shape_items: tuple[tuple[str, Any], ...]
+    runtime_items: tuple[tuple[str, Any], ...] = ()
+    ci: bool = False
+    extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}/{self.preset}/b{self.batch}"
+
+    @property
+    def spec(self) -> Family:
+        return FAMILIES[self.family]
+
+    @property
+    def module_name(self) -> str:
+        return self.spec.module
+
+    @property
+    def module(self) -> ModuleType:
+        return importlib.import_module(f"kimik3.kernels.{self.spec.module}")
+
+    @property
+    def variant(self) -> str:
+        return self.spec.variant
+
+    @property
+    def shapes(self) -> dict[str, Any]:
+        return dict(self.shape_items)
+
+    @property
+    def runtime(self) -> dict[str, Any]:
+        return dict(self.runtime_items)
+
+    @property
+    def budget(self) -> Budget:
+        return self.spec.budget
+
+    @property
+    def ptx_features(self) -> tuple[str, ...]:
+        return self.spec.ptx_features
+
+    @property
+    def archs(self) -> tuple[str, ...]:
+        return self.spec.archs
+
+    def compile(self, arch: str, **kw: Any) -> Any:
+        """``module.compile_for(arch, variant=..., **shapes)`` (a fresh compile, no disk cache)."""
+        return self.module.compile_for(arch, variant=self.variant, **self.shapes, **kw)
+
+
+def _make(family: str, preset: str, batch: int) -> KernelVariant:
+    cfg = get_preset(preset)
+    fam = FAMILIES[family]
+    return KernelVariant(family, preset, batch, tuple(sorted(fam.shapes(cfg, batch).items())),
+                         tuple(sorted(fam.runtime(cfg).items())), ci=(preset, batch) in CI_POINTS)
+
+
+def all_variants(presets: tuple[str, ...] = PRESETS, batches: tuple[int, ...] = BATCHES) -> list[KernelVariant]:
+    """Every family x preset x batch (66 variants for the defaults)."""
+    return [_make(f, p, b) for p in presets for b in batches for f in FAMILIES]
+
+
+def ci_variants() -> list[KernelVariant]:
+    return [v for v in all_variants() if v.ci]
+
+
+def variants_for(presets: tuple[str, ...] | list[str], batches: tuple[int, ...] | list[int],
+                 families: tuple[str, ...] | list[str] | None = None) -> list[KernelVariant]:
+    """Variants of the given presets / batches (any preset of kimik3.config works, not only PRESETS)."""
+    fams = list(families) if families else list(FAMILIES)
+    unknown = [f for f in fams if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown kernel families {unknown}; known: {sorted(FAMILIES)}")
+    return [_make(f, p, int(b)) for p in presets for b in batches for f in fams]
+
+
+def get_variant(name: str) -> KernelVariant:
+    """Parse ``family/preset/bN`` (e.g. ``moe.mxfp4/k3-shard/b8``)."""
+    try:
+        family, preset, b = name.split("/")
+        if not b.startswith("b"):
+            raise ValueError
+        return _make(family, preset, int(b[1:]))
+    except (ValueError, KeyError):
+        raise ValueError(f"bad kernel variant name {name!r}; expected family/preset/bN with family in "
+                         f"{sorted(FAMILIES)}") from None

@@ -1,0 +1,489 @@
+"""Run the megakernel's int32 program on the CPU with torch, under random interleavings of the SM queues.
+
+Why a CPU interpreter before the GPU kernel: it checks the *program* — the instruction decomposition, the operand
+declarations and the waits — against the reference model with nothing else in the way. It executes exactly what
+the persistent kernel will: it decodes the int32 tensor, gives every SM a cursor into its queue, and at each tick
+picks a random SM whose head instruction's waits are satisfied (``counter[c] ≥ step·total[c] + target``) and runs
+that instruction to completion, then adds to the instruction's counter. Only the declared waits constrain the
+order, so a missing wait shows up as a wrong answer under some seed.
+
+Honesty aids:
+
+* every instruction is handed views of its *declared* boxes only, so it cannot touch anything it did not declare;
+* activation and output buffers are poisoned (NaN / max int) before each step, so reading something nobody wrote
+  in this step gives NaN instead of last step's value;
+* a prefetched operand is read when the SM *arrives* at the instruction, before its waits — for a static weight
+  that is a view, for anything else (only a broken program does that) a snapshot, i.e. a stale read;
+* a deadlock raises :class:`DeadlockError` with a per-SM dump instead of spinning.
+
+``MegakernelCPUStage`` (stage ``"megakernel-cpu"``) puts this behind the :class:`kimik3.Decoder` API: prefill runs
+through the naive path token by token and the decode state is then shared; every decode step runs the program.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kimik3.megakernel.hazards import check_program, format_violations
+from kimik3.megakernel.instructions import Instruction, Kind, Op, Program, decode_program
+from kimik3.megakernel.layout import pack_weights, state_name, weight_view
+from kimik3.megakernel.scheduler import FFN_LATENT_NORM, FFN_MLP, FFN_ROUTED, POLICIES, Tiling, build_program
+from kimik3.model import (
+    DecodeState,
+    KDAState,
+    KimiForCausalLM,
+    MLACache,
+    attn_res_mix,
+    f32,
+    glu,
+    kda_recurrent_step,
+    l2norm,
+    rms_norm,
+)
+from kimik3.stages import register_stage
+from kimik3.stages.base import Stage, StageSupport
+from kimik3.stages.naive import NaiveStage
+from kimik3.tolerances import poison
+
+__all__ = ["CPUInterpreter", "DeadlockError", "MegakernelCPUStage"]
+
+
+class DeadlockError(RuntimeError):
+    """No SM can make progress. ``dump``: one dict per SM (queue position, waiting instruction, its waits with
+    needed and current counter values); the message renders it."""
+
+    def __init__(self, message: str, dump: list[dict]) -> None:
+        super().__init__(message)
+        self.dump = dump
+
+
+class CPUInterpreter:
+    """Executes a decoded megakernel program against a model's weights and a decode state."""
+
+    def __init__(self, program: Program | torch.Tensor, model: KimiForCausalLM) -> None:
+        self.program = decode_program(program) if isinstance(program, torch.Tensor) else program
+        self.model = model
+        self.cfg = model.config
+        self.dtype = model.dtype
+        p = self.program
+        with torch.no_grad():
+            weights = {n: t.detach() for n, t in model.named_parameters()}
+            weights.update(pack_weights(model))
+        self.tensors: dict[str, torch.Tensor] = {}
+        for spec in p.buffers:
+            if spec.kind == Kind.WEIGHT:
+                if spec.name not in weights:
+                    raise ValueError(f"program needs weight {spec.name!r}, which the model does not have")
+                t = weight_view(weights[spec.name])
+            elif spec.kind == Kind.STATE:
+                continue  # bound to a DecodeState by bind_state
+            else:
+                t = torch.zeros(spec.shape, dtype=spec.dtype)
+            if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+                raise ValueError(f"buffer {spec.name}: program declares {list(spec.shape)} {spec.dtype}, "
+                                 f"model gives {list(t.shape)} {t.dtype}")
+            self.tensors[spec.name] = t
+        self._scratch = [self.tensors[s.name] for s in p.buffers if s.kind in (Kind.ACT, Kind.OUTPUT)]
+        # operands read before the waits that are NOT static weights (only a broken program has any): snapshotted
+        self._stale_prefetch = [[k for k, o in enumerate(ins.operands)
+                                 if o.prefetch and p.buffers[o.buf].kind != Kind.WEIGHT] for ins in p.instructions]
+        self.counters = [0] * len(p.counters)
+        self.steps_done = 0
+        self.lora_eps: dict[int, tuple[float, float]] = {}
+        for i, layer in enumerate(model.model.layers):
+            if layer.kind == "mla":
+                self.lora_eps[i] = (layer.self_attn.q_a_layernorm.eps, layer.self_attn.kv_a_layernorm.eps)
+        self.views: list[list[torch.Tensor]] | None = None
+        self.ticks: list[int] = []  # execution order of the last step (instruction ids)
+
+    # ------------------------------------------------------------------ binding
+    def bind_state(self, state: DecodeState) -> None:
+        """Point the program's state buffers at ``state`` (updated in place by later steps) and cut every
+        instruction's operand views."""
+        cfg = self.cfg
+        for i, st in enumerate(state.layers):
+            if isinstance(st, KDAState):
+                st.conv, st.S = st.conv.contiguous(), st.S.contiguous()
+                B = st.conv.shape[0]
+                self.tensors[state_name(i, "conv")] = st.conv.view(B, 3, cfg.kda_proj_dim * (cfg.kda_conv_size - 1))
+                self.tensors[state_name(i, "S")] = st.S.view(B, cfg.kda_num_heads, -1)
+            elif isinstance(st, MLACache):
+                self.tensors[state_name(i, "latent")] = st.latent
+                self.tensors[state_name(i, "k_r")] = st.k_r
+        views = []
+        for ins in self.program.instructions:
+            vs = []
+            for o in ins.operands:
+                spec = self.program.buffers[o.buf]
+                t = self.tensors.get(spec.name)
+                if t is None or tuple(t.shape) != spec.shape:
+                    raise ValueError(f"state buffer {spec.name} is not bound (or has the wrong shape)")
+                vs.append(t[o.slices()])
+            views.append(vs)
+        self.views = views
+
+    # ------------------------------------------------------------------ running
+    @torch.no_grad()
+    def run_step(self, ids: torch.Tensor, positions: torch.Tensor, seed: int = 0, poison_scratch: bool = True
+                 ) -> torch.Tensor:
+        """One decode step: tokens ``ids`` [B] at ``positions`` [B] → fp32 logits [B, V] (the logits buffer)."""
+        if self.views is None:
+            raise RuntimeError("bind_state() first: the program's state buffers point nowhere")
+        p = self.program
+        self.tensors["ids"][:, 0, 0] = ids
+        self.tensors["pos"][:, 0, 0] = positions
+        if poison_scratch:
+            for t in self._scratch:
+                t.fill_(True) if t.dtype == torch.bool else poison(t)  # (bool has no NaN: "everyone uses it")
+        step = self.steps_done
+        totals = [c.total for c in p.counters]
+        base = [step * t for t in totals]
+        rng = random.Random(seed)
+        queues = p.queues
+        head = [0] * len(queues)
+        snap: dict[int, dict[int, torch.Tensor]] = {}
+        ins_all = p.instructions
+
+        stale = self._stale_prefetch
+
+        def arrive(sm: int) -> None:  # prefetch: read before the waits (a view for weights, a snapshot otherwise)
+            if head[sm] < len(queues[sm]):
+                v = queues[sm][head[sm]]
+                for k in stale[v]:
+                    snap.setdefault(v, {})[k] = self.views[v][k].clone()
+
+        for sm in range(len(queues)):
+            arrive(sm)
+        counters = self.counters
+        self.ticks = []
+        remaining = sum(len(q) for q in queues)
+        while remaining:
+            ready = []
+            for sm, q in enumerate(queues):
+                if head[sm] < len(q):
+                    ins = ins_all[q[head[sm]]]
+                    if all(counters[c] >= base[c] + t for c, t in ins.waits):
+                        ready.append(sm)
+            if not ready:
+                raise self._deadlock(step, head, base)
+            sm = ready[rng.randrange(len(ready))] if len(ready) > 1 else ready[0]
+            v = queues[sm][head[sm]]
+            ins = ins_all[v]
+            views = self.views[v]
+            if v in snap:
+                views = list(views)
+                for k, t in snap.pop(v).items():
+                    views[k] = t
+            _OPS[ins.op](self, ins, views)
+            if ins.signal >= 0:
+                counters[ins.signal] += ins.amount
+            self.ticks.append(v)
+            head[sm] += 1
+            remaining -= 1
+            arrive(sm)
+        for c, ctr in enumerate(p.counters):
+            if counters[c] != (step + 1) * ctr.total:
+                raise AssertionError(f"counter {ctr.name} ended step {step} at {counters[c]}, expected "
+                                     f"{(step + 1) * ctr.total}")
+        self.steps_done += 1
+        return self.tensors["logits"][:, 0, :]
+
+    def _deadlock(self, step: int, head: list[int], base: list[int]) -> DeadlockError:
+        p = self.program
+        dump, lines = [], []
+        done = sum(head)
+        total = sum(len(q) for q in p.queues)
+        lines.append(f"deadlock in step {step}: no SM can proceed ({done}/{total} instructions done)")
+        for sm, q in enumerate(p.queues):
+            if head[sm] >= len(q):
+                dump.append({"sm": sm, "position": head[sm], "length": len(q), "instruction": None, "waits": []})
+                lines.append(f"  SM {sm}: finished all {len(q)} instructions")
+                continue
+            v = q[head[sm]]
+            ins = p.instructions[v]
+            waits = [{"counter": c, "name": p.counters[c].name, "needs": base[c] + t, "value": self.counters[c],
+                      "satisfied": self.counters[c] >= base[c] + t} for c, t in ins.waits]
+            dump.append({"sm": sm, "position": head[sm], "length": len(q), "instruction": v, "label": ins.label(),
+                         "waits": waits})
+            ws = "; ".join(f"counter {w['counter']} '{w['name']}' needs {w['needs']}, is {w['value']}"
+                           + ("" if w["satisfied"] else " (BLOCKED)") for w in waits)
+            lines.append(f"  SM {sm}: at {head[sm]}/{len(q)} waiting on #{v} {ins.label()}: {ws}")
+        lines.append("  counters: " + ", ".join(f"{c.name}={self.counters[i]}" for i, c in enumerate(p.counters)))
+        return DeadlockError("\n".join(lines), dump)
+
+
+# ============================================================================================== instruction bodies
+# Each body gets the instruction and views of its declared boxes, in the operand order documented in
+# instructions.instruction_set_table(). Constants (eps, SiTU betas, top-k) come from the model config.
+
+
+def _embed(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    v[2][:, 0, :].copy_(F.embedding(v[0][:, 0, 0], v[1][0]))
+
+
+def _attn_res_mix(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    K = ins.args[1]
+    cands = [v[0][:, j, :] for j in range(K)]
+    v[3][:, 0, :].copy_(attn_res_mix(cands, v[1].reshape(-1), v[2].reshape(1, -1), it.cfg.rms_norm_eps))
+
+
+def _norm_proj(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    xn = rms_norm(v[0][:, 0, :], v[1].reshape(-1), it.cfg.rms_norm_eps)
+    if ins.args[0]:  # fp32 logits (router): upcast input and weight, as model.route does
+        y = F.linear(f32(xn), f32(v[2][0]).to(f32(xn).dtype))
+    else:
+        y = F.linear(xn, v[2][0])
+    v[3][:, 0, :].copy_(y)
+
+
+def _mlp_gate_up(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    xn = rms_norm(v[0][:, 0, :], v[1].reshape(-1), it.cfg.rms_norm_eps)
+    v[4][:, 0, :].copy_(glu(it.cfg, F.linear(xn, v[2][0]), F.linear(xn, v[3][0])))
+
+
+def _kda_step(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    cfg = it.cfg
+    dk, Wc = cfg.kda_head_dim, cfg.kda_conv_size
+    h0, h1 = ins.args[0], ins.args[1]
+    hh, nb = h1 - h0, v[0].shape[0]
+    blk = v[0][:, 0, :].reshape(nb, hh, 4 * dk + 1)  # per head: q, k, v, output gate, beta (raw projections)
+    raw = blk[..., : 3 * dk].reshape(nb, hh, 3, dk).transpose(1, 2).reshape(nb, 3, hh * dk)
+    gate, braw = blk[..., 3 * dk : 4 * dk], blk[..., 4 * dk]
+    conv = v[2].view(nb, 3, hh * dk, Wc - 1)
+    window = torch.cat([conv, raw[..., None]], -1)  # oldest first, the new token last
+    z = F.silu((f32(window) * v[7][0].view(3, hh * dk, Wc)).sum(-1)).to(it.dtype)  # conv always SiLU
+    q, k, val = f32(z).view(nb, 3, hh, dk).unbind(1)
+    q, k = l2norm(q) * dk**-0.5, l2norm(k)
+    u = (f32(F.linear(v[1][:, 0, :], v[4][0])) + v[5].reshape(-1)).view(nb, hh, dk)
+    lam = v[6].reshape(-1).exp()[:, None]
+    if cfg.kda_gate_lower_bound is not None:
+        g = cfg.kda_gate_lower_bound * torch.sigmoid(lam * u)
+    else:
+        g = -lam * F.softplus(u, threshold=20.0)
+    beta = torch.sigmoid(f32(braw))
+    S = v[3].view(nb, hh, dk, dk)
+    o, S_new = kda_recurrent_step(q, k, val, g, beta, S)
+    S.copy_(S_new)
+    conv.copy_(window[..., 1:])
+    o32 = f32(o.to(it.dtype))  # cast to the activation dtype before the gated norm (pitfall 4)
+    o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    out = (o32 * v[8].reshape(-1) * torch.sigmoid(f32(gate))).to(it.dtype)
+    v[9][:, 0, :].copy_(out.reshape(nb, hh * dk))
+
+
+def _mla_q(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    cfg = it.cfg
+    hh = ins.args[1] - ins.args[0]
+    nope, kvl = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    cq = rms_norm(v[0][:, 0, :], v[1].reshape(-1), it.lora_eps[ins.layer][0])
+    Q = F.linear(cq, v[2][0]).view(-1, hh, cfg.qk_head_dim)
+    q_lat = torch.einsum("bhn,hnl->bhl", Q[..., :nope], v[3][0].view(hh, nope, kvl))  # absorb W_UK (§4.4)
+    v[4].copy_(torch.cat([q_lat, Q[..., nope:]], -1))
+
+
+def _mla_kv_append(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    kvl = it.cfg.kv_lora_rank
+    ckv = v[0][:, 0, :]
+    c = rms_norm(ckv[:, :kvl], v[1].reshape(-1), it.lora_eps[ins.layer][1])
+    rows, pos = torch.arange(ckv.shape[0]), v[2][:, 0, 0]
+    v[3][rows, pos] = c
+    v[4][rows, pos] = ckv[:, kvl:]  # NoPE: the shared key part is cached raw
+
+
+def _mla_partial(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    cfg = it.cfg
+    kvl = cfg.kv_lora_rank
+    t0 = ins.operands[2].box[2]  # first context position of this split
+    q_lat, q_r = v[0][..., :kvl], v[0][..., kvl:]
+    pos = v[1][:, 0, 0]
+    C, KR = v[2], v[3]
+    s = f32(torch.einsum("bhl,btl->bht", q_lat, C) + torch.einsum("bhr,btr->bht", q_r, KR)) * cfg.mla_softmax_scale
+    valid = (t0 + torch.arange(C.shape[1]))[None, :] <= pos[:, None]  # causal: own cache up to and incl. itself
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    m = s.amax(-1)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m))[..., None])
+    o = torch.einsum("bht,btl->bhl", p, f32(C))
+    v[4].copy_(torch.cat([o, m[..., None], p.sum(-1)[..., None]], -1))
+
+
+def _mla_reduce(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    cfg = it.cfg
+    kvl, dv = cfg.kv_lora_rank, cfg.v_head_dim
+    hh = ins.args[1] - ins.args[0]
+    B = v[0].shape[0]
+    parts = v[0].reshape(B, hh, -1, kvl + 2)
+    o_s, m_s, l_s = parts[..., :kvl], parts[..., kvl], parts[..., kvl + 1]
+    a = torch.exp(m_s - m_s.amax(-1, keepdim=True))  # split 0 always holds position 0: the max is finite
+    o_lat = ((a[..., None] * o_s).sum(-2) / (a * l_s).sum(-1)[..., None]).to(it.dtype)
+    o = torch.einsum("bhl,hdl->bhd", o_lat, v[1][0].view(hh, dv, kvl)).reshape(B, hh * dv)  # absorb W_UV
+    if ins.args[2]:
+        o = o * torch.sigmoid(v[2][:, 0, :])
+    v[-1][:, 0, :].copy_(o)
+
+
+def _o_proj_residual(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    a = F.linear(v[0][:, 0, :], v[1][0])
+    out = v[2][:, 0, :]
+    out.copy_(out + a if ins.args[0] else a)  # a block boundary starts a new partial sum
+
+
+def _router(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    """model.route from the logits on: sigmoid scores, biased choice, (grouped) top-k, renormalised weights; then
+    compact the distinct chosen experts (ascending, as the naive loop visits them) into slots."""
+    cfg = it.cfg
+    scores = torch.sigmoid(v[0][:, 0, :])
+    choice = scores + v[1].reshape(-1).to(scores.dtype)
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+        grouped = choice.view(-1, cfg.n_group, E // cfg.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(cfg.topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // cfg.n_group, dim=1), float("-inf"))
+    idx = choice.topk(k, dim=-1).indices
+    w = scores.gather(1, idx)
+    if cfg.norm_topk_prob and k > 1:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    w = w * cfg.routed_scaling_factor
+    uniq = idx.unique()
+    n = uniq.numel()
+    match = idx[:, :, None] == uniq[None, None, :]  # [B, k, n]
+    v[2].fill_(-1)
+    v[2][0, 0, :n] = uniq
+    v[3].zero_()
+    v[3][:, 0, :n] = (w[:, :, None] * match).sum(1)
+    v[4].zero_()
+    v[4][:, 0, :n] = match.any(1)
+
+
+def _expert_gate_up(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    xl = v[0][:, 0, :]
+    for j in range(v[1].shape[2]):
+        e = int(v[1][0, 0, j])
+        if e < 0:
+            break  # slots are filled from the front
+        rows = v[2][:, 0, j].nonzero().squeeze(1)
+        if rows.numel():
+            x = xl[rows]
+            v[5][rows, j, :] = glu(it.cfg, F.linear(x, v[3][e]), F.linear(x, v[4][e]))
+
+
+def _expert_down(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    sel = v[1][0, 0]
+    n = int((sel >= 0).sum())  # slots are filled from the front
+    use, w = v[2][:, 0, :n], v[3][:, 0, :n]
+    h = torch.where(use[..., None], v[0][:, :n, :], 0)  # unused (row, slot) pairs hold poison: never read them
+    y = torch.einsum("bsi,sri->bsr", h, v[4][sel[:n]])  # every chosen expert's w2 rows, in the activation dtype
+    acc = (f32(y) * w[..., None]).sum(1)  # combine in fp32 with the router weights (0 where unused), cast once
+    v[5][:, 0, :].copy_(acc.to(it.dtype))
+
+
+def _ffn_out(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    flags, k, out = ins.args[0], 0, None
+    if flags & FFN_ROUTED:
+        x = v[k][:, 0, :]
+        k += 1
+        if flags & FFN_LATENT_NORM:  # latent norm on the COMBINED expert sum (pitfall 13)
+            x = rms_norm(x, v[k].reshape(-1), it.cfg.rms_norm_eps)
+            k += 1
+        out = F.linear(x, v[k][0])
+        k += 1
+    if flags & FFN_MLP:
+        y = F.linear(v[k][:, 0, :], v[k + 1][0])
+        out = y if out is None else out + y
+        k += 2
+    p = v[k][:, 0, :]
+    p.copy_(p + out)
+
+
+def _lm_head(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    xn = rms_norm(v[0][:, 0, :], v[1].reshape(-1), it.cfg.rms_norm_eps)
+    y = f32(F.linear(xn, v[2][0]))
+    v[3][:, 0, :].copy_(y)
+    best = y.argmax(-1)  # first maximum: ties resolve to the lowest vocabulary id, like torch.argmax
+    v[4][:, 0, 0] = y.gather(1, best[:, None])[:, 0]
+    v[5][:, 0, 0] = best + ins.args[2]
+
+
+def _argmax(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    tile = v[0][:, 0, :].argmax(-1)  # the lowest tile among equal maxima = the lowest id
+    v[2][:, 0, 0] = v[1][:, 0, :].gather(1, tile[:, None])[:, 0]
+
+
+_OPS: dict[Op, Callable[[CPUInterpreter, Instruction, list[torch.Tensor]], None]] = {
+    Op.EMBED: _embed, Op.ATTN_RES_MIX: _attn_res_mix, Op.NORM_PROJ: _norm_proj, Op.MLP_GATE_UP: _mlp_gate_up,
+    Op.KDA_STEP: _kda_step, Op.MLA_Q: _mla_q, Op.MLA_KV_APPEND: _mla_kv_append, Op.MLA_PARTIAL: _mla_partial,
+    Op.MLA_REDUCE: _mla_reduce, Op.O_PROJ_RESIDUAL: _o_proj_residual, Op.ROUTER: _router,
+    Op.EXPERT_GATE_UP: _expert_gate_up, Op.EXPERT_DOWN: _expert_down, Op.FFN_OUT: _ffn_out, Op.LM_HEAD: _lm_head,
+    Op.ARGMAX: _argmax,
+}
+
+
+# ============================================================================================== the stage
+
+
+@register_stage
+class MegakernelCPUStage(Stage):
+    """Stage "megakernel-cpu": every decode step runs the megakernel program in the CPU interpreter.
+
+    Options (``Decoder(..., stage="megakernel-cpu", **options)``): ``policy`` ("critical_path" or
+    "round_robin"), ``num_sms`` (queues to schedule for), ``seed`` (step ``i`` uses interleaving seed
+    ``seed·1000003 + i``), ``tiling`` (a :class:`~kimik3.megakernel.scheduler.Tiling`), ``check`` (run the hazard
+    checker on the program once, at construction) and ``poison`` (NaN-fill scratch buffers before each step).
+    Deterministic: every element is computed by one instruction in a fixed order whatever the interleaving."""
+
+    name = "megakernel-cpu"
+    support = StageSupport(dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64), max_batch=64,
+                           devices=("cpu",))
+
+    def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, policy: str = "critical_path",
+                 num_sms: int = 8, seed: int = 0, tiling: Tiling | None = None, check: bool = True,
+                 poison: bool = True) -> None:
+        super().__init__(model, batch_size, max_seq_len)
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+        self.program = build_program(model.config, batch_size, num_sms, policy, max_seq_len, tiling,
+                                     act_dtype=model.dtype)
+        if check:
+            bad = check_program(self.program)
+            if bad:
+                raise ValueError("megakernel program failed the hazard check:\n" + format_violations(bad))
+        self.interpreter = CPUInterpreter(encode := self.program.tensor(), model)
+        self.encoded = encode
+        self.naive = NaiveStage(model, batch_size, max_seq_len)
+        self.seed, self.poison = seed, poison
+        self.steps = 0
+
+    def reset(self) -> None:
+        self.naive.reset()
+        self.interpreter.bind_state(self.naive.state)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        logits = self.naive.prefill(input_ids, lengths)  # token by token through the reference path
+        self.interpreter.bind_state(self.naive.state)
+        return logits
+
+    def snapshot(self) -> DecodeState:
+        """A copy of the decode state (e.g. right after prefill), for :meth:`restore`."""
+        return copy.deepcopy(self.naive.state)
+
+    def restore(self, state: DecodeState, seed: int | None = None) -> None:
+        """Continue from a copy of ``state``, optionally under another interleaving seed (step counter reset) —
+        to replay the same decode steps under different interleavings. Counters keep growing: they never reset."""
+        self.naive.state = copy.deepcopy(state)
+        self.interpreter.bind_state(self.naive.state)
+        if seed is not None:
+            self.seed, self.steps = seed, 0
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        logits = self.interpreter.run_step(ids, positions, seed=self.seed * 1000003 + self.steps,
+                                           poison_scratch=self.poison)
+        self.steps += 1
+        return logits.clone()

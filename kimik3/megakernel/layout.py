@@ -1,0 +1,119 @@
+"""How the megakernel lays out weights and scratch buffers: names, 3-D views and the packed weights.
+
+Why packing: a tile instruction should read one contiguous block of weight rows and produce one contiguous block
+of outputs that the *next* instruction consumes as one box. The checkpoint layout does not give that — a KDA head
+needs rows of five separate projections (q, k, v, output gate, β) and MLA's ``kv_b_proj`` interleaves the key and
+value halves of every head — so, like any fused decode kernel, the megakernel re-packs a few weights once at load
+time. The scheduler only needs the names and shapes (it works from a config, on no weights at all); the CPU
+interpreter and the GPU kernel call :func:`pack_weights` on a real model.
+
+Packed weights (per layer ``ℓ``):
+
+* ``packed.L{ℓ}.kda_in`` ``[nh·(4·dk+1) + dk, H]``: per head ``h`` the rows ``q_h, k_h, v_h, g_h, b_h`` (``4·dk+1``
+  rows), then the ``dk`` rows of ``f_a``. One NORM_PROJ group computes all KDA input projections; a KDA_STEP
+  tile reads one contiguous column range of the result plus the ``f_a`` columns.
+* ``packed.L{ℓ}.kda_conv`` ``[3, P·W]``: the q, k, v depthwise conv kernels, channel-major.
+* ``packed.L{ℓ}.mla_in`` ``[q_lora + kv_lora + rope + nh·dv, H]``: ``q_a_proj``, ``kv_a_proj_with_mqa``, ``g_proj``.
+* ``packed.L{ℓ}.mla_wuk`` / ``mla_wuv`` ``[nh·128, kv_lora]``: the key / value halves of ``kv_b_proj`` (§4.4).
+
+Every other weight is the model's own parameter under its checkpoint name, viewed as 3-D: ``[n] → [1, 1, n]``,
+``[r, c] → [1, r, c]``, stacked experts ``[E, r, c]`` as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimik3.config import ModelConfig
+from kimik3.model import KimiForCausalLM
+
+__all__ = [
+    "kda_head_width",
+    "kda_in_rows",
+    "mla_in_segments",
+    "packed_name",
+    "state_name",
+    "weight_view",
+    "pack_weights",
+    "check_supported",
+]
+
+
+def check_supported(cfg: ModelConfig) -> None:
+    """The megakernel program covers the Kimi K3 feature set. Anything else is refused here, by name."""
+    problems = []
+    if not cfg.attn_res_block_size:
+        problems.append("additive residual (the program is built around Attention Residuals)")
+    if cfg.mla_layers:
+        if not cfg.q_lora_rank:
+            problems.append("MLA without q LoRA (q_proj)")
+        if cfg.uses_rope:
+            problems.append("RoPE MLA (K3 is NoPE)")
+    if cfg.kda_layers and not cfg.kda_full_rank_gate:
+        problems.append("low-rank KDA output gate (g_a/g_b)")
+    if any(cfg.ffn(i) == "moe" for i in range(cfg.num_hidden_layers)) and cfg.moe_latent_size is None:
+        problems.append("plain (non-latent) MoE")
+    if problems:
+        raise ValueError(f"megakernel program: config {cfg.name or cfg.family!r} uses unsupported features: "
+                         + "; ".join(problems))
+
+
+def kda_head_width(cfg: ModelConfig) -> int:
+    """Columns per head in the packed KDA input projection: q, k, v, output gate (dk each) and β (1)."""
+    return 4 * cfg.kda_head_dim + 1
+
+
+def kda_in_rows(cfg: ModelConfig) -> int:
+    return cfg.kda_num_heads * kda_head_width(cfg) + cfg.kda_head_dim
+
+
+def mla_in_segments(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Column ranges of the packed MLA input projection output."""
+    ql, kv = cfg.q_lora_rank or 0, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    g = cfg.num_attention_heads * cfg.v_head_dim if cfg.mla_use_output_gate else 0
+    return {"q_a": (0, ql), "kv_a": (ql, ql + kv), "g": (ql + kv, ql + kv + g)}
+
+
+def packed_name(layer: int, what: str) -> str:
+    return f"packed.L{layer}.{what}"
+
+
+def state_name(layer: int, what: str) -> str:
+    return f"state.L{layer}.{what}"
+
+
+def weight_view(t: torch.Tensor) -> torch.Tensor:
+    """The 3-D view a weight is declared with."""
+    if t.dim() == 1:
+        return t.view(1, 1, -1)
+    if t.dim() == 2:
+        return t.unsqueeze(0)
+    if t.dim() == 3:
+        return t
+    raise ValueError(f"no 3-D view for a {t.dim()}-D weight")
+
+
+@torch.no_grad()
+def pack_weights(model: KimiForCausalLM) -> dict[str, torch.Tensor]:
+    """The packed weights of :mod:`layout` (copies, made once at load time)."""
+    cfg = model.config
+    check_supported(cfg)
+    out: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        a = layer.self_attn
+        if layer.kind == "kda":
+            nh, dk = cfg.kda_num_heads, cfg.kda_head_dim
+            per_head = [w.weight.view(nh, dk, -1) for w in (a.q_proj, a.k_proj, a.v_proj, a.g_proj)]
+            per_head.append(a.b_proj.weight.view(nh, 1, -1))
+            heads = torch.cat(per_head, 1).reshape(nh * kda_head_width(cfg), -1)
+            out[packed_name(i, "kda_in")] = torch.cat([heads, a.f_a_proj.weight], 0).contiguous()
+            out[packed_name(i, "kda_conv")] = a.conv_weight().reshape(3, -1).contiguous()
+        else:
+            parts = [a.q_a_proj.weight, a.kv_a_proj_with_mqa.weight]
+            if cfg.mla_use_output_gate:
+                parts.append(a.g_proj.weight)
+            out[packed_name(i, "mla_in")] = torch.cat(parts, 0).contiguous()
+            kvb = a.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+            out[packed_name(i, "mla_wuk")] = kvb[:, : cfg.qk_nope_head_dim].reshape(-1, kvb.shape[-1]).contiguous()
+            out[packed_name(i, "mla_wuv")] = kvb[:, cfg.qk_nope_head_dim :].reshape(-1, kvb.shape[-1]).contiguous()
+    return out

@@ -1,0 +1,251 @@
+"""Megakernel scheduler: int32 serialisation, minimal (transitively reduced) waits, valid programs for every batch
+and SM count, cost model consistent with kimik3.cost, and critical-path scheduling not slower than round robin.
+
+Expectation sources: the program's own decode (round trip), the independent hazard checker in
+``kimik3.megakernel.hazards`` (validity, redundancy), ``kimik3.cost.decode_cost`` (per-block bytes, which it reads
+from the model's parameter shapes on the meta device) and the cost-model simulation in
+``kimik3.megakernel.timeline`` (makespans). No weights are needed: k3-shard programs are built from its config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kimik3.config import get_preset
+from kimik3.megakernel.hazards import check_program, format_violations, redundant_waits
+from kimik3.megakernel.instructions import (
+    INSTR_WORDS,
+    MAGIC,
+    MAX_WAITS,
+    Kind,
+    Op,
+    Program,
+    decode_program,
+    encode_program,
+    encoding_table,
+    instruction_set_table,
+)
+from kimik3.megakernel.scheduler import POLICIES, Tiling, build_program, build_step, instruction_costs
+from kimik3.megakernel.timeline import from_timings, gantt, makespan_ns, simulate, summary
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny tensors: one thread avoids spin-waiting against other jobs on a 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _copy(p: Program, **changes) -> Program:
+    q = Program(p.buffers, list(p.instructions), [list(x) for x in p.queues], list(p.counters), p.batch,
+                p.max_seq_len, p.num_layers, p.policy)
+    for k, v in changes.items():
+        setattr(q, k, v)
+    return q
+
+
+# ---------------------------------------------------------------------------------------------------- encoding
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_serialisation_round_trips(policy):
+    for preset, B, S, T in [("micro", 3, 4, 24), ("micro", 33, 8, 40), ("k3-shard", 2, 132, 1024)]:
+        p = build_program(preset, B, S, policy, max_seq_len=T)
+        t = encode_program(p)
+        assert t.dtype == torch.int32 and t.dim() == 1
+        q = decode_program(t)
+        assert q == p, f"{preset} B={B}: decode(encode(p)) differs"
+        assert torch.equal(encode_program(q), t), "encode(decode(t)) is not bit-identical"
+        assert q.num_sms == S and q.batch == B and q.policy == policy
+        assert [b.name for b in q.buffers] == [b.name for b in p.buffers]
+
+
+def test_encoding_layout_is_as_documented():
+    p = build_program("micro", 2, 3, "critical_path", max_seq_len=16)
+    t = encode_program(p)
+    hdr = t[:32].tolist()
+    assert hdr[0] == MAGIC and hdr[3] == len(p.instructions) and hdr[4] == INSTR_WORDS and hdr[5] == 3
+    off_ins = hdr[15]
+    rows = t[off_ins : off_ins + len(p.instructions) * INSTR_WORDS].view(-1, INSTR_WORDS)
+    for i in (0, len(p.instructions) // 2, len(p.instructions) - 1):
+        ins, r = p.instructions[i], rows[i].tolist()
+        assert r[0] == int(ins.op) and r[1] == ins.layer and r[2] == ins.sm and r[3] == ins.qpos
+        assert r[8] == ins.signal and r[10] == len(ins.waits) and r[19] == len(ins.operands)
+        for j, (c, tgt) in enumerate(ins.waits):
+            assert r[11 + 2 * j : 13 + 2 * j] == [c, tgt]
+        o = ins.operands[0]
+        assert r[20:28] == [o.buf, o.mode, *o.box]
+        assert all(x == 0 for x in r[20 + 8 * len(ins.operands) :])
+    bad = t.clone()
+    bad[0] = 0
+    with pytest.raises(ValueError, match="not a megakernel program"):
+        decode_program(bad)
+    assert len(encoding_table()) >= 6
+    ops = instruction_set_table()
+    assert set(ops["name"]) == {op.name for op in Op if op != Op.NOP}
+
+
+# ---------------------------------------------------------------------------------------------------- waits
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_waits_are_a_transitive_reduction(policy):
+    """No wait is implied by program order plus the instruction's other waits — and the check has teeth: a
+    planted redundant wait (one implied transitively through an earlier group) is reported."""
+    for preset, B, S in [("micro", 1, 4), ("micro", 33, 8), ("tiny", 4, 8)]:
+        p = build_program(preset, B, S, policy, max_seq_len=32)
+        assert redundant_waits(p) == [], f"{preset} B={B} S={S}: redundant waits"
+        assert max(len(i.waits) for i in p.instructions) <= MAX_WAITS
+    # plant one: v waits on counter c; a signaller m of c itself waits on counter c2 (full count), so every
+    # signaller of c2 already happens before v -> a wait of v on c2 is implied by v's wait on c
+    ins = p.instructions
+    signallers = {}
+    for i, x in enumerate(ins):
+        signallers.setdefault(x.signal, []).append(i)
+
+    def implied(x):
+        return [(c2, t2) for c, _ in x.waits for m in signallers[c] for c2, t2 in ins[m].waits
+                if c2 not in {w for w, _ in x.waits}]
+
+    v = next(i for i, x in enumerate(ins) if implied(x))
+    x, hit = ins[v], implied(ins[v])
+    q = _copy(p)
+    q.instructions[v] = dataclasses.replace(x, waits=x.waits + (hit[0],))
+    assert check_program(q) == []  # still correct ...
+    red = redundant_waits(q)
+    assert [(i, k) for i, k, _ in red] == [(v, len(x.waits))], red  # ... but the planted wait is redundant
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_programs_valid_for_all_batches_and_sm_counts(policy):
+    for B in (1, 2, 7, 33, 64):
+        for S in (1, 3, 8, 32):
+            p = build_program("micro", B, S, policy, max_seq_len=40)
+            bad = check_program(p)
+            assert bad == [], f"B={B} S={S}:\n{format_violations(bad)}"
+            assert redundant_waits(p) == []
+            assert sorted(v for q in p.queues for v in q) == list(range(len(p.instructions)))
+            if S == 1:
+                assert all(not i.waits for i in p.instructions), "one SM: program order alone suffices"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", POLICIES)
+def test_programs_valid_for_every_batch_1_to_64(policy):
+    for B in range(1, 65):
+        for S in (1, 5, 16, 132):
+            p = build_program("micro", B, S, policy, max_seq_len=40)
+            assert check_program(p) == [], f"B={B} S={S}"
+            assert redundant_waits(p) == [], f"B={B} S={S}"
+    for B in (1, 33, 64):
+        p = build_program("tiny", B, 16, policy, max_seq_len=64)
+        assert check_program(p) == [] and redundant_waits(p) == []
+    p = build_program("k3-shard", 64, 132, policy, max_seq_len=8192)
+    assert check_program(p) == [] and redundant_waits(p) == []
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_k3_shard_program_valid(policy):
+    p = build_program("k3-shard", 4, 132, policy, max_seq_len=4096)  # from the config alone, no weights
+    bad = check_program(p)
+    assert bad == [], format_violations(bad)
+    assert sum(len(q) > 0 for q in p.queues) == 132
+
+
+def test_unsupported_config_is_refused():
+    with pytest.raises(ValueError, match="unsupported features"):
+        build_program("deepseek-v3", 1, 8)
+
+
+# ---------------------------------------------------------------------------------------------------- costs
+
+
+def test_instruction_costs_follow_decode_cost():
+    """Per (layer, block), the instructions' bytes add up to decode_cost's, and the shape-based split (before
+    calibration) already agrees on weight bytes: the tiles cover every parameter of the model."""
+    from kimik3.cost import decode_cost
+
+    cfg = get_preset("k3-shard")
+    for B in (1, 16):
+        spec = build_step(cfg, B, 4096, num_sms=132)
+        costs = instruction_costs(spec, context_len=2048)
+        assert costs.attrs["calibrated_by_decode_cost"]
+        dc = decode_cost(cfg, batch_size=B, context_len=2048).by_block
+        got = costs["weight_bytes"].sum()
+        assert got == pytest.approx(dc["weight_bytes"].sum(), rel=1e-9)
+        state = dc[["state_bytes_read", "state_bytes_written", "kv_bytes_read", "kv_bytes_written"]].to_numpy().sum()
+        assert costs["state_bytes"].sum() == pytest.approx(state, rel=1e-9)
+        raw = {}
+        for contrib in spec.raw_costs:
+            for (layer, block), v in contrib.items():
+                raw[(layer, block)] = raw.get((layer, block), 0.0) + v[0]
+        for _, row in dc.iterrows():
+            key = (int(row["layer"]), row["block"])
+            if row["weight_bytes"] > 1e6:  # big blocks: the tile shapes alone get within 2 %
+                assert raw[key] == pytest.approx(row["weight_bytes"], rel=0.02), key
+        assert (costs["ns"] > 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------- makespan
+
+
+@pytest.mark.parametrize("B,S", [(1, 132), (64, 132), (8, 32)])
+def test_critical_path_not_slower_than_round_robin(B, S):
+    spans = {}
+    for policy in POLICIES:
+        p = build_program("k3-shard", B, S, policy, max_seq_len=8192)
+        spans[policy] = makespan_ns(simulate(p))
+    assert spans["critical_path"] <= spans["round_robin"], spans
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("B", [1, 2, 4, 16, 32, 64])
+@pytest.mark.parametrize("S", [16, 66, 132])
+def test_critical_path_not_slower_than_round_robin_full(B, S):
+    spans = {policy: makespan_ns(simulate(build_program("k3-shard", B, S, policy, max_seq_len=8192)))
+             for policy in POLICIES}
+    assert spans["critical_path"] <= spans["round_robin"], spans
+
+
+# ---------------------------------------------------------------------------------------------------- timeline
+
+
+def test_timeline_simulation_and_timing_buffer():
+    p = build_program("micro", 4, 4, "critical_path", max_seq_len=24)
+    tl = simulate(p)
+    assert (tl["start_ns"] >= tl["arrive_ns"]).all() and (tl["end_ns"] > tl["start_ns"]).all()
+    for q in p.queues:  # each SM runs its queue in order
+        assert (tl.loc[q, "start_ns"].diff().dropna() > 0).all()
+    for i, ins in enumerate(p.instructions):  # waits respected: start after every guaranteed signaller ended
+        for c, _ in ins.waits:
+            sig = [j for j, x in enumerate(p.instructions) if x.signal == c]
+            assert tl.loc[i, "start_ns"] >= tl.loc[sig, "end_ns"].max()
+    s = summary(tl, p.num_sms)
+    assert set(s.index) >= {"NORM_PROJ", "KDA_STEP", "(idle)"}
+    assert s["share_of_sm_time"].sum() == pytest.approx(1.0, rel=1e-6)
+    # a GPU timing buffer: [N, 2] int64 ns (globaltimer), arbitrary origin
+    tim = torch.tensor(tl[["start_ns", "end_ns"]].round().to_numpy(), dtype=torch.int64) + 10**12
+    tl2 = from_timings(p, tim)
+    assert makespan_ns(tl2) == pytest.approx(makespan_ns(tl), abs=2)
+    fig = gantt(tl2)
+    assert len(fig.data) >= len(set(tl["op"]))
+    with pytest.raises(ValueError, match="timings must be"):
+        from_timings(p, tim[:5])
+
+
+def test_tiling_is_a_parameter():
+    cfg = get_preset("micro")
+    t = dataclasses.replace(Tiling.auto(cfg, 2, 4, 24), kda_heads=1, out_cols=8, lm_rows=64)
+    p = build_program(cfg, 2, 4, max_seq_len=24, tiling=t)
+    counts = {op: sum(i.op == op for i in p.instructions) for op in Op}
+    L = cfg.num_hidden_layers
+    assert counts[Op.LM_HEAD] == cfg.vocab_size // 64
+    assert counts[Op.O_PROJ_RESIDUAL] == L * cfg.hidden_size // 8
+    assert counts[Op.KDA_STEP] == len(cfg.kda_layers) * cfg.kda_num_heads * -(-2 // t.kda_batch_rows)
+    assert check_program(p) == []
+    assert all(b.kind != Kind.WEIGHT or b.shape[0] >= 1 for b in p.buffers)
