@@ -479,7 +479,7 @@ def _k3_small(name: str, hidden: int, layers: int, vocab: int, block: int, heads
 
 def _micro() -> ModelConfig:
     # 8 layers: KDA x3, MLA, KDA x3, MLA; AttnRes blocks of 4 -> two blocks; < 5M parameters.
-    return _k3_small("micro", hidden=64, layers=8, vocab=512, block=4, heads=4, head_dim=16, experts=8, topk=2,
+    return _k3_small("micro", hidden=64, layers=8, vocab=512, block=4, heads=4, head_dim=16, experts=16, topk=4,
                      latent=32, expert_width=32, dense=128, q_lora=32, kv_lora=32, rope=8)
 
 

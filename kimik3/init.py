@@ -1,9 +1,17 @@
 """Deterministic random weights with sane scales, for presets (tests, notebooks, benchmarks).
 
-Scales are chosen so that every block's output has O(1) RMS and the logits are neither NaN/inf nor
-saturated: projections ~ N(0, 1/fan_in), norm weights 1 ± 0.1 (so a missing weight multiply fails a test),
-KDA decay parameters in the ranges the FLA initialisation uses, a small non-zero router bias (so the
-selection-only bias is exercised).
+Scales keep the logits neither NaN/inf nor saturated: projections ~ N(0, 1/fan_in), norm weights 1 ± 0.1 (so a
+missing weight multiply fails a test), KDA decay parameters in the ranges the FLA initialisation uses, a small
+non-zero router bias (so the selection-only bias is exercised). Two choices keep a *random* model as well
+conditioned as a trained one, which matters for the bf16-vs-fp32 tolerance of validation.md:
+
+* residual-branch outputs (o_proj, down_proj, the latent up-projection, expert down-projections) are scaled by
+  ``(2L)^-3/4`` — GPT-2/Megatron scale residual branches by ``(2L)^-1/2``; with every block a random map that
+  amplifies rounding, a slightly stronger scaling keeps L layers of bf16 rounding inside 3e-2;
+* routed experts are *upcycled*: one random expert plus 10% independent noise per expert (sparse upcycling).
+  bf16 rounding flips near-tied top-k choices of a random router every few hundred decisions; trained routers
+  are decisive, random ones are not, and with independent random experts one flip moves a row's logits by
+  O(10%). Each expert still differs, so fp32 tests (1e-4) see any wrong expert choice.
 """
 
 from __future__ import annotations
@@ -16,6 +24,9 @@ from kimik3.config import ModelConfig, get_preset
 from kimik3.model import KimiForCausalLM
 
 __all__ = ["init_weights", "from_preset", "build_model"]
+
+UPCYCLE_NOISE = 0.1
+RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "routed_expert_up_proj.weight", "experts.w2")
 
 
 def build_model(cfg: ModelConfig | str, device: str | torch.device = "cpu") -> KimiForCausalLM:
@@ -36,6 +47,7 @@ def init_weights(model: KimiForCausalLM, seed: int = 0) -> KimiForCausalLM:
     def uniform(shape, lo: float, hi: float) -> torch.Tensor:
         return torch.rand(shape, generator=gen) * (hi - lo) + lo
 
+    residual_scale = (2 * model.config.num_hidden_layers) ** -0.75
     for name, p in model.named_parameters():
         shape, leaf = p.shape, name.rsplit(".", 2)
         last = name.split(".")[-1]
@@ -56,21 +68,28 @@ def init_weights(model: KimiForCausalLM, seed: int = 0) -> KimiForCausalLM:
         elif parent == "embed_tokens":
             v = normal(shape, 1.0)
         elif name.endswith(("experts.w1", "experts.w3", "experts.w2")):
-            v = normal(shape, 1.0 / math.sqrt(shape[-1]))
+            base = normal(shape[1:], 1.0 / math.sqrt(shape[-1]))
+            v = (base + UPCYCLE_NOISE * normal(shape, 1.0 / math.sqrt(shape[-1]))) / math.sqrt(1 + UPCYCLE_NOISE**2)
         elif p.dim() == 2:
             v = normal(shape, 1.0 / math.sqrt(shape[-1]))
         else:
             raise RuntimeError(f"init_weights: no rule for parameter {name} {tuple(shape)}")
-        p.copy_(v.to(p.dtype))
+        if name.endswith(RESIDUAL_OUTPUTS):
+            v = v * residual_scale
+        p.data.copy_(v.to(device=p.device, dtype=p.dtype))
     return model
 
 
 def from_preset(name: str | ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> KimiForCausalLM:
-    """A preset model with deterministic random weights (``dtype`` for the bf16 tensors; fp32 ones stay fp32)."""
+    """A preset model with deterministic random weights (``dtype`` for the bf16 tensors; fp32 ones stay fp32).
+
+    Weights are drawn in fp32 from one CPU generator, one tensor at a time, and written straight into a model
+    allocated on ``device`` in ``dtype``: the same seed gives the same weights on every device, and a
+    k3-shard-sized model never exists in fp32 in host memory."""
     cfg = get_preset(name)
-    model = build_model(cfg, "cpu")
+    model = build_model(cfg, "meta").cast_(dtype).to_empty(device=device)
+    model.reset_buffers()
     init_weights(model, seed)
-    model.cast_(dtype)
-    return model.to(device).eval()
+    return model.eval()
 

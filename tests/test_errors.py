@@ -96,7 +96,7 @@ def test_unknown_model_type(ckpt):
 
 
 @pytest.mark.parametrize("field,value,msg", [
-    ("num_experts_per_token", 99, r"num_experts_per_tok=99 must be in 1\.\.n_routed_experts=8"),
+    ("num_experts_per_token", 99, r"num_experts_per_tok=99 must be in 1\.\.n_routed_experts=16"),
     ("num_key_value_heads", 2, r"num_key_value_heads=2 != num_attention_heads=4"),
     ("hidden_act", "gelu", r"unsupported hidden_act 'gelu'"),
 ])

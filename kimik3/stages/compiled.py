@@ -62,6 +62,17 @@ class GraphsStage(AbsorbedStage):
         return self.logits.clone()
 
 
+_COMPILED: dict[tuple[str, bool], object] = {}
+
+
+def compiled_decode_step(mode: str, dynamic: bool):
+    """One compiled ``decode_step`` per mode, shared by every Decoder: the model and state are arguments, so a
+    new Decoder with the same shapes reuses the compiled code instead of compiling again."""
+    if (mode, dynamic) not in _COMPILED:
+        _COMPILED[mode, dynamic] = torch.compile(decode_step, mode=mode, dynamic=dynamic)
+    return _COMPILED[mode, dynamic]
+
+
 class CompiledStage(AbsorbedStage):
     name = "compiled"
 
@@ -70,12 +81,11 @@ class CompiledStage(AbsorbedStage):
         if mode is None:
             mode = "reduce-overhead" if model.device.type == "cuda" else "default"
         self.mode = mode
-        self._step = torch.compile(self._eager_step, mode=mode, dynamic=False, fullgraph=False)
-
-    def _eager_step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return decode_step(self.model, self.state, ids, positions)
+        # CPU: symbolic batch size, so one compilation serves every batch size > 1 (compiling is the slow part
+        # on a CPU); GPU: static shapes, as CUDA graphs need them anyway.
+        self._step = compiled_decode_step(mode, dynamic=model.device.type != "cuda")
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self._step(ids, positions)
+        out = self._step(self.model, self.state, ids, positions)
         return out.clone() if self.model.device.type == "cuda" else out

@@ -1,0 +1,189 @@
+"""Writes 03_absorption_graphs_compile.ipynb (run from the repository root: python notebooks/_build_03.py)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from nbgen import code, md, write  # noqa: E402
+
+cells = [
+    md("""
+# 03 · The first rungs: weight absorption, static caches, CUDA graphs, `torch.compile`
+
+Before any custom kernel, get everything PyTorch alone can give — measured, so every later gain is honest.
+
+* **`absorbed`**: MLA attention computed in the kv-LoRA latent space (§4.4); the cache holds only the latent
+  vector and the shared key part; the KDA step updates a preallocated state in place; MoE indexes the stacked
+  expert weights of the selected experts — no Python loop, no `.item()`, no host synchronisation, static shapes.
+* **`graphs`**: that step captured once as a CUDA graph and replayed (GPU only).
+* **`compiled`**: `torch.compile` of the step (on a GPU in "reduce-overhead" mode, which adds CUDA graphs) —
+  the strongest PyTorch-only peer, kept in every benchmark table as the baseline to beat.
+"""),
+    code("""
+preset = "tiny"
+device = "auto"
+batch_size = 1
+context = 256
+steps = 8
+repeats = 5
+stages = ["naive", "absorbed", "compiled"]
+out_dir = "runs/03_absorption_graphs_compile"
+""", tags=["parameters"]),
+    code("""
+from pathlib import Path
+
+import pandas as pd
+import plotly.express as px
+import torch
+
+import kimik3
+from kimik3.bench import run_bench
+from kimik3.cost import decode_cost
+from kimik3.profiling import count_ops
+from kimik3.recorded import load_recorded
+from kimik3.roofline import points_from_cost, roofline_figure, save_html
+from kimik3.validation import compare_to_reference
+
+out = Path(out_dir)
+out.mkdir(parents=True, exist_ok=True)
+dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+if dev == "cuda" and "graphs" not in stages:
+    stages = stages + ["graphs"]
+model = kimik3.from_preset(preset, seed=0, dtype=dtype, device=dev)
+cfg = model.config
+print(f"{preset} on {dev} ({dtype}); stages: {stages}")
+"""),
+    md("""
+## What absorption changes, in bytes and FLOPs
+
+Unabsorbed MLA has two options. Either it caches the expanded per-head keys and values
+(`nh·(qk+v)` values per token per layer: "naive" below), or it caches the compressed latent and re-expands it
+through `kv_b_proj` every step ("reexpand": what the reference code does, and our `naive` stage). Absorption
+multiplies `W_UK` into the query and `W_UV` into the output, so attention reads the 576-wide compressed cache
+directly. The cost model counts all three from the model's own shapes — here for the full K3 at 8K context.
+"""),
+    code("""
+rows = []
+for name in ("kimi-k3", preset):
+    for form in ("naive", "reexpand", "absorbed"):
+        c = decode_cost(name, batch_size=1, context_len=8192, mla_form=form)
+        mla = c.by_block[c.by_block.block == "mla"]
+        mla_bytes = mla[["weight_bytes", "kv_bytes_read", "kv_bytes_written"]].sum().sum()
+        rows.append({"model": name, "mla form": form, "MLA bytes/step (MB)": mla_bytes / 1e6,
+                     "MLA FLOPs/step (GFLOP)": mla["flops"].sum() / 1e9,
+                     "step bytes (GB)": c.total_bytes / 1e9, "step FLOPs (GFLOP)": c.total_flops / 1e9})
+forms = pd.DataFrame(rows)
+fig = px.bar(forms, x="mla form", y="MLA FLOPs/step (GFLOP)", color="model", barmode="group", log_y=True,
+             title="MLA FLOPs per decode step at 8K context, batch 1")
+save_html(fig, out / "mla_forms.html")
+fig.show()
+forms.round(3)
+"""),
+    md("""
+## The cache: latent vs expanded
+
+Per MLA layer and token the absorbed cache holds `kv_lora_rank + qk_rope_head_dim` values; an expanded cache
+holds `num_heads · (qk_head_dim + v_head_dim)`. Both numbers come from the config.
+"""),
+    code("""
+def cache_row(name):
+    c = kimik3.get_preset(name)
+    latent = c.kv_lora_rank + c.qk_rope_head_dim
+    expanded = c.num_attention_heads * (c.qk_head_dim + c.v_head_dim)
+    return {"model": name, "MLA layers": len(c.mla_layers), "latent values/token/layer": latent,
+            "expanded values/token/layer": expanded, "ratio": expanded / latent,
+            "latent bytes/token (bf16, all layers)": 2 * latent * len(c.mla_layers),
+            "expanded bytes/token (bf16, all layers)": 2 * expanded * len(c.mla_layers)}
+
+pd.DataFrame([cache_row(n) for n in ("kimi-k3", "kimi-k2", preset)]).round(1)
+"""),
+    md("""
+## Same answers first
+
+Each stage is compared with `naive` on fresh random prompts (right-padded to different lengths) with the rules of
+`validation.md`: in fp32 the same greedy tokens and `e ≤ 1e-4` per step; in bf16 teacher-forced `e ≤ 3e-2`.
+"""),
+    code("""
+checks = []
+for st in stages:
+    if st == "naive":
+        continue
+    r = compare_to_reference(model, st, batch_size=max(2, batch_size), prompt_len=12, steps=steps, seed=1)
+    checks.append({"stage": st, "mode": r.mode, "max e": r.max_error, "tolerance": r.tolerance,
+                   "tokens equal": r.tokens_equal, "passed": r.passed})
+pd.DataFrame(checks)
+"""),
+    md("""
+## Launches per token
+
+The profiler counts what one decode step dispatches: on a CPU, top-level ATen operators (each a kernel launch on
+a GPU in eager mode); on a GPU, the CUDA kernels themselves. A captured graph replays the whole step with one
+launch call; `torch.compile` fuses elementwise chains into generated kernels. The traces (Chrome/Perfetto JSON)
+land in the run folder, one per stage, to open side by side.
+"""),
+    code("""
+launches = []
+g = torch.Generator().manual_seed(0)
+ids = torch.randint(0, cfg.vocab_size, (batch_size, 16), generator=g).to(dev)
+for st in stages:
+    opts = {"prefill": "chunked"} if st == "naive" else {}
+    dec = kimik3.Decoder(model, st, batch_size=batch_size, max_seq_len=64, **opts)
+    nxt = dec.prefill(ids).argmax(-1)
+    oc = count_ops(lambda: dec.step(nxt), calls=3, trace_path=out / f"trace_{st}.json", warmup=2)
+    launches.append({"stage": st, "backend": oc.backend, "operators/step": oc.operators_per_call,
+                     "launches/step": oc.launches_per_call, "trace": Path(oc.trace_path).name})
+launches = pd.DataFrame(launches)
+fig = px.bar(launches, x="stage", y="launches/step", title="kernel launches (GPU) / top-level operators (CPU) per step")
+save_html(fig, out / "launches.html")
+fig.show()
+launches
+"""),
+    md("""
+## Time per token, side by side
+
+One process, one machine, the same weights: ms per decode step (median over repeats, warm-up and compilation
+excluded), achieved GB/s (cost-model bytes over time), % of this machine's measured copy bandwidth, and speedups.
+"""),
+    code("""
+table = run_bench(preset, stages, [batch_size], context, device=dev, steps=steps, repeats=repeats,
+                  out=out / "bench.json", progress=False)
+cols = ["stage", "batch", "ms_per_token", "ms_min", "ms_max", "tokens_per_s", "gb_per_s", "pct_copy_bw",
+        "speedup_vs_naive", "speedup_vs_compiled"]
+fig = px.bar(table, x="stage", y="ms_per_token", error_y=table["ms_max"] - table["ms_per_token"],
+             error_y_minus=table["ms_per_token"] - table["ms_min"], title=f"{preset}: ms per decode step on {dev}")
+save_html(fig, out / "ms_per_token.html")
+fig.show()
+table[[c for c in cols if c in table]].round(3)
+"""),
+    md("""
+## The ladder so far on the roofline
+
+Each stage's measured step as one point (its FLOPs and bytes from the cost model, its measured time), against this
+machine's measured ceilings and the H200's. Points recorded on other machines (`data/measurements/`) are labelled
+with their date and commit; GPU rows not yet measured are stated as such.
+"""),
+    code("""
+from kimik3.hardware import local_hardware, measure_local
+
+local = local_hardware(measure_local(device=dev, quick=True))
+pts = []
+for _, r in table.iterrows():
+    if r.get("status") != "ok":
+        continue
+    wd = "bf16" if dtype == torch.bfloat16 else "fp32"
+    form = "reexpand" if r["stage"] == "naive" else "absorbed"
+    c = decode_cost(model, batch_size=int(r["batch"]), context_len=context + steps, weight_dtype=wd,
+                    expert_dtype=wd, kv_dtype=wd, act_dtype=wd, mla_form=form)
+    pts.append(points_from_cost(c, local, seconds=r["ms_per_token"] / 1e3, by="step", stage=r["stage"]))
+fig = roofline_figure(pts, hardware=[local, "h200"], compute_dtypes=("fp32", "bf16"),
+                      title="decode step per stage (measured here) vs ceilings")
+save_html(fig, out / "roofline_ladder.html")
+fig.show()
+rec = load_recorded()
+print("recorded measurements:", "none yet" if rec.empty else f"{len(rec)} rows")
+rec.head(20)
+"""),
+]
+
+write(str(Path(__file__).resolve().parent / "03_absorption_graphs_compile.ipynb"), cells)
