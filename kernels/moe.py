@@ -465,3 +465,72 @@ def reference(variant: str, t: dict[str, torch.Tensor], **_: Any) -> dict[str, t
 
 def launch(compiled: Any, variant: str, t: dict[str, torch.Tensor], tvm_ffi: bool = False) -> None:
     C.launch(compiled, [t.get(k) for k in _ORDER], tvm_ffi)
+
+
+# ---------------------------------------------------------------------------------------------- per-head GEMV
+# Weight absorption in MLA (spec §4.4) needs y[b, h] = W[h] · x[b, h] for every head h: a GEMV whose weight
+# differs per head (q_lat = W_UK^T q_nope, o = W_UV o_lat). That is the expert GEMV above with a fixed routing
+# (head h = expert h, the pair (b, h) = row b·NH + h routed to it), so no new device code is needed: this op
+# launches expert_gemv_kernel (no GLU, bf16) with constant routing tables from :func:`head_routing`.
+HEADS_OUTPUTS = ("out",)
+
+
+@cute.jit
+def head_gemv(mW: cute.Tensor, mX: cute.Tensor, mOut: cute.Tensor, mSorted: cute.Tensor, mActE: cute.Tensor,
+              mActStart: cute.Tensor, mActCount: cute.Tensor, mNAct: cute.Tensor, stream: Any,
+              BT: cutlass.Constexpr):
+    NH, R, K = cute.size(mW, mode=[0]), cute.size(mW, mode=[1]), cute.size(mW, mode=[2])
+    assert K % VEC == 0 and cute.size(mX, mode=[1]) == K and cute.size(mOut, mode=[1]) == R
+    expert_gemv_kernel(mW, None, None, None, mX, mOut, mSorted, mActE, mActStart, mActCount, mNAct, K, 1, BT).launch(
+        grid=[C.ceil_div(R, WARPS), NH, 1], block=[WARPS * 32, 1, 1], stream=stream)
+
+
+def heads_tile(B: int) -> int:
+    """Tokens per pass over a head's rows: every head sees all B tokens (token_tile with k = E = NH)."""
+    return min(BATCH_TILE_CAP, 1 << (B - 1).bit_length(), B)
+
+
+def _heads_specs(B: int, NH: int, R: int, K: int) -> dict[str, tuple[Any, tuple[int, ...]]]:
+    return {"W": (BFloat16, (NH, R, K)), "x": (BFloat16, (B * NH, K)), "out": (BFloat16, (B * NH, R)),
+            "sorted": (Int32, (B * NH,)), "act_e": (Int32, (NH,)), "act_start": (Int32, (NH,)),
+            "act_count": (Int32, (NH,)), "n_act": (Int32, (1,))}
+
+
+HEADS_ORDER = ("W", "x", "out", "sorted", "act_e", "act_start", "act_count", "n_act")
+
+
+def compile_heads_for(arch: str, *, B: int, NH: int, R: int, K: int, tvm_ffi: bool = False,
+                      remark_file: str | None = None) -> Any:
+    """Compile the per-head GEMV for static shapes: W [NH, R, K], x [B·NH, K] -> out [B·NH, R] (bf16)."""
+    spec = _heads_specs(B, NH, R, K)
+    args = [C.fake(*spec[k]) for k in HEADS_ORDER]
+    opts = C.compile_options(arch, tvm_ffi=tvm_ffi, remark_file=remark_file)
+    with C.arch_scope(arch):
+        return cute.compile(head_gemv, *args, C.fake_stream(tvm_ffi), heads_tile(B), options=opts)
+
+
+def head_routing(B: int, NH: int, device: Any = "cpu") -> dict[str, torch.Tensor]:
+    """The constant routing tables of :func:`head_gemv`: head h owns the pairs b·NH + h, b = 0..B-1."""
+    h = torch.arange(NH, dtype=torch.int32, device=device)
+    b = torch.arange(B, dtype=torch.int32, device=device)
+    return {"sorted": (b[None, :] * NH + h[:, None]).reshape(-1).contiguous(), "act_e": h.clone(),
+            "act_start": h * B, "act_count": torch.full((NH,), B, dtype=torch.int32, device=device),
+            "n_act": torch.tensor([NH], dtype=torch.int32, device=device)}
+
+
+def make_heads_inputs(*, B: int, NH: int, R: int, K: int, device: str = "cpu", seed: int = 0, **_: Any
+                      ) -> dict[str, torch.Tensor]:
+    rng = C.Rng(seed, device)
+    return {"W": rng.randn(NH, R, K, scale=K**-0.5, dtype=torch.bfloat16), "x": rng.randn(B * NH, K,
+            dtype=torch.bfloat16), "out": rng.poisoned((B * NH, R), torch.bfloat16), **head_routing(B, NH, device)}
+
+
+def heads_reference(t: dict[str, torch.Tensor], **_: Any) -> dict[str, torch.Tensor]:
+    """fp32 reference: out[b·NH + h] = W[h] · x[b·NH + h]."""
+    NH, R, K = t["W"].shape
+    x = t["x"].float().view(-1, NH, K)
+    return {"out": torch.einsum("hrk,bhk->bhr", t["W"].float(), x).reshape(-1, R)}
+
+
+def launch_heads(compiled: Any, t: dict[str, torch.Tensor], tvm_ffi: bool = False) -> None:
+    C.launch(compiled, [t[k] for k in HEADS_ORDER], tvm_ffi)

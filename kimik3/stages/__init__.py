@@ -7,6 +7,7 @@ import importlib
 from kimik3.stages.absorbed import AbsorbedStage
 from kimik3.stages.base import Stage, StageSupport
 from kimik3.stages.compiled import CompiledStage, GraphsStage
+from kimik3.stages.fused import FusedStage
 from kimik3.stages.naive import NaiveStage
 
 __all__ = ["Stage", "StageSupport", "STAGES", "get_stage", "register_stage"]
@@ -16,6 +17,7 @@ STAGES: dict[str, type[Stage]] = {
     "absorbed": AbsorbedStage,
     "graphs": GraphsStage,
     "compiled": CompiledStage,
+    "fused": FusedStage,
 }
 
 
