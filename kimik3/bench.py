@@ -48,6 +48,8 @@ def provenance(device: str) -> dict:
         "python": platform.python_version(),
         "host_cpu": platform.processor() or platform.machine(),
         "cpu_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "kimik3": kimik3.__version__,
     }
     try:
