@@ -158,7 +158,8 @@ def test_sharded_checkpoint_with_index_loads(tmp_path):
 def test_unknown_preset_and_stage():
     with pytest.raises(ValueError, match=r"unknown preset 'giant'; known presets: micro, tiny"):
         kimik3.from_preset("giant")
-    with pytest.raises(ValueError, match=r"unknown stage 'turbo'; known stages: naive, absorbed, graphs, compiled, fused"):
+    with pytest.raises(ValueError, match=r"unknown stage 'turbo'; known stages: naive, absorbed, graphs, compiled, "
+                                         r"fused"):
         kimik3.Decoder(kimik3.from_preset("micro"), stage="turbo")
 
 

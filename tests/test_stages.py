@@ -72,7 +72,8 @@ def test_compiled_on_transformers_checkpoint(oracle_checkpoint):
 
 
 def test_graphs_refuses_cpu(micro):
-    with pytest.raises(ValueError, match=r"stage 'graphs' captures CUDA graphs and needs the model on a CUDA device \(it is on cpu\)"):
+    with pytest.raises(ValueError, match=r"stage 'graphs' captures CUDA graphs and needs the model on a CUDA "
+                                         r"device \(it is on cpu\)"):
         kimik3.Decoder(micro, stage="graphs")
 
 
