@@ -180,7 +180,7 @@ def test_summary_totals_agree():
 
 # ====================================================================== by hand, micro preset
 # micro: H=64, KDA 4 heads x 16 (P=64, conv W=4), MLA 4 heads, q_lora 32, kv_lora 32, nope 16, rope 8, v 16,
-# 8 experts top-2, latent 32, expert width 32, 2 shared (width 64); layer 1 = KDA + LatentMoE, layer 3 = MLA.
+# 16 experts top-4, latent 32, expert width 32, 2 shared (width 64); layer 1 = KDA + LatentMoE, layer 3 = MLA.
 B, LENS = 2, [5, 9]
 
 
@@ -220,23 +220,23 @@ def test_hand_mla_block():  # spec §4.1 shapes, §4.3 cache, §4.4 absorbed att
 
 
 def test_hand_latent_moe_block():  # spec §5.2 router, §5.3 LatentMoE, §5.5 MXFP4, §8 D(B)
-    H, E, k, lat, inner, shared = 64, 8, 2, 32, 32, 64
+    H, E, k, lat, inner, shared = 64, 16, 4, 32, 32, 64
     c = decode_cost("micro", B, LENS)
     assert row(c, 1, "router").weight_bytes == 2 * E * H + 4 * E + 2 * H  # gate bf16, bias fp32, post-attn norm
     assert row(c, 1, "moe_latent").weight_bytes == 2 * (lat * H + H * lat + lat)  # down, up, latent norm
     assert row(c, 1, "shared_experts").weight_bytes == 2 * 3 * shared * H
     per_expert = 3 * inner * lat  # w1, w3 [I, L] and w2 [L, I]
-    d_uniform = E * (1 - (1 - k / E) ** B)  # = 3.5 at B = 2
-    assert d_uniform == 3.5
+    d_uniform = E * (1 - (1 - k / E) ** B)  # = 7.0 at B = 2
+    assert d_uniform == 7.0
     r = row(c, 1, "experts")
-    assert r.experts_touched == 3.5 and r.weight_bytes == 3.5 * per_expert * 2
+    assert r.experts_touched == 7.0 and r.weight_bytes == 7.0 * per_expert * 2
     assert r.flops_weights == B * k * 2 * per_expert  # every (token, expert) pair, overlapping or not
     assert row(c, 1, "router").flops_weights == B * 2 * E * H
     assert row(c, 1, "moe_latent").flops_weights == B * 2 * 2 * lat * H
     assert row(c, 1, "shared_experts").flops_weights == B * 2 * 3 * shared * H
-    # exact routing: tokens pick {0, 1} and {1, 2} -> 3 distinct experts; MXFP4 = 4.25 bits per weight
-    exact = decode_cost("micro", B, LENS, routing=torch.tensor([[0, 1], [1, 2]]), expert_dtype="mxfp4")
-    assert row(exact, 1, "experts").weight_bytes == 3 * per_expert * 4.25 / 8  # 4,896 B
+    # exact routing: tokens pick {0..3} and {2..5} -> 6 distinct experts; MXFP4 = 4.25 bits per weight
+    exact = decode_cost("micro", B, LENS, routing=torch.tensor([[0, 1, 2, 3], [2, 3, 4, 5]]), expert_dtype="mxfp4")
+    assert row(exact, 1, "experts").weight_bytes == 6 * per_expert * 4.25 / 8  # 9,792 B
 
 
 # ====================================================================== distinct experts
@@ -274,7 +274,7 @@ def test_expected_distinct_experts_monte_carlo(B, trials):
 def test_routing_inputs():
     cfg = kimik3.get_preset("micro")
     n_moe = len(cfg.moe_layers)
-    ids = torch.tensor([[0, 1], [1, 2], [3, 4]])  # 5 distinct experts
+    ids = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4], [0, 2, 3, 4]])  # 5 distinct experts
     a = decode_cost(cfg, 3, 8, routing=ids)
     b = decode_cost(cfg, 3, 8, routing=[5] * n_moe)
     c = decode_cost(cfg, 3, 8, routing=5)
@@ -284,15 +284,16 @@ def test_routing_inputs():
 
     assert experts(a) == experts(b) == experts(c) == [5.0] * n_moe
     assert experts(decode_cost(cfg, 3, 8, routing=torch.full((n_moe,), 5))) == [5.0] * n_moe
-    per_layer = torch.stack([ids] * (n_moe - 1) + [torch.tensor([[0, 1], [0, 1], [0, 1]])])
-    assert experts(decode_cost(cfg, 3, 8, routing=per_layer)) == [5.0] * (n_moe - 1) + [2.0]
+    same = torch.tensor([[0, 1, 2, 3]] * 3)  # every token the same 4 experts
+    per_layer = torch.stack([ids] * (n_moe - 1) + [same])
+    assert experts(decode_cost(cfg, 3, 8, routing=per_layer)) == [5.0] * (n_moe - 1) + [4.0]
     with pytest.raises(ValueError, match="batch_size"):
         decode_cost(cfg, 2, 8, routing=ids)
-    with pytest.raises(ValueError, match="0..7"):
-        decode_cost(cfg, 3, 8, routing=ids + 6)
+    with pytest.raises(ValueError, match="0..15"):
+        decode_cost(cfg, 3, 8, routing=ids + 12)
     with pytest.raises(ValueError, match="integer"):
         decode_cost(cfg, 3, 8, routing=ids.float())
     with pytest.raises(ValueError, match="one per MoE layer"):
         decode_cost(cfg, 3, 8, routing=[4, 4])
     with pytest.raises(ValueError, match="min"):
-        decode_cost(cfg, 1, 8, routing=3)  # one token cannot touch more than k experts
+        decode_cost(cfg, 1, 8, routing=5)  # one token cannot touch more than k experts

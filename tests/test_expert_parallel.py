@@ -148,13 +148,15 @@ def test_shard_experts_keeps_only_the_local_block() -> None:
     assert old() is None, "the full stacked expert tensor is still alive after sharding"
     for i in model.config.moe_layers:
         moe, ref = model.model.layers[i].block_sparse_moe, full.model.layers[i].block_sparse_moe
-        assert isinstance(moe, ExpertParallelMoE) and (moe.first_expert, moe.last_expert) == (4, 6)
+        lo, hi = expert_range(model.config.n_routed_experts, 2, 4)  # micro: 16 experts -> rank 2 holds 8..11
+        assert isinstance(moe, ExpertParallelMoE) and (moe.first_expert, moe.last_expert) == (lo, hi)
         for name in ("w1", "w3", "w2"):
-            assert torch.equal(getattr(moe.experts, name), getattr(ref.experts, name)[4:6])
+            assert torch.equal(getattr(moe.experts, name), getattr(ref.experts, name)[lo:hi])
         assert torch.equal(moe.gate.weight, ref.gate.weight)  # replicated parts untouched
     cfg = model.config
     per_expert = 3 * cfg.moe_intermediate_size * cfg.expert_in_dim
-    assert before - model.num_parameters() == len(cfg.moe_layers) * 6 * per_expert
+    dropped = cfg.n_routed_experts - (hi - lo)
+    assert before - model.num_parameters() == len(cfg.moe_layers) * dropped * per_expert
     assert shard_experts(model, 2, 4) is model  # same placement: no-op
     with pytest.raises(ValueError, match="already sharded as rank 2 of 4"):
         shard_experts(model, 1, 4)
@@ -208,7 +210,7 @@ def test_ragged_prompts_match_single_process() -> None:
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_a_failing_rank_fails_the_run_fast() -> None:
-    """8 experts over 3 ranks: every rank refuses, and run_local raises with the reason instead of waiting."""
+    """micro's experts over 3 ranks (not divisible): every rank refuses, and run_local raises with the reason instead of waiting."""
     with pytest.raises(Exception, match="not divisible by world size 3"):
         run_local(3, timeout_s=RUN_TIMEOUT_S, preset="micro", batch=1, steps=1, reference=False)
 
