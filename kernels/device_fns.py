@@ -1,0 +1,216 @@
+"""Device functions of the persistent megakernel (``kernels/megakernel.py``): addressing, GEMV rows, reductions.
+
+Why a separate module: the megakernel's opcodes are the fused kernels' math re-expressed over *runtime* boxes
+(the instruction says which rows, heads and batch rows to touch), so they cannot take the fused kernels' statically
+laid-out ``cute.Tensor`` arguments. What they share with the fused kernels is the per-lane arithmetic, taken from
+``_common`` (``warp_sum``, ``warp_max``, ``warp_argmax``, ``exp_fast``, ``sigmoid``, ``bf16_round``) and re-exported
+here; what is new is address arithmetic on raw device pointers read from the buffer table, which lives here so
+that any later fused kernel that walks a buffer table can reuse it.
+
+Conventions (all static, all checked on the host by :mod:`kimik3.megakernel.gpu` before a launch):
+
+* every buffer is addressed as a flat array from its base address (an ``Int64`` read from the buffer table);
+  element offsets stay below 2**31;
+* a *chunk* is 8 bf16 = 16 bytes; a bf16 row read with 128-bit loads must start on a 16-byte boundary, i.e. its
+  buffer's innermost extent and the box's first column are multiples of 8 (``gchunks`` asserts 16-byte alignment
+  to the compiler, so a misaligned row would be a wrong answer, not a fault: the host check is what makes it safe);
+* static weights are read with ``ld.global.nc`` (never written during a launch); activations, states and anything
+  another CTA writes during the launch with plain ``ld.global`` (the ``.nc`` path is not coherent with writes made
+  during the kernel, field guide §5).
+
+The CTA is ``NT`` threads (``NW`` warps); GEMV rows go one per warp, lanes owning chunks ``l, l+32, ...`` (guide §2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+
+from ._common import bf16_round, exp_fast, sigmoid, warp_argmax, warp_max, warp_sum
+
+__all__ = [
+    "NT",
+    "NW",
+    "UNROLL",
+    "VEC",
+    "BIG",
+    "gflat",
+    "gchunks",
+    "row_dot",
+    "weight_row_dot",
+    "block_allreduce",
+    "rstd_rows",
+    "silu",
+    "glu",
+    "bf16_round",
+    "exp_fast",
+    "sigmoid",
+    "warp_sum",
+    "warp_max",
+    "warp_argmax",
+]
+
+NT = 384  # threads per CTA (one per SM): 12 warps x 32 lanes x 64 B keep ~24 KiB of weight loads in flight per SM,
+# and the 168-register cap (65536 / 384) leaves room for the widest opcode; 512 threads (cap 128) spilled
+NW = NT // 32
+UNROLL = 4  # 16-byte weight loads in flight per lane per GEMV loop step (callers pass 2 when 4 batch rows share
+# each weight chunk: the FMAs per byte quadruple, and 4 x 4 x-chunks in flight would crowd the registers)
+VEC = 8  # bf16 per 16-byte chunk
+BIG = 2**31 - 1  # extent of the flat views (offsets are not bounds-checked: the program's boxes are)
+
+
+# ---------------------------------------------------------------------------------------------- addressing
+@cute.jit
+def gflat(dtype: cutlass.Constexpr, addr: Int64) -> Any:
+    """A flat global-memory view of ``dtype`` elements starting at byte address ``addr`` (natural alignment)."""
+    ptr = cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=max(1, dtype.width // 8))
+    return cute.make_tensor(ptr, cute.make_layout(BIG))
+
+
+@cute.jit
+def gchunks(addr: Int64) -> Any:
+    """bf16 global memory at ``addr`` (16-byte aligned) as ``[chunk, 8]``: ``v[(c, None)]`` is one 128-bit load."""
+    ptr = cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16)
+    return cute.make_tensor(ptr, cute.make_layout((BIG // VEC, VEC), stride=(VEC, 1)))
+
+
+# ---------------------------------------------------------------------------------------------- GEMV rows
+@cute.jit
+def _dot_step(wv: Any, w0: Int32, W_SMEM: cutlass.Constexpr, xv: Any, x0: Int32, xs: Int32,
+              X_SMEM: cutlass.Constexpr, gv: Any, c: Int32, acc: cute.Tensor, n: cutlass.Constexpr,
+              BT: cutlass.Constexpr) -> None:
+    """``n`` chunks (c, c+32, ...) of one weight row (times gamma when ``gv`` is given) against BT x rows.
+
+    All ``n`` weight (and gamma) loads are issued before the first FMA; each weight chunk is converted to fp32
+    just before use (not all ``n`` at once), which keeps BT = 8 under the 128-register cap of a 512-thread CTA."""
+    if const_expr(W_SMEM):
+        ld_w = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+    else:
+        ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
+    if const_expr(X_SMEM):
+        ld_x = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+    else:  # activations: written by other CTAs during the launch, so never through the .nc path
+        ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)
+    rw = cute.make_rmem_tensor((VEC, n), BFloat16)
+    for u in cutlass.range_constexpr(n):
+        cute.copy(ld_w, wv[(w0 + c + 32 * u, None)], rw[None, u])
+    rg = None
+    if const_expr(gv is not None):
+        ld_g = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
+        rg = cute.make_rmem_tensor((VEC, n), BFloat16)
+        for u in cutlass.range_constexpr(n):
+            cute.copy(ld_g, gv[(c + 32 * u, None)], rg[None, u])
+    rx = cute.make_rmem_tensor((VEC, BT), BFloat16)
+    for u in cutlass.range_constexpr(n):
+        for b in cutlass.range_constexpr(BT):
+            cute.copy(ld_x, xv[(x0 + b * xs + c + 32 * u, None)], rx[None, b])
+        w = rw[None, u].load().to(Float32)
+        if const_expr(gv is not None):
+            w = w * rg[None, u].load().to(Float32)
+        for b in cutlass.range_constexpr(BT):
+            acc[b] += (w * rx[None, b].load().to(Float32)).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)
+
+
+@cute.jit
+def row_dot(wv: Any, w0: Int32, W_SMEM: cutlass.Constexpr, xv: Any, x0: Int32, xs: Int32, X_SMEM: cutlass.Constexpr,
+            gv: Any, nch: Int32, acc: cute.Tensor, BT: cutlass.Constexpr, U: cutlass.Constexpr = UNROLL) -> None:
+    """Per-lane partial dots of one weight row (``nch`` chunks from chunk ``w0`` of ``wv``) with BT x rows
+    (row ``b`` starts at chunk ``x0 + b·xs`` of ``xv``), accumulated into ``acc[0:BT]``.
+
+    Full steps of 32 lanes x U chunks run in a real loop; the rest (leftover lane rounds and the partial last
+    round) one chunk per lane per iteration, the loop bound predicating the lanes past the end (no shuffles
+    inside, so the divergence is harmless). Two instantiations per call site keep the compile small."""
+    lane = cute.arch.lane_idx()
+    steps = nch // (32 * U)
+    for it in cutlass.range(steps, unroll=1):
+        _dot_step(wv, w0, W_SMEM, xv, x0, xs, X_SMEM, gv, it * (32 * U) + lane, acc, U, BT)
+    for c in cutlass.range(steps * (32 * U) + lane, nch, 32, unroll=1):
+        _dot_step(wv, w0, W_SMEM, xv, x0, xs, X_SMEM, gv, c, acc, 1, BT)
+
+
+@cute.jit
+def weight_row_dot(stage: Any, staged_rows: Int32, wrow0: Int64, j: Int32, nch: Int32, xv: Any, x0: Int32,
+                   xs: Int32, X_SMEM: cutlass.Constexpr, gv: Any, acc: cute.Tensor, BT: cutlass.Constexpr,
+                   U: cutlass.Constexpr = UNROLL) -> None:
+    """``acc[b] = Σ_k W[j, k] (γ_k) x_b[k]`` (per lane, before the warp sum) for row ``j`` of a weight box whose
+    row 0 is at byte address ``wrow0``; rows ``< staged_rows`` are read from the shared-memory stage the
+    prefetch filled (row ``j`` at chunk ``j·nch``), the others from global memory. The branch is warp-uniform."""
+    acc.fill(0.0)
+    if j < staged_rows:
+        row_dot(stage, j * nch, True, xv, x0, xs, X_SMEM, gv, nch, acc, BT, U)
+    else:
+        row_dot(gchunks(wrow0 + Int64(j) * Int64(nch) * 16), Int32(0), False, xv, x0, xs, X_SMEM, gv, nch, acc, BT,
+                U)
+
+
+# ---------------------------------------------------------------------------------------------- reductions
+@cute.jit
+def block_allreduce(vals: cute.Tensor, s_red: cute.Tensor, n: cutlass.Constexpr) -> None:
+    """Sum ``vals[0:n]`` over the whole CTA; every thread gets the totals back in ``vals``.
+
+    One warp-level butterfly per value, one smem slot per (warp, value), a barrier, then every thread re-reduces
+    the NW partials in the same fixed order (deterministic); a second barrier lets the caller reuse ``s_red``.
+    Every thread of the CTA must call it (it contains ``bar.sync``)."""
+    warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+    for i in cutlass.range_constexpr(n):
+        s = warp_sum(vals[i])
+        if lane == 0:
+            s_red[warp * n + i] = s
+    cute.arch.sync_threads()
+    for i in cutlass.range_constexpr(n):
+        t = Float32(0.0)
+        for w in cutlass.range_constexpr(NW):
+            t = t + s_red[w * n + i]
+        vals[i] = t
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def rstd_rows(xaddr: Int64, xs: Int32, nrows: Int32, nch: Int32, eps: cutlass.Constexpr, s_rstd: cute.Tensor
+              ) -> None:
+    """``s_rstd[b] = rsqrt(mean(x_b²) + eps)`` for ``nrows`` bf16 rows of ``nch`` chunks (row ``b`` at chunk
+    ``b·xs`` from ``xaddr``), one warp per row; ends with a barrier so every thread can read the result.
+
+    The GEMVs apply rstd once per output after the dot product (guide §3.1), so the normalised x is never
+    materialised: the result differs from the reference's bf16(γ·bf16(x·rstd)) at bf16-rounding level."""
+    warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+    xv = gchunks(xaddr)
+    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)
+    rx = cute.make_rmem_tensor((VEC,), BFloat16)
+    for b in cutlass.range(warp, nrows, NW, unroll=1):
+        part = Float32(0.0)
+        for c in cutlass.range(lane, nch, 32, unroll=1):
+            cute.copy(ld_x, xv[(b * xs + c, None)], rx)
+            x = rx.load().to(Float32)
+            part = part + (x * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)
+        tot = warp_sum(part)
+        if lane == 0:
+            s_rstd[b] = cute.math.rsqrt(tot / Float32(nch * VEC) + eps, fastmath=True)
+    cute.arch.sync_threads()
+
+
+# ---------------------------------------------------------------------------------------------- activations
+@cute.jit
+def silu(x: Float32) -> Float32:
+    return x * sigmoid(x)
+
+
+@cute.jit
+def glu(a: Float32, b: Float32, SITU: cutlass.Constexpr, beta: cutlass.Constexpr, beta_lin: cutlass.Constexpr
+        ) -> Float32:
+    """The gated activation on bf16-rounded gate ``a`` and up ``b`` (as ``kimik3.model.glu``): SiTU-GLU
+    ``β·tanh(a/β)·σ(a) · β_lin·tanh(b/β_lin)`` in fp32, or SwiGLU ``bf16(silu(a))·b`` (HF rounds silu to the
+    activation dtype first). Returns fp32; the caller rounds to bf16 once."""
+    out = Float32(0.0)
+    if const_expr(SITU):
+        g = beta * cute.math.tanh(a * (1.0 / beta), fastmath=True) * sigmoid(a)
+        u = b
+        if const_expr(beta_lin is not None):
+            u = beta_lin * cute.math.tanh(b * (1.0 / beta_lin), fastmath=True)
+        out = g * u
+    else:
+        out = bf16_round(silu(a)) * b
+    return out

@@ -1,0 +1,458 @@
+"""Stage ``"megakernel"``: one decode step = one launch of the persistent CuTe DSL megakernel
+(``kernels/megakernel.py``).
+
+Why a runner around the kernel: the kernel is an interpreter, so everything that is not arithmetic happens here,
+once, on the host — build the program for this GPU's SM count (:func:`kimik3.megakernel.build_program`), prove it
+race-free (:func:`kimik3.megakernel.check_program`), check it against what the device code assumes
+(:func:`check_device_contract`: dtypes per operand, 16-byte alignment of every row read with vector loads,
+capacities), pack the weights (:func:`kimik3.megakernel.layout.pack_weights`), allocate every activation buffer,
+and write the table of device addresses the kernel reads its operands through. A step then is: write the token
+ids and positions, set ``ctl[0] = step``, launch ``num_sms`` persistent CTAs (a cooperative launch: all
+co-resident), read the error word. Counters are never reset between steps (waits target ``step·total + t``).
+
+Refusals are ``ValueError`` with the reason, never a fallback: not on a CUDA device, not bf16, batch outside
+1..64, an architecture the kernel is not built for (sm_90a, sm_100a), grouped routing, a program that breaks the
+device contract. A tripped watchdog raises :class:`MegakernelError` naming the instruction and the counter it
+waited on; the stage then refuses further steps until ``reset()``.
+
+Status: the host side (program, contract check, static shapes) is tested on a CPU; the launch itself has **not run
+on a GPU yet** (``tests/test_megakernel_gpu.py`` skips without one).
+
+Registering the stage (the lazy table in ``kimik3/stages/__init__.py``)::
+
+    _LAZY_STAGES = {..., "megakernel": "kimik3.megakernel.gpu"}
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import torch
+
+from kimik3.config import ModelConfig, get_preset
+from kimik3.megakernel.hazards import check_program, format_violations
+from kimik3.megakernel.instructions import Kind, Op, Program, encode_program
+from kimik3.megakernel.layout import check_supported, pack_weights, state_name, weight_view
+from kimik3.megakernel.scheduler import FFN_LATENT_NORM, FFN_MLP, FFN_ROUTED, POLICIES, Tiling, build_program
+from kimik3.megakernel.timeline import from_timings
+from kimik3.model import DecodeState, KDAState, KimiForCausalLM, MLACache
+from kimik3.stages import register_stage
+from kimik3.stages.base import Stage, StageSupport
+from kimik3.stages.naive import NaiveStage
+
+__all__ = [
+    "PROG_WORDS",
+    "MAX_INSTR",
+    "MAX_BUFS",
+    "MAX_CTRS",
+    "ARCHS",
+    "MegakernelError",
+    "MegakernelRunner",
+    "MegakernelStage",
+    "static_shapes",
+    "check_device_contract",
+    "variant_name",
+]
+
+# Static capacities of the kernel's parameters (every tensor parameter has a static shape, so it is a single
+# pointer and the kernel can be exported as a prebuilt artefact; the host pads). A program beyond them is
+# compiled with larger capacities in-process (never silently truncated).
+PROG_WORDS = 1 << 22  # 16 MiB of int32 program (tiny at B = 64 on 132 SMs: 0.9 M words)
+MAX_INSTR = 1 << 15  # timing rows
+MAX_BUFS = 1 << 12  # buffer-table entries
+MAX_CTRS = 1 << 12
+ARCHS = ("sm_90a", "sm_100a")
+_ARCH_OF_CC = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+DEFAULT_SPINS = 1 << 22  # watchdog: spins before a wait gives up (x ~sleep_ns each: about 0.5 s at 64 ns)
+DEFAULT_SLEEP_NS = 64
+ERROR_WORDS, CTL_WORDS = 8, 8
+ERR_WATCHDOG, ERR_BAD_PROGRAM = 1, 2
+BT_MAX = 4  # as kernels/megakernel.py (batch rows per GEMV pass)
+
+
+def static_shapes(cfg: ModelConfig | str, batch: int, prog_words: int = PROG_WORDS, max_instr: int = MAX_INSTR,
+                  max_bufs: int = MAX_BUFS, max_ctrs: int = MAX_CTRS) -> dict[str, Any]:
+    """The megakernel's compile-time shapes for a config and batch size (the fields of ``MKConfig``): widths and
+    constants of the model, the batch, and the parameter capacities. JSON-serialisable; the registry's
+    ``megakernel`` family and the prebuilt manifest use it as the variant's shapes."""
+    cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    return dict(
+        B=int(batch), H=cfg.hidden_size, eps=float(cfg.rms_norm_eps), lora_eps=1e-6, situ=cfg.hidden_act == "situ",
+        situ_beta=float(cfg.situ_beta),
+        situ_lin=None if cfg.situ_linear_beta is None else float(cfg.situ_linear_beta),
+        dk=cfg.kda_head_dim if cfg.kda_layers else 0, nh_kda=cfg.kda_num_heads if cfg.kda_layers else 0,
+        conv=cfg.kda_conv_size,
+        kda_lb=None if cfg.kda_gate_lower_bound is None else float(cfg.kda_gate_lower_bound),
+        nh=cfg.num_attention_heads if cfg.mla_layers else 0, ql=int(cfg.q_lora_rank or 0), kvl=cfg.kv_lora_rank,
+        rope=cfg.qk_rope_head_dim, nope=cfg.qk_nope_head_dim, dv=cfg.v_head_dim,
+        mla_scale=float(cfg.mla_softmax_scale) if cfg.mla_layers else 1.0,
+        E=E, topk=k, dmax=min(E, batch * k) if E else 0, renorm=bool(cfg.norm_topk_prob),
+        route_scale=float(cfg.routed_scaling_factor), latent_norm=bool(cfg.moe_latent_norm),
+        kmax=cfg.attn_res_slots + 1, prog_words=int(prog_words), max_instr=int(max_instr), max_bufs=int(max_bufs),
+        max_ctrs=int(max_ctrs))
+
+
+def variant_name(cfg: ModelConfig | str, batch: int) -> str:
+    """The registry / prebuilt name of the megakernel for a preset and batch (``megakernel/tiny/b8``)."""
+    name = cfg if isinstance(cfg, str) else cfg.name
+    return f"megakernel/{name}/b{batch}"
+
+
+# ================================================================================================ device contract
+
+_F32, _BF16, _I64, _BOOL = torch.float32, torch.bfloat16, torch.int64, torch.bool
+
+
+def _expected_dtypes(op: Op, args: tuple[int, ...], n: int) -> list[torch.dtype] | None:
+    """The dtype the device code assumes for each operand of an instruction (None: opcode not known)."""
+    table: dict[Op, list[torch.dtype]] = {
+        Op.EMBED: [_I64, _BF16, _BF16],
+        Op.ATTN_RES_MIX: [_BF16] * 4,
+        Op.NORM_PROJ: [_BF16, _BF16, _BF16, _F32 if args[0] else _BF16],
+        Op.MLP_GATE_UP: [_BF16] * 5,
+        Op.KDA_STEP: [_BF16, _BF16, _BF16, _F32, _BF16, _F32, _F32, _F32, _F32, _BF16],
+        Op.MLA_Q: [_BF16] * 5,
+        Op.MLA_KV_APPEND: [_BF16, _BF16, _I64, _BF16, _BF16],
+        Op.MLA_PARTIAL: [_BF16, _I64, _BF16, _BF16, _F32],
+        Op.MLA_REDUCE: [_F32, _BF16] + [_BF16] * (n - 2),
+        Op.O_PROJ_RESIDUAL: [_BF16] * 3,
+        Op.ROUTER: [_F32, _F32, _I64, _F32, _BOOL],
+        Op.EXPERT_GATE_UP: [_BF16, _I64, _BOOL, _BF16, _BF16, _BF16],
+        Op.EXPERT_DOWN: [_BF16, _I64, _BOOL, _F32, _BF16, _BF16],
+        Op.FFN_OUT: [_BF16] * n,
+        Op.LM_HEAD: [_BF16, _BF16, _BF16, _F32, _F32, _I64],
+        Op.ARGMAX: [_F32, _I64, _I64],
+    }
+    return table.get(op)
+
+
+def _vector_operands(op: Op, n: int) -> list[int]:
+    """Operands the device code reads (or writes) as rows of 16-byte chunks: their rows must start 16-byte
+    aligned (innermost extent and first column multiples of 8 bf16)."""
+    return {
+        Op.EMBED: [1, 2], Op.ATTN_RES_MIX: [0, 1, 2, 3], Op.NORM_PROJ: [0, 1, 2], Op.MLP_GATE_UP: [0, 1, 2, 3],
+        Op.O_PROJ_RESIDUAL: [0, 1], Op.FFN_OUT: list(range(n - 1)), Op.LM_HEAD: [0, 1, 2], Op.MLA_Q: [1, 2],
+        Op.MLA_REDUCE: [1], Op.EXPERT_GATE_UP: [0, 3, 4], Op.EXPERT_DOWN: [0, 4],
+    }.get(op, [])
+
+
+def check_device_contract(program: Program, cfg: ModelConfig, batch: int, shapes: dict[str, Any] | None = None
+                          ) -> list[str]:
+    """Everything the device code takes for granted about a program, checked on the host (CPU-testable): the
+    kernel would silently compute garbage otherwise. Returns readable problems (empty: the program fits)."""
+    shapes = shapes or static_shapes(cfg, batch)
+    out: list[str] = []
+    if program.batch != batch:
+        out.append(f"program built for batch {program.batch}, kernel for {batch}")
+    if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+        out.append("grouped routing (n_group > 1) is not implemented in the megakernel's ROUTER")
+    if cfg.kda_layers and cfg.kda_head_dim > 384:
+        out.append(f"KDA head dim {cfg.kda_head_dim} > 384 threads per CTA")
+    n = len(program.instructions)
+    words = encode_program(program).numel()
+    caps = [("program words", words, shapes["prog_words"]), ("instructions", n, shapes["max_instr"]),
+            ("buffers", len(program.buffers), shapes["max_bufs"]), ("counters", len(program.counters),
+                                                                     shapes["max_ctrs"])]
+    out += [f"{what}: {have} > capacity {cap}" for what, have, cap in caps if have > cap]
+    bufs = program.buffers
+    for i, ins in enumerate(program.instructions):
+        want = _expected_dtypes(ins.op, ins.args, len(ins.operands))
+        if want is None:
+            if ins.op != Op.NOP:
+                out.append(f"#{i} {ins.label()}: opcode without device code")
+            continue
+        if len(want) != len(ins.operands):
+            out.append(f"#{i} {ins.label()}: {len(ins.operands)} operands, device code expects {len(want)}")
+            continue
+        for j, (o, dt) in enumerate(zip(ins.operands, want)):
+            if bufs[o.buf].dtype != dt:
+                out.append(f"#{i} {ins.label()}: operand {j} ({bufs[o.buf].name}) is {bufs[o.buf].dtype}, device "
+                           f"code reads {dt}")
+        for j in _vector_operands(ins.op, len(ins.operands)):
+            o = ins.operands[j]
+            d2 = bufs[o.buf].shape[2]
+            if d2 % 8 or o.box[4] % 8:
+                out.append(f"#{i} {ins.label()}: operand {j} ({bufs[o.buf].name}) rows of {d2} elements from column "
+                           f"{o.box[4]} are not 16-byte aligned (vector loads)")
+        if ins.op == Op.ATTN_RES_MIX and ins.args[1] > shapes["kmax"]:
+            out.append(f"#{i} {ins.label()}: {ins.args[1]} candidates > kmax {shapes['kmax']}")
+        if ins.op == Op.FFN_OUT:
+            flags = ins.args[0]
+            if bool(flags & FFN_ROUTED) and bool(flags & FFN_LATENT_NORM) != shapes["latent_norm"]:
+                out.append(f"#{i} {ins.label()}: latent-norm flag differs from the compiled config")
+            if not flags & (FFN_ROUTED | FFN_MLP):
+                out.append(f"#{i} {ins.label()}: FFN_OUT with neither source")
+        if ins.op == Op.KDA_STEP and ins.operands[0].box[4] != ins.args[0] * (4 * cfg.kda_head_dim + 1):
+            out.append(f"#{i} {ins.label()}: packed KDA input columns do not start at the head's block")
+    return out
+
+
+# ================================================================================================ the runner
+
+
+class MegakernelError(RuntimeError):
+    """The watchdog tripped (or the program header was rejected) during a step. ``code``: 1 watchdog, 2 bad
+    program; ``instruction`` / ``counter`` / ``target`` / ``seen``: the wait that gave up; ``cta`` / ``sm``: where."""
+
+    def __init__(self, message: str, words: list[int]) -> None:
+        super().__init__(message)
+        self.code, self.instruction, self.counter, self.target, self.seen, self.cta, self.sm, self.step = words
+
+
+_COMPILED: dict[tuple, Any] = {}  # (arch, shapes) -> compiled TVM-FFI function, per process
+
+
+def _device_arch(device: torch.device) -> str:
+    cc = torch.cuda.get_device_capability(device)
+    if cc not in _ARCH_OF_CC:
+        raise ValueError(f"the megakernel is built for {', '.join(ARCHS)}; this GPU is sm_{cc[0]}{cc[1]}")
+    return _ARCH_OF_CC[cc]
+
+
+def _compile(arch: str, shapes: dict[str, Any], prebuilt: str | None, name: str) -> Any:
+    """The kernel as a TVM-FFI callable: a verified prebuilt artefact when ``prebuilt`` is given (shapes and source
+    hash must match), else compiled in-process with the DSL (cached per process)."""
+    if prebuilt is not None:
+        from kimik3.kernels.prebuilt import load_prebuilt
+
+        return load_prebuilt(prebuilt, name, arch=arch, shapes=shapes)
+    key = (arch, tuple(sorted(shapes.items())))
+    if key not in _COMPILED:
+        try:
+            from kimik3.kernels import megakernel as mk
+        except ImportError as e:
+            raise ValueError("the megakernel needs nvidia-cutlass-dsl to compile (or pass prebuilt=DIR with an "
+                             f"exported kernel): {e}") from None
+        _COMPILED[key] = mk.compile_for(arch, tvm_ffi=True, **shapes)
+    return _COMPILED[key]
+
+
+@dataclass
+class _Buffers:
+    program: torch.Tensor
+    buffers: torch.Tensor
+    counters: torch.Tensor
+    timings: torch.Tensor
+    error: torch.Tensor
+    ctl: torch.Tensor
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        return dict(program=self.program, buffers=self.buffers, counters=self.counters, timings=self.timings,
+                    error=self.error, ctl=self.ctl)
+
+
+class MegakernelRunner:
+    """Owns the program, the device buffers and the compiled kernel for one model, batch size and cache length.
+
+    ``program``: use this one instead of building it (tests plant broken programs; ``check`` then decides whether
+    the hazard checker may refuse it)."""
+
+    def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, num_sms: int | None = None,
+                 policy: str = "critical_path", tiling: Tiling | None = None, check: bool = True,
+                 program: Program | None = None, max_spins: int = DEFAULT_SPINS, sleep_ns: int = DEFAULT_SLEEP_NS,
+                 prebuilt: str | None = None) -> None:
+        dev = model.device
+        if dev.type != "cuda":
+            raise ValueError(f"the megakernel runs on a CUDA device, not on {dev.type}")
+        if model.dtype != torch.bfloat16:
+            raise ValueError(f"the megakernel is bf16 only, got {model.dtype}")
+        if not 1 <= batch_size <= 64:
+            raise ValueError(f"the megakernel supports batch sizes 1..64, got {batch_size}")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+        cfg = model.config
+        check_supported(cfg)
+        self.arch = _device_arch(dev)
+        self.model, self.cfg, self.batch, self.device = model, cfg, batch_size, dev
+        self.num_sms = int(num_sms or torch.cuda.get_device_properties(dev).multi_processor_count)
+        self.program = program if program is not None else build_program(
+            cfg, batch_size, self.num_sms, policy, max_seq_len, tiling, act_dtype=torch.bfloat16)
+        if self.program.num_sms > self.num_sms:
+            raise ValueError(f"program has {self.program.num_sms} queues but the launch has {self.num_sms} CTAs")
+        if check:
+            bad = check_program(self.program)
+            if bad:
+                raise ValueError("megakernel program failed the hazard check:\n" + format_violations(bad))
+        encoded = encode_program(self.program)
+        caps = dict(prog_words=PROG_WORDS, max_instr=MAX_INSTR, max_bufs=MAX_BUFS, max_ctrs=MAX_CTRS)
+        for key, need in (("prog_words", encoded.numel()), ("max_instr", len(self.program.instructions)),
+                          ("max_bufs", len(self.program.buffers)), ("max_ctrs", max(1, len(self.program.counters)))):
+            while caps[key] < need:  # grow (and compile in-process): never truncate a program
+                caps[key] *= 2
+        self.shapes = static_shapes(cfg, batch_size, **caps)
+        problems = check_device_contract(self.program, cfg, batch_size, self.shapes)
+        if problems:
+            raise ValueError("megakernel program does not fit the device code:\n  " + "\n  ".join(problems[:20]))
+        self.name = variant_name(cfg, batch_size)
+        self.fn = _compile(self.arch, self.shapes, prebuilt if caps == dict(
+            prog_words=PROG_WORDS, max_instr=MAX_INSTR, max_bufs=MAX_BUFS, max_ctrs=MAX_CTRS) else None, self.name)
+        self.max_spins, self.sleep_ns = int(max_spins), int(sleep_ns)
+        # ---- tensors: weights (views of the model's parameters + packed copies), scratch, the address table
+        with torch.no_grad():
+            weights = {n: t.detach() for n, t in model.named_parameters()}
+            weights.update(pack_weights(model))
+        self.tensors: dict[str, torch.Tensor] = {}
+        for spec in self.program.buffers:
+            if spec.kind == Kind.WEIGHT:
+                if spec.name not in weights:
+                    raise ValueError(f"program needs weight {spec.name!r}, which the model does not have")
+                t = weight_view(weights[spec.name]).contiguous()
+            elif spec.kind == Kind.STATE:
+                continue  # bound to a DecodeState by bind_state
+            else:
+                t = torch.zeros(spec.shape, dtype=spec.dtype, device=dev)
+            self._check_buffer(spec.name, t, spec.shape, spec.dtype)
+            self.tensors[spec.name] = t
+        n = len(self.program.instructions)
+        prog = torch.zeros(self.shapes["prog_words"], dtype=torch.int32)
+        prog[: encoded.numel()] = encoded
+        self.bufs = _Buffers(
+            program=prog.to(dev), buffers=torch.zeros(self.shapes["max_bufs"], dtype=torch.int64, device=dev),
+            counters=torch.zeros(self.shapes["max_ctrs"], dtype=torch.int32, device=dev),
+            timings=torch.zeros(self.shapes["max_instr"], 3, dtype=torch.int64, device=dev),
+            error=torch.zeros(ERROR_WORDS, dtype=torch.int32, device=dev),
+            ctl=torch.zeros(CTL_WORDS, dtype=torch.int32, device=dev))
+        self.n = n
+        self.steps_done = 0
+        self.broken: str | None = None
+        self._bound = False
+
+    # ------------------------------------------------------------------ buffers
+    def _check_buffer(self, name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise ValueError(f"buffer {name}: program declares {list(shape)} {dtype}, got {list(t.shape)} {t.dtype}")
+        if t.device != self.device or not t.is_contiguous():
+            raise ValueError(f"buffer {name} must be a contiguous tensor on {self.device}")
+        if t.data_ptr() % 16:
+            raise ValueError(f"buffer {name} is not 16-byte aligned (the kernel reads rows with 128-bit loads)")
+
+    def bind_state(self, state: DecodeState) -> None:
+        """Point the state buffers at ``state`` (updated in place by every step) and write the address table."""
+        cfg = self.cfg
+        for i, st in enumerate(state.layers):
+            if isinstance(st, KDAState):
+                if not (st.conv.is_contiguous() and st.S.is_contiguous()):
+                    raise ValueError(f"layer {i}: KDA state must be contiguous (it is updated in place)")
+                B = st.conv.shape[0]
+                self.tensors[state_name(i, "conv")] = st.conv.view(B, 3, cfg.kda_proj_dim * (cfg.kda_conv_size - 1))
+                self.tensors[state_name(i, "S")] = st.S.view(B, cfg.kda_num_heads, -1)
+            elif isinstance(st, MLACache):
+                self.tensors[state_name(i, "latent")] = st.latent
+                self.tensors[state_name(i, "k_r")] = st.k_r
+        addr = torch.zeros(self.shapes["max_bufs"], dtype=torch.int64)
+        for k, spec in enumerate(self.program.buffers):
+            t = self.tensors.get(spec.name)
+            if t is None:
+                raise ValueError(f"state buffer {spec.name} is not bound")
+            self._check_buffer(spec.name, t, spec.shape, spec.dtype)
+            addr[k] = t.data_ptr()
+        self.bufs.buffers.copy_(addr)
+        self._bound = True
+
+    def reset_counters(self) -> None:
+        """Counters back to zero and the step number to 0 (after a reset of the decode state, or a watchdog)."""
+        self.bufs.counters.zero_()
+        self.bufs.error.zero_()
+        self.steps_done = 0
+        self.broken = None
+
+    # ------------------------------------------------------------------ running
+    @torch.no_grad()
+    def run_step(self, ids: torch.Tensor, positions: torch.Tensor, check_error: bool = True) -> torch.Tensor:
+        """One decode step: tokens ``ids`` [B] at ``positions`` [B] → fp32 logits [B, V] (the kernel's buffer)."""
+        if self.broken:
+            raise RuntimeError(f"megakernel stage is unusable after: {self.broken}; call reset()")
+        if not self._bound:
+            raise RuntimeError("bind_state() first: the program's state buffers point nowhere")
+        self.tensors["ids"][:, 0, 0] = ids.to(self.device, torch.int64)
+        self.tensors["pos"][:, 0, 0] = positions.to(self.device, torch.int64)
+        self.bufs.ctl.copy_(torch.tensor([self.steps_done, self.max_spins, self.sleep_ns, 0, 0, 0, 0, 0],
+                                         dtype=torch.int32))
+        t = self.bufs.as_dict()
+        self.fn(t["program"], t["buffers"], t["counters"], t["timings"], t["error"], t["ctl"], self.num_sms)
+        self.steps_done += 1
+        if check_error:
+            self.check_error()
+        return self.tensors["logits"][:, 0, :]
+
+    def check_error(self) -> None:
+        """Raise :class:`MegakernelError` if the last launch tripped the watchdog (synchronises)."""
+        words = self.bufs.error.cpu().tolist()
+        if words[0] == 0:
+            return
+        if words[0] == ERR_BAD_PROGRAM:
+            msg = "megakernel rejected the program header (magic / instruction width)"
+        else:
+            v, c = words[1], words[2]
+            label = self.program.instructions[v].label() if 0 <= v < self.n else "?"
+            cname = self.program.counters[c].name if 0 <= c < len(self.program.counters) else "?"
+            msg = (f"megakernel watchdog: instruction #{v} ({label}) on CTA {words[5]} (SM {words[6]}) gave up waiting "
+                   f"in step {words[7]} for counter {c} '{cname}' >= {words[3]} (it was {words[4]}) after "
+                   f"{self.max_spins} spins")
+        self.broken = msg
+        raise MegakernelError(msg, words)
+
+    def timings(self) -> torch.Tensor:
+        """The last step's timing buffer ``[N, 3]`` int64 (start ns, end ns, SM id) on the CPU."""
+        return self.bufs.timings[: self.n].cpu()
+
+    def timeline(self) -> pd.DataFrame:
+        """The last step as a timeline table (:func:`kimik3.megakernel.timeline.from_timings`)."""
+        return from_timings(self.program, self.timings())
+
+
+# ================================================================================================ the stage
+
+
+@register_stage
+class MegakernelStage(Stage):
+    """Stage "megakernel": every decode step is one launch of the persistent CuTe DSL megakernel.
+
+    Options (``Decoder(..., stage="megakernel", **options)``): ``policy`` ("critical_path" or "round_robin"),
+    ``num_sms`` (default: the GPU's SM count; one CTA per SM), ``tiling``, ``check`` (hazard-check the program
+    once), ``max_spins`` / ``sleep_ns`` (watchdog), ``prebuilt`` (a directory from ``python -m kimik3 kernels
+    build``; default: compile with the DSL in-process). Prefill runs through the naive path token by token; the
+    decode state is then shared with the kernel, which updates it in place."""
+
+    name = "megakernel"
+    support = StageSupport(dtypes=(torch.bfloat16,), max_batch=64, devices=("cuda",), archs=ARCHS)
+
+    def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, policy: str = "critical_path",
+                 num_sms: int | None = None, tiling: Tiling | None = None, check: bool = True,
+                 max_spins: int = DEFAULT_SPINS, sleep_ns: int = DEFAULT_SLEEP_NS, prebuilt: str | None = None) -> None:
+        super().__init__(model, batch_size, max_seq_len)
+        self.runner = MegakernelRunner(model, batch_size, max_seq_len, num_sms, policy, tiling, check,
+                                       max_spins=max_spins, sleep_ns=sleep_ns, prebuilt=prebuilt)
+        self.program = self.runner.program
+        self.naive = NaiveStage(model, batch_size, max_seq_len)
+
+    def reset(self) -> None:
+        self.naive.reset()
+        self.runner.bind_state(self.naive.state)
+        self.runner.reset_counters()
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        logits = self.naive.prefill(input_ids, lengths)  # token by token through the reference path
+        self.runner.bind_state(self.naive.state)  # prefill re-allocates the state: new addresses
+        self.runner.reset_counters()
+        return logits
+
+    def snapshot(self) -> DecodeState:
+        return copy.deepcopy(self.naive.state)
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.runner.run_step(ids, positions).clone()
+
+    @property
+    def timings(self) -> torch.Tensor:
+        """The last step's ``[N, 3]`` timing buffer (start ns, end ns, SM id)."""
+        return self.runner.timings()
+
+    def timeline(self) -> pd.DataFrame:
+        return self.runner.timeline()
