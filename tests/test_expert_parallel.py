@@ -210,7 +210,8 @@ def test_ragged_prompts_match_single_process() -> None:
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_a_failing_rank_fails_the_run_fast() -> None:
-    """micro's experts over 3 ranks (not divisible): every rank refuses, and run_local raises with the reason instead of waiting."""
+    """micro's experts over 3 ranks (not divisible): every rank refuses, and run_local raises with the reason
+    instead of waiting."""
     with pytest.raises(Exception, match="not divisible by world size 3"):
         run_local(3, timeout_s=RUN_TIMEOUT_S, preset="micro", batch=1, steps=1, reference=False)
 
