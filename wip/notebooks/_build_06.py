@@ -6,10 +6,14 @@ committed notebook stays output-free and reviewable.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+_TOOLS = next(p / "tools" for p in Path(__file__).resolve().parents if (p / "tools" / "nbgen.py").exists())
+sys.path.insert(0, str(_TOOLS))  # works from notebooks/ and from wip/notebooks/
+from nbgen import from_pairs  # noqa: E402
 
 CELLS: list[tuple[str, str]] = [
     ("md", """\
@@ -202,22 +206,7 @@ ones (routing margins are larger with trained routers)."""),
 
 
 def build() -> nbformat.NotebookNode:
-    nb = new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.metadata["language_info"] = {"name": "python"}
-    first_code = True
-    for kind, src in CELLS:
-        if kind == "md":
-            nb.cells.append(new_markdown_cell(src))
-        else:
-            cell = new_code_cell(src)
-            if first_code:
-                cell.metadata["tags"] = ["parameters"]
-                first_code = False
-            nb.cells.append(cell)
-    for i, cell in enumerate(nb.cells):
-        cell["id"] = f"c{i:02d}"  # stable ids: regenerating gives an identical file
-    return nb
+    return from_pairs(CELLS)
 
 
 if __name__ == "__main__":
