@@ -17,6 +17,7 @@ import platform
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -27,21 +28,27 @@ import kimik3
 from kimik3.cost import decode_cost
 from kimik3.hardware import measure_local
 from kimik3.profiling import Timing
+from kimik3.tolerances import rel_error
 
-__all__ = ["run_bench", "provenance", "write_hf_deepseek_checkpoint", "main"]
+__all__ = ["run_bench", "provenance", "write_hf_deepseek_checkpoint", "strongest_compile_options", "main"]
 
 
 def provenance(device: str) -> dict:
     """Where and with what a measurement was taken (commit, device, versions, date)."""
-    commit = os.environ.get("KIMIK3_COMMIT")
+    commit, dirty = os.environ.get("KIMIK3_COMMIT"), None
     if not commit:
+        here = Path(__file__).resolve().parent
         try:
             commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                    cwd=Path(__file__).resolve().parent).stdout.strip() or None
+                                    cwd=here).stdout.strip() or None
+            status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True, timeout=5, cwd=here)
+            dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
         except (OSError, subprocess.SubprocessError):
             commit = None
     info = {
         "commit": commit,
+        "dirty_working_tree": dirty,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device,
         "torch": torch.__version__,
@@ -87,51 +94,48 @@ def write_hf_deepseek_checkpoint(path: str | Path, hidden: int = 512, layers: in
     return Path(path)
 
 
-def _time_steps(dec: kimik3.Decoder, ids: torch.Tensor, steps: int, repeats: int, device: str) -> Timing:
-    """Seconds per decode step: each sample times ``steps`` steps (CUDA events on a GPU, wall clock on a CPU)."""
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _decoder_runner(dec: kimik3.Decoder, ids: torch.Tensor) -> Callable[[int], None]:
+    """n decode steps of a prefilled Decoder (feeding the last prompt token: the timing, not the text, matters)."""
     nxt = ids[:, -1]
-    samples = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
+
+    def run(n: int) -> None:
+        for _ in range(n):
             dec.step(nxt)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) / steps)
-    return Timing("cuda-synchronized wall clock" if device == "cuda" else "wall-clock", samples)
+    return run
 
 
-def _hf_decode_timing(path: Path, ids: torch.Tensor, steps: int, repeats: int, warmup: int, device: str,
-                      dtype: torch.dtype) -> Timing:
+def _hf_runner(path: Path, ids: torch.Tensor, device: str, dtype: torch.dtype) -> Callable[[int], None]:
+    """transformers' own decode on the same weights: prefill once, then n cached single-token steps per call."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False).to(device).eval()
-    samples = []
     with torch.no_grad():
-        for r in range(warmup + repeats):
-            out = model(ids, use_cache=True)
-            cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                out = model(nxt, past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
-            if device == "cuda":
-                torch.cuda.synchronize()
-            if r >= warmup:
-                samples.append((time.perf_counter() - t0) / steps)
-    return Timing("wall-clock", samples)
+        out = model(ids, use_cache=True)
+    state = {"cache": out.past_key_values, "nxt": out.logits[:, -1].argmax(-1, keepdim=True)}
+
+    def run(n: int) -> None:
+        with torch.no_grad():
+            for _ in range(n):
+                state["cache"] = model(state["nxt"], past_key_values=state["cache"], use_cache=True).past_key_values
+    return run
 
 
 def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naive", "absorbed", "compiled"),
               batches: list[int] | tuple[int, ...] = (1,), context: int = 512, device: str = "auto",
               dtype: str = "auto", steps: int = 8, repeats: int = 5, warmup: int = 2, include_hf: bool = True,
               checkpoint: str | Path | None = None, out: str | Path | None = None, progress: bool = True,
-              seed: int = 0) -> pd.DataFrame:
-    """Measure every (stage, batch) in one process; returns the table (and writes JSON with provenance to out)."""
+              seed: int = 0, compile_options: dict | None = None) -> pd.DataFrame:
+    """Measure every (stage, batch) in one process; returns the table (and writes JSON with provenance to out).
+
+    ``compile_options`` go to stage "compiled"; by default the strongest PyTorch-only setting for the device
+    (:func:`strongest_compile_options`), because that stage is the baseline every later stage has to beat. Each
+    row also carries ``rel_err_vs_naive``: the first decode step's logits against the naive stage's, so a fast
+    row that computes something else shows it."""
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     if dev == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but no CUDA device is available")
@@ -147,36 +151,68 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
     hf_ok = include_hf and checkpoint is not None and cfg.family in ("deepseek_v3", "kimi_k2", "kimi_linear")
     copy_bw = measure_local(device=dev, quick=True)
     rows = []
-    todo = [(b, s) for b in batches for s in stages] + ([(b, "transformers") for b in batches] if hf_ok else [])
-    bar = tqdm(todo, desc="bench", disable=not progress)
+    names = list(stages) + (["transformers"] if hf_ok else [])
+    bar = tqdm(total=len(batches) * (len(names) + repeats), desc="bench", disable=not progress)
     g = torch.Generator().manual_seed(seed)
-    for batch, stage in bar:
-        bar.set_postfix_str(f"{stage} B={batch}")
+    compile_options = strongest_compile_options(dev) if compile_options is None else compile_options
+    clock = "cuda-synchronized wall clock" if dev == "cuda" else "wall-clock"
+    for batch in batches:
         ids = torch.randint(3, cfg.vocab_size, (batch, context), generator=g).to(dev)
-        row = {"stage": stage, "batch": batch, "context": context, "dtype": str(dt).replace("torch.", ""),
-               "device": dev, "model": source}
-        try:
-            if stage == "transformers":
-                t = _hf_decode_timing(Path(checkpoint), ids, steps, repeats, warmup, dev, dt)
-            else:
-                opts = {"prefill": "chunked"} if stage == "naive" else {}
-                dec = kimik3.Decoder(model, stage, batch_size=batch,
-                                     max_seq_len=context + steps * (repeats + warmup) + 1, **opts)
-                dec.prefill(ids)
-                _time_steps(dec, ids, steps, warmup, dev)  # warm-up (and compilation) excluded
-                t = _time_steps(dec, ids, steps, repeats, dev)
-        except ValueError as e:  # a stage refusing this device/dtype/batch: reported, not hidden
-            row.update(status=f"not run: {e}")
-            rows.append(row)
-            continue
-        mid = context + steps
-        nbytes = decode_cost(cfg, batch_size=batch, context_len=mid,
+        runners: dict[str, Callable[[int], None]] = {}
+        batch_rows: dict[str, dict] = {}
+        first_naive = None  # the naive stage's logits of the first decode step
+        for stage in names:  # set-up: build, prefill, first step (compilation), warm-up — none of it timed
+            bar.set_postfix_str(f"set up {stage} B={batch}")
+            row = batch_rows[stage] = {"stage": stage, "batch": batch, "context": context,
+                                       "dtype": str(dt).replace("torch.", ""), "device": dev, "model": source}
+            try:
+                if stage == "transformers":
+                    runners[stage] = _hf_runner(Path(checkpoint), ids, dev, dt)
+                else:
+                    opts = {"naive": {"prefill": "chunked"}, "compiled": compile_options}.get(stage, {})
+                    row["options"] = json.dumps(opts) if opts else ""
+                    dec = kimik3.Decoder(model, stage, batch_size=batch,
+                                         max_seq_len=context + steps * (repeats + warmup) + 2, **opts)
+                    dec.prefill(ids)
+                    t0 = time.perf_counter()
+                    first = dec.step(ids[:, -1]).float().cpu()  # the first call compiles where a stage compiles
+                    row["first_step_s"] = time.perf_counter() - t0
+                    if stage == "naive":
+                        first_naive = first
+                    if first_naive is not None:
+                        row["rel_err_vs_naive"] = rel_error(first, first_naive)
+                    runners[stage] = _decoder_runner(dec, ids)
+                runners[stage](steps * warmup)
+            except ValueError as e:  # a stage refusing this device/dtype/batch: reported, not hidden
+                row["status"] = f"not run: {e}"
+                runners.pop(stage, None)
+            bar.update()
+        # measurement: repeats interleaved across the stages (rotating who goes first), so drift in the machine's
+        # speed lands on every stage alike and the ratios of one run stay fair
+        samples: dict[str, list[float]] = {s: [] for s in runners}
+        order = list(runners)
+        for r in range(repeats):
+            bar.set_postfix_str(f"repeat {r + 1}/{repeats} B={batch}")
+            for stage in order[r % len(order):] + order[:r % len(order)]:
+                _sync(dev)
+                t0 = time.perf_counter()
+                runners[stage](steps)
+                _sync(dev)
+                samples[stage].append((time.perf_counter() - t0) / steps)
+            bar.update()
+        nbytes = decode_cost(cfg, batch_size=batch, context_len=context + steps * (warmup + repeats // 2),
                              weight_dtype="bf16" if dt == torch.bfloat16 else "fp32").total_bytes
-        row.update(status="ok", ms_per_token=t.median * 1e3, ms_min=t.spread[0] * 1e3, ms_max=t.spread[1] * 1e3,
-                   repeats=len(t.samples), clock=t.clock, tokens_per_s=batch / t.median,
-                   tokens_per_s_per_user=1 / t.median, gb_per_s=nbytes / t.median / 1e9,
-                   pct_copy_bw=100 * nbytes / t.median / copy_bw["copy_bandwidth_Bps"], bytes_per_step=nbytes)
-        rows.append(row)
+        for stage, row in batch_rows.items():
+            if stage in samples:
+                t = Timing(clock, samples[stage])
+                row.update(status="ok", ms_per_token=t.median * 1e3, ms_min=t.spread[0] * 1e3,
+                           ms_max=t.spread[1] * 1e3, repeats=len(t.samples), clock=t.clock,
+                           tokens_per_s=batch / t.median, tokens_per_s_per_user=1 / t.median,
+                           gb_per_s=nbytes / t.median / 1e9,
+                           pct_copy_bw=100 * nbytes / t.median / copy_bw["copy_bandwidth_Bps"], bytes_per_step=nbytes)
+            rows.append(row)
+        del runners
+    bar.close()
     df = pd.DataFrame(rows)
     for ref in ("naive", "compiled"):
         if "ms_per_token" in df:
@@ -184,11 +220,21 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
             df[f"speedup_vs_{ref}"] = [base.get(b, float("nan")) / m if m == m else float("nan")
                                        for b, m in zip(df.batch, df.get("ms_per_token"))]
     if out is not None:
-        record = {"kind": "bench", "provenance": provenance(dev), "copy_bandwidth": copy_bw,
-                  "config": {"source": source, "preset": preset if checkpoint is None else None,
-                             "params": model.num_parameters(), "context": context, "steps": steps,
-                             "repeats": repeats, "warmup": warmup},
-                  "rows": json.loads(df.to_json(orient="records"))}
+        # the data/measurements format (kimik3.recorded.load_recorded): provenance on top, one record per row
+        records = []
+        for r in json.loads(df.to_json(orient="records")):
+            rec = {**r, "block": "step", "batch_size": r["batch"], "context_len": r["context"]}
+            if r.get("status") == "ok":
+                c = decode_cost(cfg, batch_size=r["batch"], context_len=context + steps * (warmup + repeats // 2),
+                                weight_dtype="bf16" if dt == torch.bfloat16 else "fp32")
+                rec.update(seconds=r["ms_per_token"] / 1e3, bytes=c.total_bytes, flops=c.total_flops)
+            records.append(rec)
+        record = {"kind": "bench", **provenance(dev), "preset": preset if checkpoint is None else None,
+                  "source": "kimik3.bench", "copy_bandwidth": copy_bw,
+                  "config": {"model": source, "params": model.num_parameters(), "context": context,
+                             "steps": steps, "repeats": repeats, "warmup": warmup, "interleaved": True},
+                  "records": [r for r in records if "seconds" in r],
+                  "not_run": [r for r in records if "seconds" not in r]}
         if dev != "cuda":
             record["gpu_rows"] = "not yet measured: this run had no GPU"
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -197,7 +243,17 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
 
 
 COLUMNS = ["stage", "batch", "ms_per_token", "ms_min", "ms_max", "tokens_per_s", "gb_per_s", "pct_copy_bw",
-           "speedup_vs_naive", "speedup_vs_compiled", "status"]
+           "speedup_vs_naive", "speedup_vs_compiled", "rel_err_vs_naive", "status"]
+
+
+def strongest_compile_options(device: str) -> dict:
+    """The torch.compile setting the benchmark holds up as the PyTorch-only baseline: on a GPU "reduce-overhead"
+    (Inductor + CUDA graphs); on a CPU Inductor freezing with autotuned GEMM templates (weights pre-packed for
+    the CPU GEMM micro-kernels) and a C++ wrapper around the kernels — minutes of compilation, measured
+    separately as ``first_step_s``. ``--compile-mode default --no-freeze`` measures the plain setting."""
+    if device == "cuda":
+        return {"mode": "reduce-overhead"}
+    return {"mode": "max-autotune-no-cudagraphs", "freeze": True, "inductor_options": {"cpp_wrapper": True}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer row")
+    ap.add_argument("--compile-mode", default=None, help="torch.compile mode for stage 'compiled' "
+                    "(default: the strongest for the device, see strongest_compile_options)")
+    ap.add_argument("--no-freeze", action="store_true", help="stage 'compiled' without Inductor freezing")
     ap.add_argument("--out", default=None, help="JSON output path (default: runs/bench/<timestamp>.json)")
     a = ap.parse_args(argv)
     checkpoint = a.checkpoint
@@ -221,11 +280,23 @@ def main(argv: list[str] | None = None) -> int:
         tmp = tempfile.TemporaryDirectory()
         checkpoint = write_hf_deepseek_checkpoint(Path(tmp.name) / "dsv3-40m")
     out = a.out or f"runs/bench/{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    copts = None
+    if a.compile_mode is not None or a.no_freeze:
+        dev = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+        copts = strongest_compile_options(dev)
+        if a.compile_mode is not None:
+            copts["mode"] = a.compile_mode
+        if a.no_freeze:
+            copts.pop("freeze", None)
+            copts.pop("inductor_options", None)
     df = run_bench(a.preset, [s for s in a.stages.split(",") if s], [int(b) for b in a.batch.split(",")],
                    a.context, a.device, a.dtype, a.steps, a.repeats, include_hf=not a.no_hf, checkpoint=checkpoint,
-                   out=out)
+                   out=out, compile_options=copts)
     with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(df[[c for c in COLUMNS if c in df]].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+        shown = df[[c for c in COLUMNS if c in df]].copy()
+        if "status" in shown:  # a refusal's full reason is in the JSON; the table keeps its start
+            shown["status"] = shown["status"].str.slice(0, 60)
+        print(shown.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     print(f"\nwrote {out}")
     if tmp is not None:
         tmp.cleanup()

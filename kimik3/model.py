@@ -572,6 +572,9 @@ class KimiForCausalLM(nn.Module):
         self.config = cfg
         self.model = KimiModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # inference only: no parameter takes gradients (torch.compile's freezing also needs this to treat the
+        # weights as constants)
+        self.requires_grad_(False)
 
     @property
     def dtype(self) -> torch.dtype:
