@@ -143,7 +143,7 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
           "bfloat16": torch.bfloat16}[dtype]
     if checkpoint is not None:
         model = kimik3.from_pretrained(checkpoint, dtype=dt, device=dev)
-        source = str(checkpoint)
+        source = Path(checkpoint).name  # the directory name (a temporary path says nothing)
     else:
         model = kimik3.from_preset(preset, seed=seed, dtype=dt, device=dev)
         source = preset
