@@ -71,6 +71,21 @@ def test_compiled_on_transformers_checkpoint(oracle_checkpoint):
     assert r.passed, r.as_dict()
 
 
+def test_compiled_frozen_with_cpp_wrapper_matches_naive(micro):
+    """The setting the CPU benchmark measures (strongest_compile_options minus the GEMM autotuning, which only picks
+    among kernels and costs minutes): weights frozen into the compiled step, a C++ wrapper around it."""
+    r = compare_to_reference(micro, "compiled", 2, prompt_len=12, steps=STEPS, seed=5, freeze=True,
+                             inductor_options={"cpp_wrapper": True})
+    assert r.tokens_equal and r.passed, r.as_dict()
+
+
+def test_compiled_refuses_unknown_settings(micro):
+    with pytest.raises(ValueError, match="unknown torch.compile mode 'fastest'"):
+        kimik3.Decoder(micro, "compiled", mode="fastest")
+    with pytest.raises(ValueError, match=r"unknown Inductor options \['no_such_flag'\]"):
+        kimik3.Decoder(micro, "compiled", inductor_options={"no_such_flag": True})
+
+
 def test_graphs_refuses_cpu(micro):
     with pytest.raises(ValueError, match=r"stage 'graphs' captures CUDA graphs and needs the model on a CUDA "
                                          r"device \(it is on cpu\)"):
