@@ -10,8 +10,9 @@ import hashlib
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent
-# device code pulled in from other kernel modules (router launches gemv.gemv_kernel)
-DEPENDENCIES: dict[str, tuple[str, ...]] = {"router": ("gemv",)}
+# device code pulled in from other kernel modules (router launches gemv.gemv_kernel; the megakernel inlines the
+# device functions of device_fns.py)
+DEPENDENCIES: dict[str, tuple[str, ...]] = {"router": ("gemv",), "megakernel": ("device_fns",)}
 
 
 def kernel_source_hash(module_name: str) -> str:

@@ -52,7 +52,6 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
 from cutlass.experimental.primitives import nanosleep
 
 from . import _common as C
-from . import registry as _registry  # noqa: F401  (declares device_fns.py as an inlined dependency of this module)
 from ._source import kernel_source_hash
 from .device_fns import (
     NT,

@@ -19,8 +19,8 @@ from typing import Any
 
 from kimik3.config import ModelConfig, get_preset
 
-__all__ = ["Budget", "Family", "KernelVariant", "FAMILIES", "PRESETS", "BATCHES", "all_variants", "ci_variants",
-           "get_variant", "variants_for"]
+__all__ = ["Budget", "Family", "KernelVariant", "FAMILIES", "PERSISTENT", "PRESETS", "BATCHES", "all_variants",
+           "ci_variants", "get_variant", "variants_for", "family"]
 
 PRESETS = ("tiny", "k3-shard")
 BATCHES = (1, 8, 64)
@@ -125,6 +125,35 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+def _megakernel_shapes(cfg: ModelConfig, batch: int) -> dict[str, Any]:
+    from kimik3.megakernel.gpu import static_shapes  # DSL-free; imported lazily (kimik3.megakernel imports torch)
+
+    return static_shapes(cfg, batch)
+
+
+# The persistent megakernel (kernels/megakernel.py, issue 6): one op, one kernel, a whole decode step. Kept apart
+# from FAMILIES, which lists the fused per-operation kernels (their tests enumerate it with per-family inputs and
+# references), but built, cached and exported through the same paths: get_variant("megakernel/tiny/b1"),
+# build.build(...), and `python -m kimik3 kernels build` (which includes it by default).
+PERSISTENT: dict[str, Family] = {
+    "megakernel": Family(
+        "megakernel", "megakernel",
+        # 384 threads per CTA cap ptxas at 168 registers; smem = 64 KiB weight stage + per-op scratch (< 227 KiB)
+        Budget(max_registers=168, max_shared_bytes=120 * 1024),
+        ("ld.acquire.gpu", "red.release.gpu", "nanosleep", "%globaltimer", "%smid", "cp.async.cg.shared.global",
+         "atom.global.cas", "ld.global.nc.v4", "shfl.sync.bfly", "bar.sync"),
+        _megakernel_shapes,
+        description="persistent decode megakernel: interprets the int32 program, one CTA per SM"),
+}
+
+
+def family(name: str) -> Family:
+    """The Family of a fused kernel or of the persistent megakernel."""
+    if name in FAMILIES:
+        return FAMILIES[name]
+    return PERSISTENT[name]
+
+
 @dataclass(frozen=True)
 class KernelVariant:
     family: str
@@ -141,7 +170,7 @@ class KernelVariant:
 
     @property
     def spec(self) -> Family:
-        return FAMILIES[self.family]
+        return family(self.family)
 
     @property
     def module_name(self) -> str:
@@ -180,11 +209,11 @@ class KernelVariant:
         return self.module.compile_for(arch, variant=self.variant, **self.shapes, **kw)
 
 
-def _make(family: str, preset: str, batch: int) -> KernelVariant:
+def _make(name: str, preset: str, batch: int) -> KernelVariant:
     cfg = get_preset(preset)
-    fam = FAMILIES[family]
-    return KernelVariant(family, preset, batch, tuple(sorted(fam.shapes(cfg, batch).items())),
-                         tuple(sorted(fam.runtime(cfg).items())), ci=(preset, batch) in CI_POINTS)
+    fam = family(name)
+    return KernelVariant(name, preset, batch, tuple(sorted(fam.shapes(cfg, batch).items())),
+                         tuple(sorted(fam.runtime(cfg).items())), ci=name in FAMILIES and (preset, batch) in CI_POINTS)
 
 
 def all_variants(presets: tuple[str, ...] = PRESETS, batches: tuple[int, ...] = BATCHES) -> list[KernelVariant]:
@@ -199,10 +228,10 @@ def ci_variants() -> list[KernelVariant]:
 def variants_for(presets: tuple[str, ...] | list[str], batches: tuple[int, ...] | list[int],
                  families: tuple[str, ...] | list[str] | None = None) -> list[KernelVariant]:
     """Variants of the given presets / batches (any preset of kimik3.config works, not only PRESETS)."""
-    fams = list(families) if families else list(FAMILIES)
-    unknown = [f for f in fams if f not in FAMILIES]
+    fams = list(families) if families else [*FAMILIES, *PERSISTENT]
+    unknown = [f for f in fams if f not in FAMILIES and f not in PERSISTENT]
     if unknown:
-        raise ValueError(f"unknown kernel families {unknown}; known: {sorted(FAMILIES)}")
+        raise ValueError(f"unknown kernel families {unknown}; known: {sorted([*FAMILIES, *PERSISTENT])}")
     return [_make(f, p, int(b)) for p in presets for b in batches for f in fams]
 
 
@@ -215,4 +244,4 @@ def get_variant(name: str) -> KernelVariant:
         return _make(family, preset, int(b[1:]))
     except (ValueError, KeyError):
         raise ValueError(f"bad kernel variant name {name!r}; expected family/preset/bN with family in "
-                         f"{sorted(FAMILIES)}") from None
+                         f"{sorted([*FAMILIES, *PERSISTENT])}") from None

@@ -65,9 +65,13 @@ TARGETS: tuple[tuple[str, int, str], ...] = (
     ("k3-shard", 8, "mxfp4"),
 )
 BENCH_PRESET = "k3-shard"
-BENCH_ORDER = (("fused", 1), ("graphs", 1), ("absorbed", 1), ("naive", 1), ("fused", 8), ("graphs", 8),
-               ("absorbed", 8), ("compiled", 1), ("compiled", 8), ("naive", 8))
-QUICK_BENCH_ORDER = (("fused", 1), ("graphs", 1), ("absorbed", 1), ("naive", 1), ("fused", 8), ("graphs", 8))
+BENCH_ORDER = (("megakernel", 1), ("fused", 1), ("graphs", 1), ("absorbed", 1), ("naive", 1), ("megakernel", 8),
+               ("fused", 8), ("graphs", 8), ("megakernel", 64), ("fused", 64), ("absorbed", 8), ("compiled", 1),
+               ("compiled", 8), ("naive", 8))
+QUICK_BENCH_ORDER = (("megakernel", 1), ("fused", 1), ("graphs", 1), ("absorbed", 1), ("naive", 1),
+                     ("megakernel", 8), ("fused", 8), ("graphs", 8))
+# the persistent megakernel's prebuilt variants (kernels/registry.py PERSISTENT), built next to the fused ops
+MEGAKERNEL_TARGETS: tuple[tuple[str, int], ...] = (("tiny", 1), ("k3-shard", 1), ("k3-shard", 8), ("k3-shard", 64))
 # seconds an item needs at least (model already built; compile/capture included), to decide whether to start it
 BENCH_RESERVE_S = {"compiled": 100.0, "naive": 25.0}
 BENCH_RESERVE_DEFAULT_S = 15.0
@@ -187,7 +191,8 @@ def _kernel_hashes() -> dict[str, str]:
     _ensure_kernels_package()
     from kimik3.kernels._source import kernel_source_hash
 
-    return {m: kernel_source_hash(m)[:16] for m in ("gemv", "router", "kda", "mla_decode", "moe", "attn_res")}
+    return {m: kernel_source_hash(m)[:16] for m in ("gemv", "router", "kda", "mla_decode", "moe", "attn_res",
+                                                         "megakernel")}
 
 
 def _nvidia_smi() -> dict[str, str] | None:
@@ -267,6 +272,16 @@ def _prebuilt_status(prebuilt: Path | None, arch: str = "sm_90a") -> dict[str, A
                 missing.append(op.name)
             elif manifest["kernels"][name].get("source_hash") != kernel_source_hash(op.module_name):
                 stale.append(op.name)
+    for preset, batch in MEGAKERNEL_TARGETS:  # the persistent megakernel, by its registry name
+        from kimik3.megakernel.gpu import variant_name
+
+        name = variant_name(preset, batch)
+        seen.add(name)
+        entry = manifest.get("kernels", {}).get(name)
+        if entry is None or manifest.get("arch") != arch:
+            missing.append(name)
+        elif entry.get("source_hash") != kernel_source_hash("megakernel"):
+            stale.append(name)
     size = sum(f.stat().st_size for f in prebuilt.iterdir() if f.is_file()) if prebuilt and prebuilt.is_dir() else 0
     unpacked = bool(prebuilt and (prebuilt / "libcute_dsl_runtime.so").exists())
     return {"dir": str(prebuilt) if prebuilt else None, "arch": arch, "manifest_found": bool(manifest),
@@ -702,6 +717,14 @@ def _build(args: argparse.Namespace) -> int:
                and (not args.batches or str(t[1]) in args.batches.split(","))]
     t0 = time.time()
     build_prebuilt_kernels(args.arch, out, targets, ship_runtime=True)
+    from kimik3.kernels import prebuilt as pb
+    from kimik3.kernels.registry import variants_for
+
+    mk = [v for pr, b in MEGAKERNEL_TARGETS if (not args.presets or pr in args.presets.split(","))
+          and (not args.batches or str(b) in args.batches.split(","))
+          for v in variants_for([pr], [b], ["megakernel"])]
+    if mk:  # the megakernel goes into the same directory and manifest (build_prebuilt extends the manifest)
+        pb.build_prebuilt(args.arch, out, mk, fmt="tvm-ffi", ship_runtime=True)
     commit, source, dirty = _commit(None)
     status = _run(["git", "status", "--porcelain"]) or ""
     info = {"commit": commit, "commit_source": source, "dirty": dirty,

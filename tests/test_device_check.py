@@ -23,14 +23,17 @@ def test_dry_run_writes_provenance_and_plan(tmp_path: Path, capsys: pytest.Captu
     prov = json.loads((out / dc.FILES["provenance"]).read_text())
     plan = json.loads((out / dc.FILES["plan"]).read_text())
     assert prov["date"] and prov["torch"] == torch.__version__ and "kernel_source_hashes" in prov
-    assert set(prov["kernel_source_hashes"]) == {"gemv", "router", "kda", "mla_decode", "moe", "attn_res"}
+    assert set(prov["kernel_source_hashes"]) == {"gemv", "router", "kda", "mla_decode", "moe", "attn_res",
+                                                      "megakernel"}
     assert "commit" in prov and prov["commit_source"]
     # the budget: every phase has one, and together they stay under 5 minutes
     assert sum(plan["phase_budgets_s"].values()) <= dc.TOTAL_BUDGET_S < 300
     assert set(plan["phase_budgets_s"]) == {"copy_bandwidth", "tests", "kernels", "bench"}
     files = [t["file"] for t in plan["tests"]]
     assert "tests/test_fused_stage.py" in files and "tests/test_kernels_gpu.py" in files
-    assert plan["bench"]["order"][0] == ["fused", 1] and ["naive", 8] == plan["bench"]["order"][-1]
+    assert plan["bench"]["order"][0] == ["megakernel", 1] and ["naive", 8] == plan["bench"]["order"][-1]
+    assert {b for s, b in plan["bench"]["order"] if s == "megakernel"} == {1, 8, 64}
+    assert {"megakernel/k3-shard/b1", "megakernel/k3-shard/b8"} <= set(plan["prebuilt"]["missing"])
     assert plan["kernels"]["ops"] and all(o["name"].startswith("fused/") for o in plan["kernels"]["ops"])
     pb = plan["prebuilt"]
     assert not pb["ready"] and pb["distinct_ops"] == len(pb["missing"]) > 50
@@ -199,7 +202,8 @@ def test_phase_bench_writes_rows_as_it_goes_and_skips_past_the_budget(tmp_path: 
     monkeypatch.setitem(dc.BENCH_RESERVE_S, "naive", 1e6)  # never enough time for naive
     dc._phase_bench(tmp_path, _args(tmp_path, 60))
     rec = json.loads((tmp_path / dc.FILES["bench"]).read_text())
-    assert calls == [("fused", 1), ("graphs", 1), ("absorbed", 1), ("fused", 8), ("graphs", 8)]
+    assert calls == [("megakernel", 1), ("fused", 1), ("graphs", 1), ("absorbed", 1), ("megakernel", 8), ("fused", 8),
+                     ("graphs", 8)]
     rows = {(r["stage"], r["batch"]): r for r in rec["rows"]}
     assert rows[("graphs", 1)]["status"].startswith("error: RuntimeError: boom")
     assert rows[("fused", 1)]["ms_per_token"] == 4.0 and rows[("fused", 1)]["speedup_vs_naive"] is None

@@ -216,10 +216,21 @@ def _device_arch(device: torch.device) -> str:
 def _compile(arch: str, shapes: dict[str, Any], prebuilt: str | None, name: str) -> Any:
     """The kernel as a TVM-FFI callable: a verified prebuilt artefact when ``prebuilt`` is given (shapes and source
     hash must match), else compiled in-process with the DSL (cached per process)."""
+    if prebuilt is None:
+        from kimik3.stages.fused import default_prebuilt_dir, dsl_available
+
+        if not dsl_available():  # the GPU image has no DSL compiler: the prebuilt directory is the way in
+            found = default_prebuilt_dir()
+            if found is None:
+                raise ValueError("the megakernel needs nvidia-cutlass-dsl to compile, or a prebuilt export: "
+                                 "`python -m kimik3 kernels build --family megakernel --preset <preset> --batch <B> "
+                                 "--arch sm_90a --out prebuilt --ship-runtime` on a machine with the DSL, then "
+                                 "set $KIMIK3_PREBUILT or pass prebuilt=DIR")
+            prebuilt = str(found)
     if prebuilt is not None:
         from kimik3.kernels.prebuilt import load_prebuilt
 
-        return load_prebuilt(prebuilt, name, arch=arch, shapes=shapes)
+        return load_prebuilt(prebuilt, name, arch=arch, shapes=shapes)  # ValueError naming what does not match
     key = (arch, tuple(sorted(shapes.items())))
     if key not in _COMPILED:
         try:
