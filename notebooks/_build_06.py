@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 
 _TOOLS = next(p / "tools" for p in Path(__file__).resolve().parents if (p / "tools" / "nbgen.py").exists())
-sys.path.insert(0, str(_TOOLS))  # works from notebooks/ and from wip/notebooks/
+sys.path.insert(0, str(_TOOLS))
 from nbgen import from_pairs  # noqa: E402
 
 CELLS: list[tuple[str, str]] = [
@@ -46,7 +46,7 @@ if every cell that ran passed). Run headless:
 `papermill notebooks/06_validation.ipynb out.ipynb -p quick True -p out_dir /tmp/run06`. On a CPU the full matrix
 with `tiny` takes hours; `quick=True` is the CI subset (micro, one seed, 2 steps, short + long context)."""),
     ("code", """\
-presets = ["micro", "tiny"]
+presets = ["micro"]  # add "tiny" for its matrix (hours on a CPU; minutes on a GPU)
 quick = False
 out_dir = "runs/06_validation\""""),
     ("code", """\
