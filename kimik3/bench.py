@@ -200,8 +200,9 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
                 _sync(dev)
                 samples[stage].append((time.perf_counter() - t0) / steps)
             bar.update()
-        nbytes = decode_cost(cfg, batch_size=batch, context_len=context + steps * (warmup + repeats // 2),
-                             weight_dtype="bf16" if dt == torch.bfloat16 else "fp32").total_bytes
+        cost = decode_cost(cfg, batch_size=batch, context_len=context + steps * (warmup + repeats // 2),
+                           weight_dtype="bf16" if dt == torch.bfloat16 else "fp32")
+        nbytes = cost.total_bytes
         for stage, row in batch_rows.items():
             if stage in samples:
                 t = Timing(clock, samples[stage])
@@ -209,7 +210,8 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
                            ms_max=t.spread[1] * 1e3, repeats=len(t.samples), clock=t.clock,
                            tokens_per_s=batch / t.median, tokens_per_s_per_user=1 / t.median,
                            gb_per_s=nbytes / t.median / 1e9,
-                           pct_copy_bw=100 * nbytes / t.median / copy_bw["copy_bandwidth_Bps"], bytes_per_step=nbytes)
+                           pct_copy_bw=100 * nbytes / t.median / copy_bw["copy_bandwidth_Bps"], bytes_per_step=nbytes,
+                           flops_per_step=cost.total_flops)
             rows.append(row)
         del runners
     bar.close()
@@ -225,9 +227,7 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
         for r in json.loads(df.to_json(orient="records")):
             rec = {**r, "block": "step", "batch_size": r["batch"], "context_len": r["context"]}
             if r.get("status") == "ok":
-                c = decode_cost(cfg, batch_size=r["batch"], context_len=context + steps * (warmup + repeats // 2),
-                                weight_dtype="bf16" if dt == torch.bfloat16 else "fp32")
-                rec.update(seconds=r["ms_per_token"] / 1e3, bytes=c.total_bytes, flops=c.total_flops)
+                rec.update(seconds=r["ms_per_token"] / 1e3, bytes=r["bytes_per_step"], flops=r["flops_per_step"])
             records.append(rec)
         record = {"kind": "bench", **provenance(dev), "preset": preset if checkpoint is None else None,
                   "source": "kimik3.bench", "copy_bandwidth": copy_bw,

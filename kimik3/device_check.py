@@ -272,9 +272,9 @@ def _prebuilt_status(prebuilt: Path | None, arch: str = "sm_90a") -> dict[str, A
                 missing.append(op.name)
             elif manifest["kernels"][name].get("source_hash") != kernel_source_hash(op.module_name):
                 stale.append(op.name)
-    for preset, batch in MEGAKERNEL_TARGETS:  # the persistent megakernel, by its registry name
-        from kimik3.megakernel.gpu import variant_name
+    from kimik3.megakernel.gpu import variant_name
 
+    for preset, batch in MEGAKERNEL_TARGETS:  # the persistent megakernel, by its registry name
         name = variant_name(preset, batch)
         seen.add(name)
         entry = manifest.get("kernels", {}).get(name)

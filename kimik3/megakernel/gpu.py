@@ -35,10 +35,10 @@ import torch
 from kimik3.config import ModelConfig, get_preset
 from kimik3.megakernel.hazards import check_program, format_violations
 from kimik3.megakernel.instructions import Kind, Op, Program, encode_program
-from kimik3.megakernel.layout import check_supported, pack_weights, state_name, weight_view
+from kimik3.megakernel.layout import check_supported, pack_weights, state_views, weight_view
 from kimik3.megakernel.scheduler import FFN_LATENT_NORM, FFN_MLP, FFN_ROUTED, POLICIES, Tiling, build_program
 from kimik3.megakernel.timeline import from_timings
-from kimik3.model import DecodeState, KDAState, KimiForCausalLM, MLACache
+from kimik3.model import DecodeState, KDAState, KimiForCausalLM
 from kimik3.stages import register_stage
 from kimik3.stages.base import Stage, StageSupport
 from kimik3.stages.naive import NaiveStage
@@ -343,17 +343,10 @@ class MegakernelRunner:
 
     def bind_state(self, state: DecodeState) -> None:
         """Point the state buffers at ``state`` (updated in place by every step) and write the address table."""
-        cfg = self.cfg
         for i, st in enumerate(state.layers):
-            if isinstance(st, KDAState):
-                if not (st.conv.is_contiguous() and st.S.is_contiguous()):
-                    raise ValueError(f"layer {i}: KDA state must be contiguous (it is updated in place)")
-                B = st.conv.shape[0]
-                self.tensors[state_name(i, "conv")] = st.conv.view(B, 3, cfg.kda_proj_dim * (cfg.kda_conv_size - 1))
-                self.tensors[state_name(i, "S")] = st.S.view(B, cfg.kda_num_heads, -1)
-            elif isinstance(st, MLACache):
-                self.tensors[state_name(i, "latent")] = st.latent
-                self.tensors[state_name(i, "k_r")] = st.k_r
+            if isinstance(st, KDAState) and not (st.conv.is_contiguous() and st.S.is_contiguous()):
+                raise ValueError(f"layer {i}: KDA state must be contiguous (it is updated in place)")
+        self.tensors.update(state_views(self.cfg, state))
         addr = torch.zeros(self.shapes["max_bufs"], dtype=torch.int64)
         for k, spec in enumerate(self.program.buffers):
             t = self.tensors.get(spec.name)

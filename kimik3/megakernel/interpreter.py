@@ -31,13 +31,12 @@ import torch.nn.functional as F
 
 from kimik3.megakernel.hazards import check_program, format_violations
 from kimik3.megakernel.instructions import Instruction, Kind, Op, Program, decode_program
-from kimik3.megakernel.layout import pack_weights, state_name, weight_view
+from kimik3.megakernel.layout import pack_weights, state_views, weight_view
 from kimik3.megakernel.scheduler import FFN_LATENT_NORM, FFN_MLP, FFN_ROUTED, POLICIES, Tiling, build_program
 from kimik3.model import (
     DecodeState,
     KDAState,
     KimiForCausalLM,
-    MLACache,
     attn_res_mix,
     f32,
     glu,
@@ -105,16 +104,10 @@ class CPUInterpreter:
     def bind_state(self, state: DecodeState) -> None:
         """Point the program's state buffers at ``state`` (updated in place by later steps) and cut every
         instruction's operand views."""
-        cfg = self.cfg
-        for i, st in enumerate(state.layers):
+        for st in state.layers:
             if isinstance(st, KDAState):
                 st.conv, st.S = st.conv.contiguous(), st.S.contiguous()
-                B = st.conv.shape[0]
-                self.tensors[state_name(i, "conv")] = st.conv.view(B, 3, cfg.kda_proj_dim * (cfg.kda_conv_size - 1))
-                self.tensors[state_name(i, "S")] = st.S.view(B, cfg.kda_num_heads, -1)
-            elif isinstance(st, MLACache):
-                self.tensors[state_name(i, "latent")] = st.latent
-                self.tensors[state_name(i, "k_r")] = st.k_r
+        self.tensors.update(state_views(self.cfg, state))
         views = []
         for ins in self.program.instructions:
             vs = []

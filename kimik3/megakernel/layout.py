@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from kimik3.config import ModelConfig
-from kimik3.model import KimiForCausalLM
+from kimik3.model import DecodeState, KDAState, KimiForCausalLM, MLACache
 
 __all__ = [
     "kda_head_width",
@@ -80,6 +80,21 @@ def packed_name(layer: int, what: str) -> str:
 
 def state_name(layer: int, what: str) -> str:
     return f"state.L{layer}.{what}"
+
+
+def state_views(cfg: ModelConfig, state: DecodeState) -> dict[str, torch.Tensor]:
+    """The program's state buffers as views of a decode state's tensors (so the program updates it in place),
+    by :func:`state_name`. The tensors must be contiguous (callers decide whether to copy or to refuse)."""
+    views: dict[str, torch.Tensor] = {}
+    for i, st in enumerate(state.layers):
+        if isinstance(st, KDAState):
+            B = st.conv.shape[0]
+            views[state_name(i, "conv")] = st.conv.view(B, 3, cfg.kda_proj_dim * (cfg.kda_conv_size - 1))
+            views[state_name(i, "S")] = st.S.view(B, cfg.kda_num_heads, -1)
+        elif isinstance(st, MLACache):
+            views[state_name(i, "latent")] = st.latent
+            views[state_name(i, "k_r")] = st.k_r
+    return views
 
 
 def weight_view(t: torch.Tensor) -> torch.Tensor:

@@ -114,6 +114,7 @@ class CompiledStage(AbsorbedStage):
         if unknown:
             raise ValueError(f"stage 'compiled': unknown Inductor options {unknown}")
         self.mode, self.freeze, self.inductor_options = mode, bool(freeze), dict(inductor_options or {})
+        self._inductor_config = inductor_config
         if self.freeze:
             # the model is a constant of this compilation, not an argument: Inductor can then pre-pack its
             # weights; one compilation per Decoder (a shared one would bake in another model's weights).
@@ -131,9 +132,7 @@ class CompiledStage(AbsorbedStage):
         if self.freeze:
             # Dynamo reads the global flag while tracing (to mark parameters static); options= only reaches
             # Inductor — so the flag is set around every call (tracing happens on the first, or on a recompile)
-            import torch._inductor.config as inductor_config
-
-            with inductor_config.patch(freezing=True):
+            with self._inductor_config.patch(freezing=True):
                 out = self._step(self.state, ids, positions)
         else:
             out = self._step(self.state, ids, positions)
