@@ -22,7 +22,7 @@ run: setup
 
 # The whole test suite (what CI runs through .ci/run): unit, oracle, kernel-compile and notebook tests.
 test: setup
-	$(PY) -m ruff check kimik3 kernels tests tools
+	$(PY) -m ruff check kimik3 kernels tests scripts notebooks
 	$(PY) -m pytest -q
 
 # The full matrices (tiny preset, more seeds and batch sizes), not part of CI.
@@ -30,7 +30,7 @@ test-slow: setup
 	$(PY) -m pytest -q -m slow
 
 lint: setup
-	$(PY) -m ruff check kimik3 kernels tests tools
+	$(PY) -m ruff check kimik3 kernels tests scripts notebooks
 
 clean-runs:
 	rm -rf runs

@@ -1,39 +1,39 @@
-"""Writes notebooks/02_memory_and_rooflines.ipynb (no outputs; first code cell tagged ``parameters``).
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-Run from the repository root: ``python notebooks/_build_02.py``. Edit the cells here, not in the notebook, so the
-committed notebook stays output-free and reviewable.
-"""
+# %% [markdown]
+# # 02 · Memory and rooflines: what one decode step costs
+#
+# One decode step of Kimi K3 gives every sequence in the batch one new token. This notebook counts what that step
+# moves and computes — per layer and block, from the model's own parameter shapes (`kimik3.cost`) — and puts it
+# against the ceilings of real chips (`data/hardware.json`) and against published speeds (`data/published.json`).
+#
+# The short version: at small batch a decode step does about **one to two FLOPs per byte** it reads, while an H200
+# or a GB300 can do **200–300 FLOPs per byte** of bandwidth. Decode is bandwidth-bound, so the bound on speed is
+# *bytes per step ÷ bandwidth*, and the work of every later notebook is to read fewer bytes, read them faster, and
+# overlap everything else with the reading.
+#
+# Run headless: `papermill notebooks/02_memory_and_rooflines.ipynb out.ipynb -p out_dir /tmp/run02`.
 
-from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-import nbformat
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from nbgen import from_pairs  # noqa: E402
-
-CELLS: list[tuple[str, str]] = [
-    ("md", """\
-# 02 · Memory and rooflines: what one decode step costs
-
-One decode step of Kimi K3 gives every sequence in the batch one new token. This notebook counts what that step
-moves and computes — per layer and block, from the model's own parameter shapes (`kimik3.cost`) — and puts it
-against the ceilings of real chips (`data/hardware.json`) and against published speeds (`data/published.json`).
-
-The short version: at small batch a decode step does about **one to two FLOPs per byte** it reads, while an H200
-or a GB300 can do **200–300 FLOPs per byte** of bandwidth. Decode is bandwidth-bound, so the bound on speed is
-*bytes per step ÷ bandwidth*, and the work of every later notebook is to read fewer bytes, read them faster, and
-overlap everything else with the reading.
-
-Run headless: `papermill notebooks/02_memory_and_rooflines.ipynb out.ipynb -p out_dir /tmp/run02`."""),
-    ("code", """\
+# %% tags=["parameters"]
 preset = "kimi-k3"
 batch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 context_lens = [0, 8192, 131072]
-out_dir = "runs/02\""""),
-    ("code", """\
+out_dir = "runs/02"
+
+# %%
 from pathlib import Path
 
 import pandas as pd
@@ -42,8 +42,13 @@ import plotly.io as pio
 from IPython.display import display
 
 import kimik3
-from kimik3.cost import (batch_size_for_bytes, cache_bytes_per_sequence, decode_cost, expected_distinct_experts,
-                         parameter_counts)
+from kimik3.cost import (
+    batch_size_for_bytes,
+    cache_bytes_per_sequence,
+    decode_cost,
+    expected_distinct_experts,
+    parameter_counts,
+)
 from kimik3.hardware import hardware_table, local_hardware, measure_local
 from kimik3.recorded import claims_vs_bound, load_published, load_recorded
 from kimik3.roofline import latency_roofline_figure, points_from_cost, roofline_figure, roofline_panel, save_html
@@ -56,37 +61,43 @@ out.mkdir(parents=True, exist_ok=True)
 cfg = kimik3.get_preset(preset)
 HARDWARE = ["h100-sxm", "h200", "b200", "gb200", "gb300"]
 T_MID = sorted(context_lens)[len(context_lens) // 2]  # the middle context of the sweep, for single-context tables
-print(cfg.name, {k: f"{v / 1e9:,.2f} B" for k, v in parameter_counts(cfg).items()})"""),
-    ("md", """\
-## Why decode is bandwidth-bound
+print(cfg.name, {k: f"{v / 1e9:,.2f} B" for k, v in parameter_counts(cfg).items()})
 
-A weight matrix of `n` parameters costs `n` multiply-adds (2n FLOPs) per token and `2n` bytes to read in bf16.
-Read once for a batch of `B` tokens, that is `B` FLOPs per byte. A routed expert is worse: it is read for the few
-tokens that chose it, and at batch 1 each of K3's 92 MoE layers reads 16 experts for one token. The KDA state
-(6.3 MB per layer per sequence, read *and* written) and the MLA cache add bytes per sequence that batching does
-not share.
+# %% [markdown]
+# ## Why decode is bandwidth-bound
+#
+# A weight matrix of `n` parameters costs `n` multiply-adds (2n FLOPs) per token and `2n` bytes to read in bf16.
+# Read once for a batch of `B` tokens, that is `B` FLOPs per byte. A routed expert is worse: it is read for the few
+# tokens that chose it, and at batch 1 each of K3's 92 MoE layers reads 16 experts for one token. The KDA state
+# (6.3 MB per layer per sequence, read *and* written) and the MLA cache add bytes per sequence that batching does
+# not share.
+#
+# The ridge point of a chip — peak FLOP/s ÷ bandwidth — is where that stops mattering. Compare:
 
-The ridge point of a chip — peak FLOP/s ÷ bandwidth — is where that stops mattering. Compare:"""),
-    ("code", """\
+# %%
 hw = hardware_table()
 step1 = decode_cost(cfg, 1, T_MID)
 display(hw)
 print(f"{cfg.name}, batch 1, context {T_MID:,}: {step1.total_flops / 1e9:,.1f} GFLOP over "
       f"{step1.total_bytes / 1e9:,.2f} GB = {step1.arithmetic_intensity:.2f} FLOP/byte; "
-      f"ridge points {hw['ridge bf16 FLOP/B'].min():.0f}-{hw['ridge bf16 FLOP/B'].max():.0f} FLOP/byte (bf16)")"""),
-    ("md", """\
-## What one token costs at full size
+      f"ridge points {hw['ridge bf16 FLOP/B'].min():.0f}-{hw['ridge bf16 FLOP/B'].max():.0f} FLOP/byte (bf16)")
 
-Per block kind, summed over layers (batch 1). Weights dominate; the KDA recurrent state is the next item, the
-MLA cache is small at this context. Storing the routed experts in MXFP4 (4.25 bits per weight, as released)
-removes most of the routed-expert bytes; everything else stays bf16."""),
-    ("code", """\
+# %% [markdown]
+# ## What one token costs at full size
+#
+# Per block kind, summed over layers (batch 1). Weights dominate; the KDA recurrent state is the next item, the
+# MLA cache is small at this context. Storing the routed experts in MXFP4 (4.25 bits per weight, as released)
+# removes most of the routed-expert bytes; everything else stays bf16.
+
+# %%
 bf16 = decode_cost(cfg, 1, T_MID, expert_dtype="bf16")
 mxfp4 = decode_cost(cfg, 1, T_MID, expert_dtype="mxfp4")
 display(bf16.summary().round(4))
 print(bf16)
-print(mxfp4)"""),
-    ("code", """\
+print(mxfp4)
+
+
+# %%
 def bytes_bar(costs: dict) -> go.Figure:
     fig = go.Figure()
     parts = [("weights", ["weight_bytes"]), ("KDA state (r+w)", ["state_bytes_read", "state_bytes_written"]),
@@ -103,11 +114,13 @@ def bytes_bar(costs: dict) -> go.Figure:
 
 fig_bytes = bytes_bar({"bf16 experts": bf16, "MXFP4 experts": mxfp4})
 save_html(fig_bytes, out / "bytes_by_block.html")
-fig_bytes"""),
-    ("md", """\
-For the full-size K3 these reproduce the spec's §8.2 table (checked in `tests/test_cost.py` within 2 %; the
-FLOPs differ by 0.3 % because the spec counts MLA's `kv_b_proj` twice):"""),
-    ("code", """\
+fig_bytes
+
+# %% [markdown]
+# For the full-size K3 these reproduce the spec's §8.2 table (checked in `tests/test_cost.py` within 2 %; the
+# FLOPs differ by 0.3 % because the spec counts MLA's `kv_b_proj` twice):
+
+# %%
 if cfg.name == "kimi-k3":
     t0, t8 = decode_cost(cfg, 1, 0), decode_cost(cfg, 1, 8192)
     spec = pd.DataFrame([
@@ -121,16 +134,18 @@ if cfg.name == "kimi-k3":
         ("FLOPs per token, T=8192", 2.508e11, t8.flops_per_token),
     ], columns=["quantity", "spec §8.2", "cost model"]).set_index("quantity")
     spec["ratio"] = spec["cost model"] / spec["spec §8.2"]
-    display(spec)"""),
-    ("md", """\
-## Batch size: experts touched, bytes shared
+    display(spec)
 
-Dense weights are read once per step however many sequences share it, so their cost per token falls as `1/B`.
-Routed experts are read once per *distinct* expert: with uniform routing a layer touches
-`D(B) = E·(1 − (1 − k/E)^B)` experts — `k` at batch 1, all `E` at large batch. KDA state and MLA cache are per
-sequence and never shared. So bytes per step grow with `B`, bytes per *token* fall, and the step stays
-bandwidth-bound far past the batch sizes interactive serving uses."""),
-    ("code", """\
+# %% [markdown]
+# ## Batch size: experts touched, bytes shared
+#
+# Dense weights are read once per step however many sequences share it, so their cost per token falls as `1/B`.
+# Routed experts are read once per *distinct* expert: with uniform routing a layer touches
+# `D(B) = E·(1 − (1 − k/E)^B)` experts — `k` at batch 1, all `E` at large batch. KDA state and MLA cache are per
+# sequence and never shared. So bytes per step grow with `B`, bytes per *token* fall, and the step stays
+# bandwidth-bound far past the batch sizes interactive serving uses.
+
+# %%
 if cfg.n_routed_experts:
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     display(pd.DataFrame({"B": batch_sizes, "D(B)": [expected_distinct_experts(E, k, b) for b in batch_sizes],
@@ -155,15 +170,17 @@ fig_batch.update_xaxes(type="log", title="batch size")
 fig_batch.update_yaxes(type="log", title="GB")
 fig_batch.update_layout(template="plotly_white", height=480, title=f"{cfg.name}: bytes per step and per token")
 save_html(fig_batch, out / "bytes_vs_batch.html")
-fig_batch"""),
-    ("md", """\
-## Context: a fixed state and a growing cache
+fig_batch
 
-K3 keeps a fixed 449 MB of KDA state per sequence plus 27,648 bytes per token of MLA latent cache (24 layers);
-K2, all MLA, keeps 70,272 bytes per token. K3's cache is larger at short context and smaller beyond ≈ 10.5 K
-tokens. Per step, the cache is *read* in full for every sequence, so long contexts move bytes that batching
-cannot share."""),
-    ("code", """\
+# %% [markdown]
+# ## Context: a fixed state and a growing cache
+#
+# K3 keeps a fixed 449 MB of KDA state per sequence plus 27,648 bytes per token of MLA latent cache (24 layers);
+# K2, all MLA, keeps 70,272 bytes per token. K3's cache is larger at short context and smaller beyond ≈ 10.5 K
+# tokens. Per step, the cache is *read* in full for every sequence, so long contexts move bytes that batching
+# cannot share.
+
+# %%
 ctx = [0, 1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 1048576]
 models = [cfg.name] + (["kimi-k2"] if cfg.name != "kimi-k2" else [])
 cache = pd.DataFrame({m: [cache_bytes_per_sequence(m, t) / 1e9 for t in ctx] for m in models}, index=ctx)
@@ -180,24 +197,27 @@ fig_ctx.update_xaxes(type="log", title="context tokens")
 fig_ctx.update_yaxes(type="log", title="GB")
 fig_ctx.update_layout(template="plotly_white", height=460, title="Decode state per sequence, and bytes per token")
 save_html(fig_ctx, out / "cache_vs_context.html")
-fig_ctx"""),
-    ("md", """\
-## Published claims against the bound
+fig_ctx
 
-Each tokens/s figure implies a sustained bandwidth: one step gives each sequence one token, so
-`bandwidth = bytes per step × steps per second`. Divided by one chip's datasheet bandwidth it says how many chips
-at 100 % it would take; with the chip count (stated, or all 72 of an NVL72 when not) it gives the utilisation.
-Figures without a batch size are read at batch 1 (the least bytes, so the least bandwidth). Figures marked
-`verified = False` could not be found in their source here and are recorded with the citation text only. None of
-this includes communication (SemiAnalysis counts over 120 all-to-all exchanges per forward pass) or
-speculative decoding (several tokens per step), so it is a floor on what the systems must do, not a model of
-them."""),
-    ("code", """\
+# %% [markdown]
+# ## Published claims against the bound
+#
+# Each tokens/s figure implies a sustained bandwidth: one step gives each sequence one token, so
+# `bandwidth = bytes per step × steps per second`. Divided by one chip's datasheet bandwidth it says how many chips
+# at 100 % it would take; with the chip count (stated, or all 72 of an NVL72 when not) it gives the utilisation.
+# Figures without a batch size are read at batch 1 (the least bytes, so the least bandwidth). Figures marked
+# `verified = False` could not be found in their source here and are recorded with the citation text only. None of
+# this includes communication (SemiAnalysis counts over 120 all-to-all exchanges per forward pass) or
+# speculative decoding (several tokens per step), so it is a floor on what the systems must do, not a model of
+# them.
+
+# %%
 published = load_published()
 display(published[["id", "claim", "verified", "source_title", "source_url"]])
 vs = claims_vs_bound(cfg.name, expert_dtype="mxfp4", context_len=T_MID)
-display(vs.round(3))"""),
-    ("code", """\
+display(vs.round(3))
+
+# %%
 # "About 1.5 TB of HBM traffic per forward pass": at which batch size does one step move that much?
 target = 1.5e12
 rows = []
@@ -210,14 +230,16 @@ for dtype in ("mxfp4", "bf16"):
                          round(expected_distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, b), 1)})
 display(pd.DataFrame(rows))
 print(f"All weights at rest (every expert): {mxfp4.resident_weight_bytes / 1e9:,.3f} GB with MXFP4 experts, "
-      f"{bf16.resident_weight_bytes / 1e9:,.3f} GB in bf16")"""),
-    ("md", """\
-## Rooflines
+      f"{bf16.resident_weight_bytes / 1e9:,.3f} GB in bf16")
 
-Each block of the step at batch 1 and batch 64, timed at its own lower bound on an H200 and a GB300 (so the points
-sit on those rooflines), with this machine's measured copy bandwidth and matmul rate as a third set of ceilings.
-Recorded GPU measurements in `data/measurements/` appear as "recorded <date> <commit>" points when present."""),
-    ("code", """\
+# %% [markdown]
+# ## Rooflines
+#
+# Each block of the step at batch 1 and batch 64, timed at its own lower bound on an H200 and a GB300 (so the points
+# sit on those rooflines), with this machine's measured copy bandwidth and matmul rate as a third set of ceilings.
+# Recorded GPU measurements in `data/measurements/` appear as "recorded <date> <commit>" points when present.
+
+# %%
 local = local_hardware(measure_local(quick=True))
 print(local.name, f"{local.hbm_bandwidth / 1e9:.1f} GB/s copy, {local.compute_ceiling('fp32')[0] / 1e9:.1f} "
       "GFLOP/s fp32 matmul")
@@ -227,40 +249,34 @@ points = pd.concat([
 fig_roof = roofline_figure(points, hardware=["h200", "gb300", local], compute_dtypes=("bf16", "fp4"))
 save_html(fig_roof, out / "roofline.html")
 print(f"recorded measurements: {len(load_recorded())}")
-fig_roof"""),
-    ("md", """\
-## Latency roofline
+fig_roof
 
-The same bound as a user sees it: least milliseconds per step and most tokens per second per sequence, against
-batch size, for each chip (as many of them as it takes to hold the MXFP4 weights and the largest batch's cache;
-perfect parallelism, no communication) and each context length."""),
-    ("code", """\
+# %% [markdown]
+# ## Latency roofline
+#
+# The same bound as a user sees it: least milliseconds per step and most tokens per second per sequence, against
+# batch size, for each chip (as many of them as it takes to hold the MXFP4 weights and the largest batch's cache;
+# perfect parallelism, no communication) and each context length.
+
+# %%
 fig_lat = latency_roofline_figure(cfg, ["h200", "b200", "gb300"], batch_sizes, context_lens, "mxfp4")
 save_html(fig_lat, out / "latency_roofline.html")
-fig_lat"""),
-    ("md", """\
-## Explore
+fig_lat
 
-Change the preset, chip, batch, context and storage dtypes; the figure shows every block of the step at its bound
-on the chosen chip, and the line above it the step's totals. (With `anywidget` installed the figure is a live
-`FigureWidget`; without it the panel redraws a plain figure.)"""),
-    ("code", """\
+# %% [markdown]
+# ## Explore
+#
+# Change the preset, chip, batch, context and storage dtypes; the figure shows every block of the step at its bound
+# on the chosen chip, and the line above it the step's totals. (With `anywidget` installed the figure is a live
+# `FigureWidget`; without it the panel redraws a plain figure.)
+
+# %%
 panel = roofline_panel(cfg.name, "gb300", batch_size=1, context_len=T_MID, expert_dtype="mxfp4")
 display(panel)
-print(sorted(p.name for p in out.glob("*.html")))"""),
-    ("md", """\
-**Caveats.** Uniform routing (real routing is skewed; pass `routing=` ids for exact counts), no communication,
-perfect overlap, datasheet peaks (several entries carry a `note` where a figure is not from a datasheet), and
-activation traffic counted as one read and one write per block. Measured stages in later notebooks are placed
-against these bounds."""),
-]
+print(sorted(p.name for p in out.glob("*.html")))
 
-
-def build() -> nbformat.NotebookNode:
-    return from_pairs(CELLS)
-
-
-if __name__ == "__main__":
-    path = Path(__file__).with_name("02_memory_and_rooflines.ipynb")
-    nbformat.write(build(), str(path))
-    print(f"wrote {path}")
+# %% [markdown]
+# **Caveats.** Uniform routing (real routing is skewed; pass `routing=` ids for exact counts), no communication,
+# perfect overlap, datasheet peaks (several entries carry a `note` where a figure is not from a datasheet), and
+# activation traffic counted as one read and one write per block. Measured stages in later notebooks are placed
+# against these bounds.

@@ -1,25 +1,31 @@
-"""Writes 03_absorption_graphs_compile.ipynb (run from the repository root: python notebooks/_build_03.py)."""
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-import sys
-from pathlib import Path
+# %% [markdown]
+# # 03 · The first rungs: weight absorption, static caches, CUDA graphs, `torch.compile`
+#
+# Before any custom kernel, get everything PyTorch alone can give — measured, so every later gain is honest.
+#
+# * **`absorbed`**: MLA attention computed in the kv-LoRA latent space (§4.4); the cache holds only the latent
+#   vector and the shared key part; the KDA step updates a preallocated state in place; MoE indexes the stacked
+#   expert weights of the selected experts — no Python loop, no `.item()`, no host synchronisation, static shapes.
+# * **`graphs`**: that step captured once as a CUDA graph and replayed (GPU only).
+# * **`compiled`**: `torch.compile` of the step (on a GPU in "reduce-overhead" mode, which adds CUDA graphs) —
+#   the strongest PyTorch-only peer, kept in every benchmark table as the baseline to beat.
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from nbgen import code, md, write  # noqa: E402
-
-cells = [
-    md("""
-# 03 · The first rungs: weight absorption, static caches, CUDA graphs, `torch.compile`
-
-Before any custom kernel, get everything PyTorch alone can give — measured, so every later gain is honest.
-
-* **`absorbed`**: MLA attention computed in the kv-LoRA latent space (§4.4); the cache holds only the latent
-  vector and the shared key part; the KDA step updates a preallocated state in place; MoE indexes the stacked
-  expert weights of the selected experts — no Python loop, no `.item()`, no host synchronisation, static shapes.
-* **`graphs`**: that step captured once as a CUDA graph and replayed (GPU only).
-* **`compiled`**: `torch.compile` of the step (on a GPU in "reduce-overhead" mode, which adds CUDA graphs) —
-  the strongest PyTorch-only peer, kept in every benchmark table as the baseline to beat.
-"""),
-    code("""
+# %% tags=["parameters"]
 preset = "tiny"
 device = "auto"
 batch_size = 1
@@ -29,13 +35,14 @@ repeats = 5
 stages = ["naive", "absorbed", "compiled"]
 compile_setting = "quick"  # "quick" or "strongest" (on a CPU: minutes of compilation, see below)
 out_dir = "runs/03_absorption_graphs_compile"
-""", tags=["parameters"]),
-    code("""
+
+# %%
 from pathlib import Path
 
 import pandas as pd
 import plotly.express as px
 import torch
+from IPython.display import display
 
 import kimik3
 from kimik3.bench import run_bench
@@ -54,17 +61,17 @@ if dev == "cuda" and "graphs" not in stages:
 model = kimik3.from_preset(preset, seed=0, dtype=dtype, device=dev)
 cfg = model.config
 print(f"{preset} on {dev} ({dtype}); stages: {stages}")
-"""),
-    md("""
-## What absorption changes, in bytes and FLOPs
 
-Unabsorbed MLA has two options. Either it caches the expanded per-head keys and values
-(`nh·(qk+v)` values per token per layer: "naive" below), or it caches the compressed latent and re-expands it
-through `kv_b_proj` every step ("reexpand": what the reference code does, and our `naive` stage). Absorption
-multiplies `W_UK` into the query and `W_UV` into the output, so attention reads the 576-wide compressed cache
-directly. The cost model counts all three from the model's own shapes — here for the full K3 at 8K context.
-"""),
-    code("""
+# %% [markdown]
+# ## What absorption changes, in bytes and FLOPs
+#
+# Unabsorbed MLA has two options. Either it caches the expanded per-head keys and values
+# (`nh·(qk+v)` values per token per layer: "naive" below), or it caches the compressed latent and re-expands it
+# through `kv_b_proj` every step ("reexpand": what the reference code does, and our `naive` stage). Absorption
+# multiplies `W_UK` into the query and `W_UV` into the output, so attention reads the 576-wide compressed cache
+# directly. The cost model counts all three from the model's own shapes — here for the full K3 at 8K context.
+
+# %%
 rows = []
 for name in ("kimi-k3", preset):
     for form in ("naive", "reexpand", "absorbed"):
@@ -80,14 +87,15 @@ fig = px.bar(forms, x="mla form", y="MLA FLOPs/step (GFLOP)", color="model", bar
 save_html(fig, out / "mla_forms.html")
 fig.show()
 forms.round(3)
-"""),
-    md("""
-## The cache: latent vs expanded
 
-Per MLA layer and token the absorbed cache holds `kv_lora_rank + qk_rope_head_dim` values; an expanded cache
-holds `num_heads · (qk_head_dim + v_head_dim)`. Both numbers come from the config.
-"""),
-    code("""
+
+# %% [markdown]
+# ## The cache: latent vs expanded
+#
+# Per MLA layer and token the absorbed cache holds `kv_lora_rank + qk_rope_head_dim` values; an expanded cache
+# holds `num_heads · (qk_head_dim + v_head_dim)`. Both numbers come from the config.
+
+# %%
 def cache_row(name):
     c = kimik3.get_preset(name)
     latent = c.kv_lora_rank + c.qk_rope_head_dim
@@ -98,14 +106,14 @@ def cache_row(name):
             "expanded bytes/token (bf16, all layers)": 2 * expanded * len(c.mla_layers)}
 
 pd.DataFrame([cache_row(n) for n in ("kimi-k3", "kimi-k2", preset)]).round(1)
-"""),
-    md("""
-## Same answers first
 
-Each stage is compared with `naive` on fresh random prompts (right-padded to different lengths) with the rules of
-`validation.md`: in fp32 the same greedy tokens and `e ≤ 1e-4` per step; in bf16 teacher-forced `e ≤ 3e-2`.
-"""),
-    code("""
+# %% [markdown]
+# ## Same answers first
+#
+# Each stage is compared with `naive` on fresh random prompts (right-padded to different lengths) with the rules of
+# `validation.md`: in fp32 the same greedy tokens and `e ≤ 1e-4` per step; in bf16 teacher-forced `e ≤ 3e-2`.
+
+# %%
 checks = []
 for st in stages:
     if st == "naive":
@@ -116,16 +124,16 @@ for st in stages:
     checks.append({"stage": st, "mode": r.mode, "max e": r.max_error, "tolerance": r.tolerance,
                    "tokens equal": r.tokens_equal, "passed": r.passed})
 pd.DataFrame(checks)
-"""),
-    md("""
-## Launches per token
 
-The profiler counts what one decode step dispatches: on a CPU, top-level ATen operators (each a kernel launch on
-a GPU in eager mode); on a GPU, the CUDA kernels themselves. A captured graph replays the whole step with one
-launch call; `torch.compile` fuses elementwise chains into generated kernels. The traces (Chrome/Perfetto JSON)
-land in the run folder, one per stage, to open side by side.
-"""),
-    code("""
+# %% [markdown]
+# ## Launches per token
+#
+# The profiler counts what one decode step dispatches: on a CPU, top-level ATen operators (each a kernel launch on
+# a GPU in eager mode); on a GPU, the CUDA kernels themselves. A captured graph replays the whole step with one
+# launch call; `torch.compile` fuses elementwise chains into generated kernels. The traces (Chrome/Perfetto JSON)
+# land in the run folder, one per stage, to open side by side.
+
+# %%
 launches = []
 g = torch.Generator().manual_seed(0)
 ids = torch.randint(0, cfg.vocab_size, (batch_size, 16), generator=g).to(dev)
@@ -133,7 +141,7 @@ for st in stages:
     opts = {"prefill": "chunked"} if st == "naive" else {}
     dec = kimik3.Decoder(model, st, batch_size=batch_size, max_seq_len=64, **opts)
     nxt = dec.prefill(ids).argmax(-1)
-    oc = count_ops(lambda: dec.step(nxt), calls=3, trace_path=out / f"trace_{st}.json", warmup=2)
+    oc = count_ops(lambda dec=dec, nxt=nxt: dec.step(nxt), calls=3, trace_path=out / f"trace_{st}.json", warmup=2)
     launches.append({"stage": st, "backend": oc.backend, "operators/step": oc.operators_per_call,
                      "launches/step": oc.launches_per_call, "trace": Path(oc.trace_path).name})
 launches = pd.DataFrame(launches)
@@ -141,21 +149,21 @@ fig = px.bar(launches, x="stage", y="launches/step", title="kernel launches (GPU
 save_html(fig, out / "launches.html")
 fig.show()
 launches
-"""),
-    md("""
-## Time per token, side by side
 
-One process, one machine, the same weights: ms per decode step (median over repeats, interleaved across the
-stages so drift in the machine's speed hits all of them alike; warm-up and compilation excluded), achieved GB/s
-(cost-model bytes over time), % of this machine's measured copy bandwidth, speedups, and each stage's first-step
-logits against `naive` (`rel_err_vs_naive`: a fast row that computes something else would show it).
+# %% [markdown]
+# ## Time per token, side by side
+#
+# One process, one machine, the same weights: ms per decode step (median over repeats, interleaved across the
+# stages so drift in the machine's speed hits all of them alike; warm-up and compilation excluded), achieved GB/s
+# (cost-model bytes over time), % of this machine's measured copy bandwidth, speedups, and each stage's first-step
+# logits against `naive` (`rel_err_vs_naive`: a fast row that computes something else would show it).
+#
+# `compile_setting = "quick"` compiles with the default Inductor settings (seconds). `"strongest"` is what the
+# benchmark CLI holds up as the baseline (`kimik3.bench.strongest_compile_options`): on a CPU, Inductor *freezing*
+# (weights become constants, pre-packed for the GEMM micro-kernels), autotuned GEMM templates and a C++ wrapper —
+# minutes of compilation on two cores, so the recorded run below used it and this notebook does not by default.
 
-`compile_setting = "quick"` compiles with the default Inductor settings (seconds). `"strongest"` is what the
-benchmark CLI holds up as the baseline (`kimik3.bench.strongest_compile_options`): on a CPU, Inductor *freezing*
-(weights become constants, pre-packed for the GEMM micro-kernels), autotuned GEMM templates and a C++ wrapper —
-minutes of compilation on two cores, so the recorded run below used it and this notebook does not by default.
-"""),
-    code("""
+# %%
 from kimik3.bench import strongest_compile_options
 
 copts = strongest_compile_options(dev) if compile_setting == "strongest" or dev == "cuda" else {"mode": "default"}
@@ -171,15 +179,15 @@ shown = table[[c for c in cols if c in table]].round(3)
 if "rel_err_vs_naive" in table:  # too small for three decimals
     shown["rel_err_vs_naive"] = table["rel_err_vs_naive"].map(lambda e: f"{e:.1e}")
 shown
-"""),
-    md("""
-## The ladder so far on the roofline
 
-Each stage's measured step as one point (its FLOPs and bytes from the cost model, its measured time), against this
-machine's measured ceilings and the H200's. Points recorded on other machines (`data/measurements/`) are labelled
-with their date and commit; GPU rows not yet measured are stated as such.
-"""),
-    code("""
+# %% [markdown]
+# ## The ladder so far on the roofline
+#
+# Each stage's measured step as one point (its FLOPs and bytes from the cost model, its measured time), against this
+# machine's measured ceilings and the H200's. Points recorded on other machines (`data/measurements/`) are labelled
+# with their date and commit; GPU rows not yet measured are stated as such.
+
+# %%
 from kimik3.hardware import local_hardware, measure_local
 
 local = local_hardware(measure_local(device=dev, quick=True))
@@ -196,19 +204,19 @@ fig = roofline_figure(pts, hardware=[local, "h200"], compute_dtypes=("fp32", "bf
                       title="decode step per stage (measured here) vs ceilings")
 save_html(fig, out / "roofline_ladder.html")
 fig.show()
-"""),
-    md("""
-## Recorded: the benchmark CLI's committed runs
 
-`python -m kimik3 bench` writes its table with provenance (commit, machine, versions, load average) in the
-`data/measurements/` format; the committed runs are shown here as recorded — not re-measured by this notebook.
-On the CPU, tiny at batch 1 is bound by reading ~117 MB of fp32 weights per step: `absorbed` removes the per-step
-re-expansion of the cache and the expert loop, but on a CPU the hundreds of small operators per step cost about as
-much as it saves; compiling the step (fused element-wise work, pre-packed GEMMs, no Python between kernels) is
-what moves it. The GPU rows of this ladder (`k3-shard`, bf16, batch 1 and 8) are not yet measured: no GPU has been
-lent to this project so far (`data/measurements/gpu_outstanding.json`).
-"""),
-    code("""
+# %% [markdown]
+# ## Recorded: the benchmark CLI's committed runs
+#
+# `python -m kimik3 bench` writes its table with provenance (commit, machine, versions, load average) in the
+# `data/measurements/` format; the committed runs are shown here as recorded — not re-measured by this notebook.
+# On the CPU, tiny at batch 1 is bound by reading ~117 MB of fp32 weights per step: `absorbed` removes the per-step
+# re-expansion of the cache and the expert loop, but on a CPU the hundreds of small operators per step cost about as
+# much as it saves; compiling the step (fused element-wise work, pre-packed GEMMs, no Python between kernels) is
+# what moves it. The GPU rows of this ladder (`k3-shard`, bf16, batch 1 and 8) are not yet measured: no GPU has been
+# lent to this project so far (`data/measurements/gpu_outstanding.json`).
+
+# %%
 rec = load_recorded()
 bench_rec = rec[rec["source"] == "kimik3.bench"] if "source" in rec else rec.iloc[:0]
 if bench_rec.empty:
@@ -226,7 +234,3 @@ else:
                  title="recorded: ms per decode step (CPU, batch 1, context 512)", hover_data=["label"])
     save_html(fig, out / "recorded_bench.html")
     fig.show()
-"""),
-]
-
-write(str(Path(__file__).resolve().parent / "03_absorption_graphs_compile.ipynb"), cells)

@@ -1,49 +1,48 @@
-"""Writes notebooks/04_fused_kernels.ipynb (no outputs; first code cell tagged ``parameters``).
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-Run from the repository root: ``python notebooks/_build_04.py``. Edit the cells here, not in the notebook, so the
-committed notebook stays output-free and reviewable. Headless:
-``papermill notebooks/04_fused_kernels.ipynb out.ipynb -p compile_kernels False -p out_dir /tmp/run04``.
-"""
+# %% [markdown]
+# # 04 · Fused kernels: one decode step from hand-written CuTe DSL kernels
+#
+# Notebook 03 took PyTorch as far as it goes: the absorbed step, captured as a CUDA graph or compiled. It is still a
+# few hundred small kernels per token, most of them re-reading an activation the previous one just wrote. The
+# **fused** stage (`kimik3/stages/fused.py`) composes the step from the decode kernels in `kernels/`
+# (`kernels/README.md`), each one built around the only thing that matters at small batch: **streaming weight bytes
+# at full bandwidth, with the cheap work done on the bytes already in registers.**
+#
+# One section per kernel: the idea, the code (from `kernels/`), PTX highlights compiled here for `sm_90a` (the DSL
+# carries its own NVVM and ptxas, no GPU needed), the register / shared-memory report, the bytes one call moves (from
+# the kernel's own shapes) and where that puts it on the roofline. Then the composed step and the ladder so far.
+#
+# **Status.** Everything here compiles and is checked on a CPU: the composition (each kernel replaced by its
+# PyTorch reference) matches the model, and every launch matches its compiled signature
+# (`tests/test_fused_stage.py`). **No kernel has run on a GPU yet**: every time below is an analytic bound unless
+# it is labelled *recorded*; the GPU measurements issue 5 asks for are listed in
+# `data/measurements/gpu_outstanding.json` and are taken by `bash scripts/device_check.sh` on a lent GPU.
+#
+# Run headless: `papermill notebooks/04_fused_kernels.ipynb out.ipynb -p compile_kernels False -p out_dir /tmp/run04`
+# (`compile_kernels=False` shows PTX from a cached build if there is one, else says compilation was skipped).
 
-from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-
-from nbgen import code, md, write  # noqa: E402
-
-CELLS = [
-    md("""
-# 04 · Fused kernels: one decode step from hand-written CuTe DSL kernels
-
-Notebook 03 took PyTorch as far as it goes: the absorbed step, captured as a CUDA graph or compiled. It is still a
-few hundred small kernels per token, most of them re-reading an activation the previous one just wrote. The
-**fused** stage (`kimik3/stages/fused.py`) composes the step from the decode kernels in `kernels/`
-(`kernels/README.md`), each one built around the only thing that matters at small batch: **streaming weight bytes
-at full bandwidth, with the cheap work done on the bytes already in registers.**
-
-One section per kernel: the idea, the code (from `kernels/`), PTX highlights compiled here for `sm_90a` (the DSL
-carries its own NVVM and ptxas, no GPU needed), the register / shared-memory report, the bytes one call moves (from
-the kernel's own shapes) and where that puts it on the roofline. Then the composed step and the ladder so far.
-
-**Status.** Everything here compiles and is checked on a CPU: the composition (each kernel replaced by its
-PyTorch reference) matches the model, and every launch matches its compiled signature
-(`tests/test_fused_stage.py`). **No kernel has run on a GPU yet**: every time below is an analytic bound unless
-it is labelled *recorded*; the GPU measurements issue 5 asks for are listed in
-`data/measurements/gpu_outstanding.json` and are taken by `bash scripts/device_check.sh` on a lent GPU.
-
-Run headless: `papermill notebooks/04_fused_kernels.ipynb out.ipynb -p compile_kernels False -p out_dir /tmp/run04`
-(`compile_kernels=False` shows PTX from a cached build if there is one, else says compilation was skipped)."""),
-    code("""
+# %% tags=["parameters"]
 compile_kernels = True
 preset = "k3-shard"
 out_dir = "runs/04_fused_kernels"
 batch = 1
-context = 1024""", tags=["parameters"]),
-    code("""
+context = 1024
+
+# %%
 import inspect
 import json
 import re
@@ -83,8 +82,9 @@ outstanding = json.loads(resolve_data_path("data/measurements/gpu_outstanding.js
 HAVE_DSL = dsl_available()
 print(f"{cfg.name}, batch {batch}, context {context}: {sum(program.kind == 'kernel')} kernel launches, "
       f"{sum(program.kind == 'glue')} glue ops, {len(step.ops)} distinct compiled ops; CuTe DSL installed: {HAVE_DSL}; "
-      f"compile_kernels={compile_kernels}; recorded measurements: {len(recorded)}")"""),
-    code("""
+      f"compile_kernels={compile_kernels}; recorded measurements: {len(recorded)}")
+
+# %%
 # Helpers shared by the kernel sections: source, PTX highlights, resources, bytes, recorded measurements.
 FEATURES = {
     "ld.global.nc.v4": "16-byte read-only loads (weights, caches): the loads in flight",
@@ -140,7 +140,7 @@ def get_build(op):
 def show_source(*functions):
     for f in functions:
         src = inspect.getsource(f)
-        display(Markdown(f"`{f.__module__}.{f.__name__}` ({len(src.splitlines())} lines)\\n```python\\n{src}```"))
+        display(Markdown(f"`{f.__module__}.{f.__name__}` ({len(src.splitlines())} lines)\n```python\n{src}```"))
 
 
 def ptx_highlights(ptx):
@@ -162,10 +162,10 @@ def hot_loop_excerpt(ptx, n=16):
     for ln in lines[first:]:
         if "ld.global" in ln:
             burst += 1
-        elif re.search(r"\\b(fma|mul|add|sub)\\.(rn\\.)?f32", ln):
+        elif re.search(r"\b(fma|mul|add|sub)\.(rn\.)?f32", ln):
             break
-    body = "\\n".join(lines[max(0, first - 2):first + n])
-    return f"{burst} global loads issued before the first arithmetic instruction:\\n{body}"
+    body = "\n".join(lines[max(0, first - 2):first + n])
+    return f"{burst} global loads issued before the first arithmetic instruction:\n{body}"
 
 
 def measured_rows(launch_name):
@@ -186,12 +186,12 @@ def kernel_section(launch_name, *functions):
     display(Markdown(f"*PTX / ptxas*: {how}"))
     if res is not None:
         ptx = res["ptx"]
-        target = re.search(r"^\\.target\\s+(\\S+)", ptx, re.M)
+        target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
         display(Markdown(f"`.target {target.group(1) if target else '?'}`, {len(ptx.splitlines()):,} PTX lines"))
         display(ptx_highlights(ptx))
-        display(Markdown(f"```\\n{hot_loop_excerpt(ptx)}\\n```"))
+        display(Markdown(f"```\n{hot_loop_excerpt(ptx)}\n```"))
         rk = pd.DataFrame(res["kernels"])
-        rk["kernel"] = rk["name"].str.replace(r"^kernel_cutlass_(\\w+?_kernel).*", r"\\1", regex=True)
+        rk["kernel"] = rk["name"].str.replace(r"^kernel_cutlass_(\w+?_kernel).*", r"\1", regex=True)
         b = op.budget
         rk["budget"] = f"<= {b.max_registers} regs, 0 spills, <= {b.max_shared_bytes} B smem"
         display(rk[["kernel", "registers", "spill_stores", "spill_loads", "stack", "shared_bytes", "budget"]])
@@ -216,17 +216,20 @@ def kernel_section(launch_name, *functions):
             stale = (h != now) if isinstance(h, str) else bool(src_date and str(r["date"]) < src_date)
             flag = " — **stale: measured an older kernel source**" if stale else ""
             display(Markdown(f"*Measured* ({r['label']}, {r['device']}): {r['seconds'] * 1e6:,.1f} µs, "
-                             f"{r['bytes'] / r['seconds'] / 1e9:,.0f} GB/s{flag}"))"""),
-    md("""
-## The composed step
+                             f"{r['bytes'] / r['seconds'] / 1e9:,.0f} GB/s{flag}"))
 
-Every launch of one decode step, in order. *kernel* rows are the CuTe DSL ops (several launches share one compiled
-op when their shapes agree: the KDA and MLA o-proj, the four MoE layers' routers ...); *glue* rows are the few
-PyTorch ops left between them (embedding gather, the RMSNorm that the router and expert kernels need as input,
-the MLA latent norm + cache append, the MLA output gate, residual adds). Bytes are the fewest the launch must
-move, from its own shapes (`kimik3.stages.fused.launch_bytes`: routed experts counted only for the experts a
-uniform routing is expected to touch; MLA reading `context` cache rows)."""),
-    code("""
+
+# %% [markdown]
+# ## The composed step
+#
+# Every launch of one decode step, in order. *kernel* rows are the CuTe DSL ops (several launches share one compiled
+# op when their shapes agree: the KDA and MLA o-proj, the four MoE layers' routers ...); *glue* rows are the few
+# PyTorch ops left between them (embedding gather, the RMSNorm that the router and expert kernels need as input,
+# the MLA latent norm + cache append, the MLA output gate, residual adds). Bytes are the fewest the launch must
+# move, from its own shapes (`kimik3.stages.fused.launch_bytes`: routed experts counted only for the experts a
+# uniform routing is expected to touch; MLA reading `context` cache rows).
+
+# %%
 view = program[["launch", "kind", "family", "bytes", "flops", "note"]].copy()
 view["MB"] = view["bytes"] / 1e6
 view["µs at H200 BW"] = view["bytes"] / H200.hbm_bandwidth * 1e6
@@ -243,92 +246,105 @@ fig.update_yaxes(type="log", title="MB moved per call (log)")
 fig.update_layout(title=f"{cfg.name}: bytes per launch of one fused decode step (B={batch}, context {context})",
                   template="plotly_white", height=480, xaxis_tickangle=-60)
 save_html(fig, out / "step_bytes_per_launch.html")
-fig"""),
-    md("""
-## 1 · GEMV with the RMSNorm fused in (`gemv.rmsnorm`, also `plain`, `residual`)
+fig
 
-At batch 1 a projection is a matrix-vector product: every weight byte is used for exactly one multiply-add per
-token, so the kernel is a memory copy with arithmetic hidden in it. The design (guide §2, §3.1):
+# %% [markdown]
+# ## 1 · GEMV with the RMSNorm fused in (`gemv.rmsnorm`, also `plain`, `residual`)
+#
+# At batch 1 a projection is a matrix-vector product: every weight byte is used for exactly one multiply-add per
+# token, so the kernel is a memory copy with arithmetic hidden in it. The design (guide §2, §3.1):
+#
+# * **one warp per output row**; lane `l` owns the 16-byte chunks `l, l+32, ...` of the row, so one warp-wide load
+#   reads 512 contiguous bytes (`ld.global.nc.v4`, the read-only path);
+# * **loads in flight**: each loop step issues all `UNROLL = 4` weight loads per lane before the first FMA — 64 bytes
+#   per lane, 8 KiB per CTA — and several CTAs per SM supply the rest of the memory-level parallelism;
+# * **no tile padding at small batch**: each token is one fp32 accumulator per warp; up to 16 tokens share one pass
+#   over the weights (larger batches are split into tiles on the fastest grid dimension, so the CTAs re-reading the
+#   same rows run together and hit L2);
+# * **the norm is free**: Σx² is accumulated from the very x chunks each warp loads for the dot product, and
+#   rstd is applied once to the finished row sum — no separate RMSNorm kernel, no normalised copy of x. The
+#   `residual` variant adds the residual stream in the epilogue (o-proj writes `p + o·Wᵀ` in place).
 
-* **one warp per output row**; lane `l` owns the 16-byte chunks `l, l+32, ...` of the row, so one warp-wide load
-  reads 512 contiguous bytes (`ld.global.nc.v4`, the read-only path);
-* **loads in flight**: each loop step issues all `UNROLL = 4` weight loads per lane before the first FMA — 64 bytes
-  per lane, 8 KiB per CTA — and several CTAs per SM supply the rest of the memory-level parallelism;
-* **no tile padding at small batch**: each token is one fp32 accumulator per warp; up to 16 tokens share one pass
-  over the weights (larger batches are split into tiles on the fastest grid dimension, so the CTAs re-reading the
-  same rows run together and hit L2);
-* **the norm is free**: Σx² is accumulated from the very x chunks each warp loads for the dot product, and
-  rstd is applied once to the finished row sum — no separate RMSNorm kernel, no normalised copy of x. The
-  `residual` variant adds the residual stream in the epilogue (o-proj writes `p + o·Wᵀ` in place)."""),
-    code("""
+# %%
 from kimik3.kernels import gemv
 
-kernel_section("L0.kda.qkv", gemv.gemv_kernel, gemv.row_dot, gemv._dot_step)"""),
-    md("""
-## 2 · Final norm + lm_head + arg-max (`gemv.lm_head`)
+kernel_section("L0.kda.qkv", gemv.gemv_kernel, gemv.row_dot, gemv._dot_step)
 
-The largest single weight of a k3-shard step (163,840 × 7,168 bf16 = 2.35 GB). Each warp walks 8 vocabulary rows,
-the RMSNorm scale is computed once per warp, fp32 logits are written (the stage returns them), and a per-CTA
-arg-max goes through 256 bytes of shared memory with one barrier; a second tiny kernel reduces the per-CTA partials
-(ties → lowest token id, deterministic, no atomics)."""),
-    code("""
-kernel_section("lm_head", gemv.lm_head_kernel, gemv.argmax_kernel)"""),
-    md("""
-## 3 · Router: sigmoid scores, biased top-k, on the device (`router`)
+# %% [markdown]
+# ## 2 · Final norm + lm_head + arg-max (`gemv.lm_head`)
+#
+# The largest single weight of a k3-shard step (163,840 × 7,168 bf16 = 2.35 GB). Each warp walks 8 vocabulary rows,
+# the RMSNorm scale is computed once per warp, fp32 logits are written (the stage returns them), and a per-CTA
+# arg-max goes through 256 bytes of shared memory with one barrier; a second tiny kernel reduces the per-CTA partials
+# (ties → lowest token id, deterministic, no atomics).
 
-The gate GEMV with a sigmoid epilogue, then one warp per token keeps ⌈E/32⌉ scores per lane and runs k rounds of
-"local arg-max, butterfly arg-max across the warp, the owner retires the winner" (guide §4). The expert ids and
-renormalised weights never leave the GPU: the MoE kernel reads them directly, so there is no host sync and the
-step stays capturable as one CUDA graph."""),
-    code("""
+# %%
+kernel_section("lm_head", gemv.lm_head_kernel, gemv.argmax_kernel)
+
+# %% [markdown]
+# ## 3 · Router: sigmoid scores, biased top-k, on the device (`router`)
+#
+# The gate GEMV with a sigmoid epilogue, then one warp per token keeps ⌈E/32⌉ scores per lane and runs k rounds of
+# "local arg-max, butterfly arg-max across the warp, the owner retires the winner" (guide §4). The expert ids and
+# renormalised weights never leave the GPU: the MoE kernel reads them directly, so there is no host sync and the
+# step stays capturable as one CUDA graph.
+
+# %%
 from kimik3.kernels import router
 
-kernel_section("L0.moe.router", router.topk_kernel)"""),
-    md("""
-## 4 · KDA decode step (`kda`)
+kernel_section("L0.moe.router", router.topk_kernel)
 
-Everything of one KDA head for one token in one 256-thread CTA: the short conv over the projection history
-(shifted in place), SiLU, the per-channel decay gate, l2 norms, the gated delta rule on the fp32 state and the
-gated RMSNorm of the output. The state (dk × dv × 4 bytes per head, 64 KiB at K3 widths) is the cost: each thread
-loads its 16 × 4 block with back-to-back `ld.global.v4.f32`, decays it, updates it and stores it once. The read of
-the updated state needs no second pass: o = p + (q·k̂)·δ."""),
-    code("""
+# %% [markdown]
+# ## 4 · KDA decode step (`kda`)
+#
+# Everything of one KDA head for one token in one 256-thread CTA: the short conv over the projection history
+# (shifted in place), SiLU, the per-channel decay gate, l2 norms, the gated delta rule on the fp32 state and the
+# gated RMSNorm of the output. The state (dk × dv × 4 bytes per head, 64 KiB at K3 widths) is the cost: each thread
+# loads its 16 × 4 block with back-to-back `ld.global.v4.f32`, decays it, updates it and stores it once. The read of
+# the updated state needs no second pass: o = p + (q·k̂)·δ.
+
+# %%
 from kimik3.kernels import kda
 
-kernel_section("L0.kda.step", kda.kda_kernel)"""),
-    md("""
-## 5 · MLA in the latent space: flash-decoding split + combine (`mla`), absorption as a per-head GEMV
+kernel_section("L0.kda.step", kda.kda_kernel)
 
-With the weights absorbed (spec §4.4) all 96 heads attend over one shared cache row per token of
-`kv_lora + rope = 576` values (1,152 bytes), so the cache is read once for all heads. The split kernel gives each
-CTA a slice of the sequence and 2 heads per warp, loads 4 cache rows before any math, and keeps an online softmax
-in the log2 domain (`ex2.approx`); the combine kernel merges the per-split (m, l, o) partials.
+# %% [markdown]
+# ## 5 · MLA in the latent space: flash-decoding split + combine (`mla`), absorption as a per-head GEMV
+#
+# With the weights absorbed (spec §4.4) all 96 heads attend over one shared cache row per token of
+# `kv_lora + rope = 576` values (1,152 bytes), so the cache is read once for all heads. The split kernel gives each
+# CTA a slice of the sequence and 2 heads per warp, loads 4 cache rows before any math, and keeps an online softmax
+# in the log2 domain (`ex2.approx`); the combine kernel merges the per-split (m, l, o) partials.
+#
+# The absorption itself, q_lat = W_UKᵀ q_nope and o = W_UV o_lat, is a GEMV whose weight differs per head. It reuses
+# the MoE expert kernel with a constant routing (head h = expert h; `kernels/moe.py: head_gemv`). The W_UK weight is
+# augmented with an identity block for the 64 rope dimensions, so one launch writes the complete MLA query
+# `[q_lat ; q_rope]` (8.6 MB more weight read per MLA layer, no copy kernel).
 
-The absorption itself, q_lat = W_UKᵀ q_nope and o = W_UV o_lat, is a GEMV whose weight differs per head. It reuses
-the MoE expert kernel with a constant routing (head h = expert h; `kernels/moe.py: head_gemv`). The W_UK weight is
-augmented with an identity block for the 64 rope dimensions, so one launch writes the complete MLA query
-`[q_lat ; q_rope]` (8.6 MB more weight read per MLA layer, no copy kernel)."""),
-    code("""
+# %%
 from kimik3.kernels import mla_decode, moe
 
 kernel_section("L3.mla.attn", mla_decode.mla_split_kernel, mla_decode.mla_combine_kernel)
-kernel_section("L3.mla.w_uk", moe.head_gemv)"""),
-    md("""
-## 6 · Routed experts: grouped GEMV over the selected experts only (`moe.bf16`, `moe.mxfp4`)
+kernel_section("L3.mla.w_uk", moe.head_gemv)
 
-Four kernels in one op: *align* (one warp sorts the B·k (token, slot) pairs by expert with `match.any.sync`, no
-atomics), *gate/up* (a warp owns row i of w1 and w3 of one active expert and walks that expert's tokens in tiles:
-each expert's weights are streamed once per tile, never once per token; SiTU-GLU in fp32), *down*, and the fp32
-*combine*. Grid slots past the number of active experts exit at once: at batch 1 only the 16 selected experts of
-56 are read.
+# %% [markdown]
+# ## 6 · Routed experts: grouped GEMV over the selected experts only (`moe.bf16`, `moe.mxfp4`)
+#
+# Four kernels in one op: *align* (one warp sorts the B·k (token, slot) pairs by expert with `match.any.sync`, no
+# atomics), *gate/up* (a warp owns row i of w1 and w3 of one active expert and walks that expert's tokens in tiles:
+# each expert's weights are streamed once per tile, never once per token; SiTU-GLU in fp32), *down*, and the fp32
+# *combine*. Grid slots past the number of active experts exit at once: at batch 1 only the 16 selected experts of
+# 56 are read.
+#
+# MXFP4 (`expert_format="mxfp4"`, packed once at stage construction): one 16-byte load is exactly one 32-column scale
+# group; the E2M1 codes are expanded in registers by masking them into fp16 (`(c & 7) << 9`, exact) and the group
+# scale is applied once per 32-column dot product — 4.25 bits per weight read instead of 16. Dense MLPs and the
+# shared experts run through the same kernel as a one-expert MoE that every token picks with weight 1.
 
-MXFP4 (`expert_format="mxfp4"`, packed once at stage construction): one 16-byte load is exactly one 32-column scale
-group; the E2M1 codes are expanded in registers by masking them into fp16 (`(c & 7) << 9`, exact) and the group
-scale is applied once per 32-column dot product — 4.25 bits per weight read instead of 16. Dense MLPs and the
-shared experts run through the same kernel as a one-expert MoE that every token picks with weight 1."""),
-    code("""
-kernel_section("L0.moe.experts", moe.expert_gemv_kernel, moe._bf16_step)"""),
-    code("""
+# %%
+kernel_section("L0.moe.experts", moe.expert_gemv_kernel, moe._bf16_step)
+
+# %%
 from dataclasses import replace
 
 ln16 = launches["L0.moe.experts"]
@@ -345,27 +361,31 @@ print(f"per expert: {w16 / 1e6:.1f} MB in bf16, {w16 * 4.25 / 16 / 1e6:.1f} MB i
       f"(bytes ratio {4.25 / 16:.3f} by construction; the time ratio is a GPU measurement, outstanding unless "
       "recorded)")
 rec4 = recorded[recorded["block"].isin(["experts:bf16", "experts:mxfp4"])] if not recorded.empty else recorded
-display(rec4 if not rec4.empty else Markdown("*MXFP4 vs bf16 expert time*: **GPU measurement outstanding**."))"""),
-    md("""
-## 7 · Attention Residuals mix (`attn_res`)
+display(rec4 if not rec4.empty else Markdown("*MXFP4 vs bf16 expert time*: **GPU measurement outstanding**."))
 
-K3 replaces the additive residual with a softmax over depth of the block sums (spec §2.2). One CTA per token: all
-candidates' chunks are loaded up front and kept in registers (≤ 4 candidates), Σv² and Σv·ω are reduced with one
-barrier, the softmax over the few candidates is recomputed per thread, and the mix reuses the registers: every
-candidate byte is read once. In the fused step the candidates live in one `[slots + 1, B, H]` buffer, so every mix
-reads a contiguous prefix and a block boundary needs no copy."""),
-    code("""
+# %% [markdown]
+# ## 7 · Attention Residuals mix (`attn_res`)
+#
+# K3 replaces the additive residual with a softmax over depth of the block sums (spec §2.2). One CTA per token: all
+# candidates' chunks are loaded up front and kept in registers (≤ 4 candidates), Σv² and Σv·ω are reduced with one
+# barrier, the softmax over the few candidates is recomputed per thread, and the mix reuses the registers: every
+# candidate byte is read once. In the fused step the candidates live in one `[slots + 1, B, H]` buffer, so every mix
+# reads a contiguous prefix and a block boundary needs no copy.
+
+# %%
 from kimik3.kernels import attn_res
 
-kernel_section("L0.attn_res.mlp", attn_res.attn_res_kernel)"""),
-    md("""
-## Roofline position of every kernel
+kernel_section("L0.attn_res.mlp", attn_res.attn_res_kernel)
 
-Each distinct op of the step at its analytic bound on an H200 (bytes ÷ datasheet bandwidth, or FLOPs ÷ peak if
-larger): all of them sit far left of the ridge point, i.e. bandwidth-bound, which is why bytes per call is the
-number every section reports. Recorded kernel measurements (if any) are added as diamonds, labelled with their
-date and commit."""),
-    code("""
+# %% [markdown]
+# ## Roofline position of every kernel
+#
+# Each distinct op of the step at its analytic bound on an H200 (bytes ÷ datasheet bandwidth, or FLOPs ÷ peak if
+# larger): all of them sit far left of the ridge point, i.e. bandwidth-bound, which is why bytes per call is the
+# number every section reports. Recorded kernel measurements (if any) are added as diamonds, labelled with their
+# date and commit.
+
+# %%
 pts = []
 for key, op in step.ops.items():
     ln = next(x for x in step.program if x.op is not None and x.op.key == key)
@@ -389,13 +409,15 @@ if not kern_rec.empty:
 fig = roofline_figure(pts, hardware=("h200",), recorded=False, label_points=False,
                       title=f"{cfg.name} fused kernels at their bound on an H200 (B={batch}, context {context})")
 save_html(fig, out / "kernels_roofline.html")
-fig"""),
-    md("""
-## The ladder so far
+fig
 
-Recorded whole-step times (`data/measurements/*.json`, block `step`) for this preset, next to the analytic bound of
-the step. Stage `fused` is the row this notebook is about; `compiled` is the strongest PyTorch-only peer."""),
-    code("""
+# %% [markdown]
+# ## The ladder so far
+#
+# Recorded whole-step times (`data/measurements/*.json`, block `step`) for this preset, next to the analytic bound of
+# the step. Stage `fused` is the row this notebook is about; `compiled` is the strongest PyTorch-only peer.
+
+# %%
 from kimik3.cost import decode_cost
 
 steps = recorded[(recorded["block"] == "step") & (recorded["preset"] == cfg.name)] if not recorded.empty else recorded
@@ -415,26 +437,18 @@ else:
         fig.add_trace(go.Bar(x=d["stage"], y=d["seconds"] * 1e3, name=f"B={b}", text=d["label"]))
     fig.update_layout(title=f"{cfg.name}: recorded ms per token", template="plotly_white", yaxis_title="ms")
     save_html(fig, out / "ladder.html")
-    display(fig)"""),
-    md("""
-## Running it on a GPU
+    display(fig)
 
-```python
-model = kimik3.from_preset("k3-shard", dtype=torch.bfloat16, device="cuda")
-dec = kimik3.Decoder(model, "fused", batch_size=1, max_seq_len=1024)            # or expert_format="mxfp4"
-```
-Kernels come from the CuTe DSL JIT when it is installed next to the GPU, else from a prebuilt directory
-(`prebuilt=DIR` or `$KIMIK3_PREBUILT`, built on a CPU machine with
-`python -m kimik3.device_check --build-prebuilt prebuilt`). On a CPU, for a shape without a kernel (`micro`'s
-head dim 16) or without a usable prebuilt kernel for the GPU's architecture, the stage refuses with a ValueError
-that says why. The measurements issue 5 asks for come from one device-tool call: `bash scripts/device_check.sh`
-(its header has the exact command and the carry list)."""),
-]
-
-
-def main() -> None:
-    write(str(ROOT / "notebooks" / "04_fused_kernels.ipynb"), CELLS)
-
-
-if __name__ == "__main__":
-    main()
+# %% [markdown]
+# ## Running it on a GPU
+#
+# ```python
+# model = kimik3.from_preset("k3-shard", dtype=torch.bfloat16, device="cuda")
+# dec = kimik3.Decoder(model, "fused", batch_size=1, max_seq_len=1024)            # or expert_format="mxfp4"
+# ```
+# Kernels come from the CuTe DSL JIT when it is installed next to the GPU, else from a prebuilt directory
+# (`prebuilt=DIR` or `$KIMIK3_PREBUILT`, built on a CPU machine with
+# `python -m kimik3.device_check --build-prebuilt prebuilt`). On a CPU, for a shape without a kernel (`micro`'s
+# head dim 16) or without a usable prebuilt kernel for the GPU's architecture, the stage refuses with a ValueError
+# that says why. The measurements issue 5 asks for come from one device-tool call: `bash scripts/device_check.sh`
+# (its header has the exact command and the carry list).

@@ -1,47 +1,47 @@
-"""Writes notebooks/07_scaling_to_nvl72.ipynb (no outputs; first code cell tagged ``parameters``).
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-Run from the repository root: ``python notebooks/_build_07.py``. Edit the cells here, not in the notebook, so the
-committed notebook stays output-free and reviewable.
-"""
+# %% [markdown]
+# # 07 · Scaling to a rack: full-size K3 on GB300 NVL72 (and 16 × GB200)
+#
+# Everything so far ran on one GPU, with `k3-shard`: K3's widths, four layers, the 56 experts one of 16 GPUs would
+# hold. The full model is 2.78 T parameters (1.4 TB with MXFP4 experts) and does not fit one GPU; it is served on a
+# rack — 72 Blackwell Ultra GPUs joined by NVLink switches (GB300 NVL72), or 16 GB200s. This notebook asks what a
+# decode step costs there, from the same cost model (`kimik3.cost`) and the datasheet ceilings
+# (`data/hardware.json`), with the modelling code in `kimik3.scaleout`:
+#
+# 1. **bytes per GPU** — what each GPU reads from its own HBM per step, for a stated way of sharding the model;
+# 2. **all-to-all exchanges** — two per MoE layer (dispatch the tokens' latent vectors to the experts' GPUs, combine
+#    the outputs), 184 per step for K3's 92 MoE layers, and what they cost over NVLink;
+# 3. **overlap** — how much of that communication can hide behind the local work;
+# 4. **tokens/s per user** at batch 1 … 256, set against the published figures (`data/published.json`) and against
+#    what a single GPU doing one layer implies.
+#
+# **Assumptions** (stated once, used throughout; `kimik3.scaleout` docstring has the detail):
+# routed experts sharded over all GPUs (expert parallelism, uniform routing — every MoE layer waits for the *busiest*
+# GPU's expert reads); everything else either replicated per GPU ("DP attention": each GPU runs its own sequences'
+# attention on a full copy, the layout of `kimik3.distributed`) or tensor-parallel over a group of `tp` GPUs; experts
+# in MXFP4, everything else bf16; a collective costs a fixed latency (assumed: 10 µs per all-to-all, 5 µs per
+# all-reduce — swept below) plus its bytes over one direction of the GPU's NVLink; local work bounded by HBM bandwidth
+# (datasheet, 100 %). These are idealised bounds, not a simulation of a serving stack.
 
-from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-import nbformat
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from nbgen import from_pairs  # noqa: E402
-
-CELLS: list[tuple[str, str]] = [
-    ("md", """\
-# 07 · Scaling to a rack: full-size K3 on GB300 NVL72 (and 16 × GB200)
-
-Everything so far ran on one GPU, with `k3-shard`: K3's widths, four layers, the 56 experts one of 16 GPUs would
-hold. The full model is 2.78 T parameters (1.4 TB with MXFP4 experts) and does not fit one GPU; it is served on a
-rack — 72 Blackwell Ultra GPUs joined by NVLink switches (GB300 NVL72), or 16 GB200s. This notebook asks what a
-decode step costs there, from the same cost model (`kimik3.cost`) and the datasheet ceilings
-(`data/hardware.json`), with the modelling code in `kimik3.scaleout`:
-
-1. **bytes per GPU** — what each GPU reads from its own HBM per step, for a stated way of sharding the model;
-2. **all-to-all exchanges** — two per MoE layer (dispatch the tokens' latent vectors to the experts' GPUs, combine
-   the outputs), 184 per step for K3's 92 MoE layers, and what they cost over NVLink;
-3. **overlap** — how much of that communication can hide behind the local work;
-4. **tokens/s per user** at batch 1 … 256, set against the published figures (`data/published.json`) and against
-   what a single GPU doing one layer implies.
-
-**Assumptions** (stated once, used throughout; `kimik3.scaleout` docstring has the detail):
-routed experts sharded over all GPUs (expert parallelism, uniform routing — every MoE layer waits for the *busiest*
-GPU's expert reads); everything else either replicated per GPU ("DP attention": each GPU runs its own sequences'
-attention on a full copy, the layout of `kimik3.distributed`) or tensor-parallel over a group of `tp` GPUs; experts
-in MXFP4, everything else bf16; a collective costs a fixed latency (assumed: 10 µs per all-to-all, 5 µs per
-all-reduce — swept below) plus its bytes over one direction of the GPU's NVLink; local work bounded by HBM bandwidth
-(datasheet, 100 %). These are idealised bounds, not a simulation of a serving stack."""),
-    ("code", """\
+# %% tags=["parameters"]
 batch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-out_dir = "runs/07_scaling_to_nvl72\""""),
-    ("code", """\
+out_dir = "runs/07_scaling_to_nvl72"
+
+# %%
 import json
 from pathlib import Path
 
@@ -55,9 +55,21 @@ import kimik3
 from kimik3.cost import decode_cost, parameter_counts
 from kimik3.hardware import get_hardware
 from kimik3.recorded import load_published, load_recorded, resolve_data_path
-from kimik3.scaleout import (DEPLOYMENTS, CommModel, all_to_all_table, claims_vs_scaleout, collectives_per_step,
-                             comm_time, experts_per_gpu, gpu_bytes, per_gpu_bytes, per_layer_budget,
-                             prediction_table, shard_per_layer, step_time)
+from kimik3.scaleout import (
+    DEPLOYMENTS,
+    CommModel,
+    all_to_all_table,
+    claims_vs_scaleout,
+    collectives_per_step,
+    comm_time,
+    experts_per_gpu,
+    gpu_bytes,
+    per_gpu_bytes,
+    per_layer_budget,
+    prediction_table,
+    shard_per_layer,
+    step_time,
+)
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
 pd.set_option("display.width", 220)
@@ -82,15 +94,17 @@ display(pd.DataFrame([{"deployment": d.name, "GPUs": d.gpus, "experts over (EP)"
                        "attention/dense TP": d.tp, "attention replicas (DP)": d.dp,
                        "HBM TB/s per GPU": get_hardware(d.hardware).hbm_bandwidth / 1e12,
                        "NVLink GB/s per direction": get_hardware(d.hardware).nvlink_bandwidth / 2e9,
-                       "experts": d.expert_dtype} for d in deps]).set_index("deployment"))"""),
-    ("md", """\
-## 1 · Bytes per GPU
+                       "experts": d.expert_dtype} for d in deps]).set_index("deployment"))
 
-The cost model's step (all experts MXFP4, batch `B`, context 8,192) split by how sharding treats it: non-expert
-weights (KDA, MLA, router, latent projections, shared experts, dense layer, head: **111 GB** in bf16, read once per
-step by every group that has a sequence), routed-expert weights (`D(B)` distinct experts per layer, spread over the
-EP GPUs), and per-sequence KDA state + MLA cache. The table is the busiest GPU at batch 1."""),
-    ("code", """\
+# %% [markdown]
+# ## 1 · Bytes per GPU
+#
+# The cost model's step (all experts MXFP4, batch `B`, context 8,192) split by how sharding treats it: non-expert
+# weights (KDA, MLA, router, latent projections, shared experts, dense layer, head: **111 GB** in bf16, read once per
+# step by every group that has a sequence), routed-expert weights (`D(B)` distinct experts per layer, spread over the
+# EP GPUs), and per-sequence KDA state + MLA cache. The table is the busiest GPU at batch 1.
+
+# %%
 rows = []
 for d in deps:
     b = per_gpu_bytes(cfg, 1, T, d)
@@ -105,8 +119,9 @@ tp72 = DEPLOYMENTS["gb300-nvl72-ep72-tp72"]
 for b in batch_sizes:
     s, total = gpu_bytes(cfg, b, T, tp72).sum(), decode_cost(cfg, b, T, expert_dtype="mxfp4").total_bytes
     assert abs(s / total - 1) < 1e-9, (b, s, total)
-print("fully sharded (TP72): the 72 GPUs' bytes sum to the cost model's total at every batch size")"""),
-    ("code", """\
+print("fully sharded (TP72): the 72 GPUs' bytes sum to the cost model's total at every batch size")
+
+# %%
 per_tok = pd.DataFrame([{"deployment": d.name, "batch": b, **{k: v / 1e9 for k, v in per_gpu_bytes(cfg, b, T, d)
                                                               .items() if k in ("total", "per_token")}}
                         for d in deps for b in batch_sizes])
@@ -120,16 +135,18 @@ fig_bytes.update_xaxes(type="log", title="batch size")
 fig_bytes.update_yaxes(type="log", title="GB")
 fig_bytes.update_layout(template="plotly_white", height=460, title="Kimi K3 decode: HBM bytes on the busiest GPU")
 fig_bytes.write_html(str(out / "per_gpu_bytes.html"), include_plotlyjs=True)
-fig_bytes"""),
-    ("md", """\
-## 2 · All-to-all exchanges
+fig_bytes
 
-Per MoE layer the tokens' routed inputs go to the experts' GPUs (dispatch) and the outputs come back (combine):
-`2 × 92 = 184` all-to-alls per step, each carrying `B · k` rows (k = 16) of the LatentMoE latent width — 3,584
-values, half of the 7,168 hidden width a plain MoE would send. With tensor-parallel attention, two all-reduces of
-the hidden vector per layer come on top (186 per step). At decode batch sizes these messages are tiny (a few KB to
-a few MB per GPU), so their cost is almost all latency: the count matters more than the bytes."""),
-    ("code", """\
+# %% [markdown]
+# ## 2 · All-to-all exchanges
+#
+# Per MoE layer the tokens' routed inputs go to the experts' GPUs (dispatch) and the outputs come back (combine):
+# `2 × 92 = 184` all-to-alls per step, each carrying `B · k` rows (k = 16) of the LatentMoE latent width — 3,584
+# values, half of the 7,168 hidden width a plain MoE would send. With tensor-parallel attention, two all-reduces of
+# the hidden vector per layer come on top (186 per step). At decode batch sizes these messages are tiny (a few KB to
+# a few MB per GPU), so their cost is almost all latency: the count matters more than the bytes.
+
+# %%
 a2a = all_to_all_table(cfg, batch_sizes, tp72)
 display(a2a.set_index("batch")[["all_to_all_per_step", "latent_width", "hidden_width", "exchange_bytes",
                                 "exchange_bytes_hidden_width", "busiest_gpu_sends_remote", "step_bytes_all_gpus"]])
@@ -149,17 +166,19 @@ fig_comm.update_layout(template="plotly_white", height=480,
                        title=f"Communication per decode step over NVLink (latency {COMM.a2a_latency_s * 1e6:.0f} µs "
                              f"per all-to-all, {COMM.allreduce_latency_s * 1e6:.0f} µs per all-reduce)")
 fig_comm.write_html(str(out / "all_to_all.html"), include_plotlyjs=True)
-fig_comm"""),
-    ("md", """\
-## 3 · Overlap, and tokens/s per user
+fig_comm
 
-Local work (the busiest GPU's HBM bytes ÷ 8 TB/s) and communication, combined as
-`t = t_local + t_comm − overlap · min(t_local, t_comm)`: overlap 0 runs them back to back, overlap 1 hides the
-shorter one entirely. Within one decode step the dependency chain is strict (a layer's experts need its dispatch,
-the next layer needs the combine), so what can hide behind communication is mainly work that does not depend on
-it — streaming the next weights, which is exactly what a megakernel's prefetch does. Bands: overlap 0 … 1; line:
-0.5. Markers: the published figures (hollow = not verified in its source)."""),
-    ("code", """\
+# %% [markdown]
+# ## 3 · Overlap, and tokens/s per user
+#
+# Local work (the busiest GPU's HBM bytes ÷ 8 TB/s) and communication, combined as
+# `t = t_local + t_comm − overlap · min(t_local, t_comm)`: overlap 0 runs them back to back, overlap 1 hides the
+# shorter one entirely. Within one decode step the dependency chain is strict (a layer's experts need its dispatch,
+# the next layer needs the combine), so what can hide behind communication is mainly work that does not depend on
+# it — streaming the next weights, which is exactly what a megakernel's prefetch does. Bands: overlap 0 … 1; line:
+# 0.5. Markers: the published figures (hollow = not verified in its source).
+
+# %%
 pred = prediction_table(cfg, batch_sizes, deps, COMM, overlaps=(0.0, 0.5, 1.0), context_len=T)
 claims = load_published()
 fig_tok = go.Figure()
@@ -191,8 +210,9 @@ fig_tok.update_yaxes(type="log", title="tokens / s / user")
 fig_tok.update_layout(template="plotly_white", height=560, legend=dict(font=dict(size=10)),
                       title="Predicted decode speed per user, full K3, MXFP4 experts, context 8,192")
 fig_tok.write_html(str(out / "tokens_per_user.html"), include_plotlyjs=True)
-fig_tok"""),
-    ("code", """\
+fig_tok
+
+# %%
 table = pred.pivot_table(index=["deployment", "overlap"], columns="batch", values="tokens_per_s_per_user",
                          sort=False).round(1)
 display(table)
@@ -203,14 +223,16 @@ display(agg)
 print("where the time goes at batch 1 (overlap 0):")
 display(pred[(pred["batch"] == 1) & (pred["overlap"] == 0.0)].set_index("deployment")[
     ["gpu_GB_per_step", "t_memory_ms", "t_all_to_all_ms", "t_all_reduce_ms", "t_step_ms", "tokens_per_s_per_user",
-     "comm_share"]].round(3))"""),
-    ("md", """\
-### Sensitivity to the collective latency
+     "comm_share"]].round(3))
 
-The assumed 10 µs per all-to-all is the largest single unknown. At batch 1 the step is 184 (or 370 with TP) of
-them; the curve shows tokens/s per user as that latency goes from 1 to 20 µs (all-reduces at half of it), with the
-published figures as horizontal lines."""),
-    ("code", """\
+# %% [markdown]
+# ### Sensitivity to the collective latency
+#
+# The assumed 10 µs per all-to-all is the largest single unknown. At batch 1 the step is 184 (or 370 with TP) of
+# them; the curve shows tokens/s per user as that latency goes from 1 to 20 µs (all-reduces at half of it), with the
+# published figures as horizontal lines.
+
+# %%
 alphas = [1, 2, 3, 5, 7.5, 10, 15, 20]
 sens = pd.DataFrame([{"deployment": d.name, "alpha_us": a, "overlap": o,
                       "tok_s_user": step_time(cfg, 1, T, d, CommModel(a * 1e-6, a * 0.5e-6), o)[
@@ -227,15 +249,17 @@ fig_sens.update_xaxes(type="log", title="latency per all-to-all, µs (all-reduce
 fig_sens.update_yaxes(type="log", title="tokens / s / user at batch 1")
 fig_sens.update_layout(template="plotly_white", height=480, title="Batch-1 speed against the collective latency")
 fig_sens.write_html(str(out / "latency_sensitivity.html"), include_plotlyjs=True)
-fig_sens"""),
-    ("md", """\
-## 4 · What the published figures imply
+fig_sens
 
-Each claim as a step time, next to each matching deployment: the memory-bound time of the busiest GPU
-(`memory_over_claim > 1`: impossible on that layout even with free communication), the predicted step without and
-with full overlap, and the latency per collective the claim leaves room for (serial: all collectives after the
-local work; overlapped: all hidden behind it)."""),
-    ("code", """\
+# %% [markdown]
+# ## 4 · What the published figures imply
+#
+# Each claim as a step time, next to each matching deployment: the memory-bound time of the busiest GPU
+# (`memory_over_claim > 1`: impossible on that layout even with free communication), the predicted step without and
+# with full overlap, and the latency per collective the claim leaves room for (serial: all collectives after the
+# local work; overlapped: all hidden behind it).
+
+# %%
 cv = claims_vs_scaleout(cfg, COMM, T, deps)
 display(cv.drop(columns=["system"]).round(3))
 best = cv.loc[cv.groupby("claim")["best_predicted_tok_s_user"].idxmax()].set_index("claim")
@@ -244,34 +268,37 @@ for cid, r in best.iterrows():
           f"{r['claimed_ms_per_step']:.2f} ms per step; best modelled layout '{r['deployment']}' gives "
           f"{r['best_predicted_tok_s_user']:.0f} tok/s/user with full overlap (claim / model = "
           f"{r['claim_over_best']:.2f}); it leaves {r['collective_budget_us_overlapped']:.1f} µs per collective "
-          f"if all communication hides, {r['collective_budget_us_serial']:.1f} µs if none does")"""),
-    ("md", """\
-Reading the numbers (the lines printed above are the ones to quote; the prose rounds them):
+          f"if all communication hides, {r['collective_budget_us_serial']:.1f} µs if none does")
 
-* **Replicated attention cannot serve K3 fast at small batch.** One GPU reading K3's 111 GB of non-expert weights
-  needs ~14 ms per step at 8 TB/s (≈ 70 tok/s/user at best). The 16 × GB200 baseline's *measured* 127 tok/s/user at
-  batch 1 therefore already implies that its attention is split across GPUs (`memory_over_claim` > 1 for the DP
-  layout).
-* **16 × GB200 at 127 tok/s/user is roughly a third to a half of the modelled TP16 bound** (full overlap … none):
-  consistent with a real stack's kernel gaps, expert imbalance and collective latencies.
-* **840 tok/s/user on GB300 NVL72 at batch 1 is a 1.19 ms step.** HBM bandwidth is not the obstacle once attention
-  is split over all 72 GPUs (the busiest reads a few GB, ~0.6 ms); with attention split over only 8 GPUs the busiest
-  GPU's reads alone exceed the step. Communication is the obstacle: 184 all-to-alls plus the TP all-reduces must
-  fit in what remains — a few µs each at most, several times below the assumed 10 µs. The claim implies far cheaper
-  collectives (one-sided NVLink writes fused into the compute kernels, as megakernels and DeepEP-style low-latency
-  kernels do), fewer of them (the layouts here pay 186 TP all-reduces on top of the 184 all-to-alls), or more than
-  one token per step (speculative decoding / multi-token prediction, which the citation does not rule out;
-  published.json records the figure as unverified).
-* **423 tok/s/user (SemiAnalysis, batch not stated, read at batch 1)** fits the modelled TP layouts with a few µs
-  per collective and good overlap."""),
-    ("md", """\
-## 5 · What a single GPU per layer implies
+# %% [markdown]
+# Reading the numbers (the lines printed above are the ones to quote; the prose rounds them):
+#
+# * **Replicated attention cannot serve K3 fast at small batch.** One GPU reading K3's 111 GB of non-expert weights
+#   needs ~14 ms per step at 8 TB/s (≈ 70 tok/s/user at best). The 16 × GB200 baseline's *measured* 127 tok/s/user at
+#   batch 1 therefore already implies that its attention is split across GPUs (`memory_over_claim` > 1 for the DP
+#   layout).
+# * **16 × GB200 at 127 tok/s/user is roughly a third to a half of the modelled TP16 bound** (full overlap … none):
+#   consistent with a real stack's kernel gaps, expert imbalance and collective latencies.
+# * **840 tok/s/user on GB300 NVL72 at batch 1 is a 1.19 ms step.** HBM bandwidth is not the obstacle once attention
+#   is split over all 72 GPUs (the busiest reads a few GB, ~0.6 ms); with attention split over only 8 GPUs the busiest
+#   GPU's reads alone exceed the step. Communication is the obstacle: 184 all-to-alls plus the TP all-reduces must
+#   fit in what remains — a few µs each at most, several times below the assumed 10 µs. The claim implies far cheaper
+#   collectives (one-sided NVLink writes fused into the compute kernels, as megakernels and DeepEP-style low-latency
+#   kernels do), fewer of them (the layouts here pay 186 TP all-reduces on top of the 184 all-to-alls), or more than
+#   one token per step (speculative decoding / multi-token prediction, which the citation does not rule out;
+#   published.json records the figure as unverified).
+# * **423 tok/s/user (SemiAnalysis, batch not stated, read at batch 1)** fits the modelled TP layouts with a few µs
+#   per collective and good overlap.
 
-`k3-shard` is one full K3 layer's worth of work per token on one GPU (3 KDA + 1 MLA layer at K3 widths, 16 of 56
-experts = one layer's expert reads at batch 1). Its measured time per layer on a GPU would say how far from the
-bound a real kernel is; scaled to 93 layers it is the speed of running each layer on a single GPU. GPU
-measurements are recorded in `data/measurements/` when a session had a GPU."""),
-    ("code", """\
+# %% [markdown]
+# ## 5 · What a single GPU per layer implies
+#
+# `k3-shard` is one full K3 layer's worth of work per token on one GPU (3 KDA + 1 MLA layer at K3 widths, 16 of 56
+# experts = one layer's expert reads at batch 1). Its measured time per layer on a GPU would say how far from the
+# bound a real kernel is; scaled to 93 layers it is the speed of running each layer on a single GPU. GPU
+# measurements are recorded in `data/measurements/` when a session had a GPU.
+
+# %%
 recorded = load_recorded()
 outstanding = resolve_data_path("data/measurements/gpu_outstanding.json")
 shard = shard_per_layer(recorded)
@@ -284,24 +311,15 @@ for v, label in ((840, "840 tok/s/user"), (semi, f"{semi:.0f} tok/s/user"), (127
     budget = per_layer_budget(v, cfg)
     one = shard["ms_per_layer"].min() / 1e3
     print(f"{label}: {budget * 1e6:.1f} µs per layer; one GPU needs ≥ {one * 1e6:.0f} µs for a layer at its bound -> "
-          f"each layer's bytes must be split over ≥ {one / budget:.0f} GPUs")"""),
-    ("code", """\
-print(sorted(p.name for p in out.glob("*.html")))"""),
-    ("md", """\
-**Caveats.** Uniform routing (trained routers are skewed; expert-load balancing and redundant experts change the
-busiest GPU), datasheet bandwidths at 100 %, assumed collective latencies (swept above), no speculative decoding,
-no prefill interference, TP of 96 heads over 72 GPUs treated as an even split, and the per-layer all-reduce /
-all-to-all counts of the stated layouts (other layouts, e.g. attention TP within a tray and DP across trays, sit
-between the curves shown). The single-GPU numbers are the cost-model bound until the GPU measurements listed in
-`data/measurements/gpu_outstanding.json` are taken."""),
-]
+          f"each layer's bytes must be split over ≥ {one / budget:.0f} GPUs")
 
+# %%
+print(sorted(p.name for p in out.glob("*.html")))
 
-def build() -> nbformat.NotebookNode:
-    return from_pairs(CELLS)
-
-
-if __name__ == "__main__":
-    path = Path(__file__).with_name("07_scaling_to_nvl72.ipynb")
-    nbformat.write(build(), str(path))
-    print(f"wrote {path}")
+# %% [markdown]
+# **Caveats.** Uniform routing (trained routers are skewed; expert-load balancing and redundant experts change the
+# busiest GPU), datasheet bandwidths at 100 %, assumed collective latencies (swept above), no speculative decoding,
+# no prefill interference, TP of 96 heads over 72 GPUs treated as an even split, and the per-layer all-reduce /
+# all-to-all counts of the stated layouts (other layouts, e.g. attention TP within a tray and DP across trays, sit
+# between the curves shown). The single-GPU numbers are the cost-model bound until the GPU measurements listed in
+# `data/measurements/gpu_outstanding.json` are taken.
