@@ -1,4 +1,4 @@
-"""The released K3 modeling code is matched (shared/golden/k3-release-tiny, written and run by Moonshot's code).
+"""The released K3 modeling code is matched (tests/fixtures/k3-release-tiny, written and run by Moonshot's code).
 
 Expectation source: the fixture's expected.safetensors (prompt [2, 6], 10 greedy steps, logits [2, 11, 256]).
 Tolerance: TOL["fp32_oracle"] per step, identical greedy tokens.
@@ -6,7 +6,6 @@ Tolerance: TOL["fp32_oracle"] per step, identical greedy tokens.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,14 @@ from safetensors.torch import load_file
 import kimik3
 from kimik3.tolerances import TOL, rel_error
 
-SHARED = Path(os.environ.get("KIMIK3_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-GOLDEN = SHARED / "golden" / "k3-release-tiny"
+# Inside the repository, so a lone clone runs this test (see the fixture's README for its provenance).
+GOLDEN = Path(__file__).resolve().parent / "fixtures" / "k3-release-tiny"
 
 
 @pytest.fixture(scope="module")
 def golden():
     if not GOLDEN.exists():
-        pytest.fail(f"golden fixture missing at {GOLDEN} (the repository expects shared/ beside it)")
+        pytest.fail(f"golden fixture missing at {GOLDEN} (it is part of the repository: restore it from git)")
     return kimik3.from_pretrained(GOLDEN, dtype=torch.float32), load_file(GOLDEN / "expected.safetensors")
 
 

@@ -1,7 +1,7 @@
 """K3-only parts checked against the spec's formulas (expectation source named in each test).
 
 The model's functions are compared with independent scalar/explicit computations written from
-shared/spec/kimi-k3-architecture.md, on fresh random inputs.
+docs/architecture.md, on fresh random inputs.
 """
 
 from __future__ import annotations
