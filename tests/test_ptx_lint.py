@@ -1,0 +1,147 @@
+"""PTX lint: the compiled kernels keep the synchronisation and streaming rules (``kernels/ptx_lint.py``), and each
+rule fails on a planted violation of the real PTX.
+
+The kernels compiled here are the ones the compile tests build (same disk cache), so this adds seconds, not a
+second compile.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from kimik3.kernels import build as B  # noqa: E402
+from kimik3.kernels import ptx_lint as L  # noqa: E402
+from kimik3.kernels import registry as R  # noqa: E402
+
+pytestmark = pytest.mark.host
+
+MEGAKERNEL_SRC = Path(B.__file__).with_name("megakernel.py")
+H200_SMS = 132
+MEGAKERNELS = ["megakernel/tiny/b1", "megakernel/k3-shard/b8"]
+
+
+@pytest.fixture(autouse=True)
+def _arch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+
+
+@pytest.fixture(scope="module")
+def mk() -> B.BuildResult:
+    return B.build(R.get_variant("megakernel/tiny/b1"), "sm_90a")
+
+
+def _lint_megakernel(ptx: str, res: dict, *, registers: int | None = None, grid: int = H200_SMS,
+                     source: str | Path = MEGAKERNEL_SRC) -> dict[str, list[str]]:
+    return L.lint(ptx, registers=registers or res["registers"], shared_bytes=res["shared_bytes"], grid=grid,
+                  num_sms=H200_SMS, arch="sm_90a", persistent=True, source=source, launch_function="megakernel")
+
+
+@pytest.mark.parametrize("name", MEGAKERNELS)
+def test_shipped_megakernel_passes(name: str) -> None:
+    r = B.build(R.get_variant(name), "sm_90a")
+    report = _lint_megakernel(r.ptx, r.resources)
+    assert list(L.violations(report)) == []
+    # the rules looked at something: a spin loop, a signal, a copy
+    blocks = L.parse_blocks(r.ptx)
+    assert any(any("ld.acquire.gpu" in s for i in body for _, s in blocks[i].lines)
+               for _, body in L.natural_loops(blocks)), "no acquire spin loop found"
+    assert "red.release.gpu" in r.ptx and "cp.async.cg.shared.global" in r.ptx
+
+
+@pytest.mark.parametrize("v", [v for v in R.ci_variants() if v.family != "megakernel"], ids=lambda v: v.name)
+def test_shipped_fused_kernels_pass(v: R.KernelVariant) -> None:
+    r = B.build(v, "sm_90a")
+    report = L.lint(r.ptx, registers=r.resources["registers"], shared_bytes=r.resources["shared_bytes"], grid=1,
+                    num_sms=H200_SMS, arch="sm_90a", persistent=False)
+    assert list(L.violations(report)) == []
+
+
+def test_planted_relaxed_signal(mk: B.BuildResult) -> None:
+    ptx = mk.ptx.replace("red.release.gpu.global.add", "red.relaxed.gpu.global.add")
+    assert any("not a release" in m for m in L.release_after_barrier(ptx))
+
+
+def test_planted_missing_barrier_before_signal(mk: B.BuildResult) -> None:
+    lines = mk.ptx.splitlines()
+    sig = next(i for i, s in enumerate(lines) if "red.release.gpu" in s)
+    bar = max(i for i in range(sig) if "bar.sync" in lines[i])
+    ptx = "\n".join(lines[:bar] + lines[bar + 1:])
+    assert any("not preceded by a CTA barrier" in m for m in L.release_after_barrier(ptx))
+
+
+def test_planted_write_between_barrier_and_signal(mk: B.BuildResult) -> None:
+    lines = mk.ptx.splitlines()
+    sig = next(i for i, s in enumerate(lines) if "red.release.gpu" in s)
+    planted = "\tst.global.b32 \t[%rd1], %r1;"
+    ptx = "\n".join(lines[:sig] + [planted] + lines[sig:])
+    assert any("not preceded by a CTA barrier" in m for m in L.release_after_barrier(ptx))
+
+
+def test_planted_spin_without_backoff(mk: B.BuildResult) -> None:
+    ptx = re.sub(r"^\s*nanosleep\.u32.*$", "", mk.ptx, flags=re.M)
+    assert any("no back-off" in m for m in L.acquire_spin(ptx))
+
+
+def test_planted_relaxed_spin(mk: B.BuildResult) -> None:
+    ptx = mk.ptx.replace("ld.acquire.gpu.global", "ld.relaxed.gpu.global")
+    assert any("without a GPU-scope acquire" in m for m in L.acquire_spin(ptx))
+
+
+def test_planted_narrow_copy(mk: B.BuildResult) -> None:
+    ptx = re.sub(r"(cp\.async\.)cg(\.shared\.global\s+\[[^\]]*\],\s*\[[^\]]*\],\s*)16, 16", r"\1ca\g<2>8, 8",
+                 mk.ptx)
+    assert ptx != mk.ptx
+    assert any("8-byte asynchronous copy" in m for m in L.wide_weight_copies(ptx))
+
+
+def test_planted_occupancy(mk: B.BuildResult) -> None:
+    # two CTAs per SM (grid twice the SM count) cannot be resident with 384 threads x 128 registers each
+    assert L.occupancy(mk.ptx, 128, mk.resources["shared_bytes"], 2 * H200_SMS, H200_SMS, "sm_90a")
+    assert L.occupancy(mk.ptx, 200, mk.resources["shared_bytes"], H200_SMS, H200_SMS, "sm_90a")
+    assert L.occupancy(mk.ptx, 64, 240 * 1024, H200_SMS, H200_SMS, "sm_90a")
+    assert L.occupancy(mk.ptx, mk.resources["registers"], mk.resources["shared_bytes"], H200_SMS, H200_SMS,
+                       "sm_90a") == []
+
+
+def test_planted_non_cooperative_launch() -> None:
+    src = MEGAKERNEL_SRC.read_text()
+    assert "cooperative=True" in src
+    assert L.cooperative_launch(src, "megakernel") == []
+    assert L.cooperative_launch(src.replace("cooperative=True", "cooperative=False"), "megakernel")
+    assert L.cooperative_launch(src.replace("cooperative=True,", ""), "megakernel")
+
+
+def test_cfg_on_a_hand_written_kernel() -> None:
+    """A small hand-written entry: a fenced signal on one path and an unfenced one on the other."""
+    ptx = """
+.visible .entry k(
+    .param .u64 p
+)
+{
+    ld.param.u64 %rd1, [p];
+    setp.eq.s32 %p1, %r1, 0;
+    @%p1 bra $L__A;
+    st.global.b32 [%rd1], %r2;
+    bar.sync 0;
+    bra.uni $L__B;
+$L__A:
+    st.global.b32 [%rd1], %r3;
+$L__B:
+    red.release.gpu.global.add.s32 [%rd1], 1;
+$L__SPIN:
+    ld.acquire.gpu.global.b32 %r4, [%rd1];
+    setp.lt.s32 %p2, %r4, 2;
+    @%p2 bra $L__SPIN;
+    ret;
+}
+"""
+    assert any("not preceded by a CTA barrier" in m for m in L.release_after_barrier(ptx))
+    fenced = ptx.replace("$L__B:\n", "$L__B:\n    bar.sync 0;\n")
+    assert L.release_after_barrier(fenced) == []
+    assert any("no back-off" in m for m in L.acquire_spin(ptx))
+    assert L.acquire_spin(ptx.replace("@%p2 bra $L__SPIN;", "nanosleep.u32 64;\n    @%p2 bra $L__SPIN;")) == []
