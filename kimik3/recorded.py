@@ -20,7 +20,8 @@ import pandas as pd
 from kimik3.cost import decode_cost
 from kimik3.hardware import get_hardware, list_hardware
 
-__all__ = ["RECORDED_COLUMNS", "claims_vs_bound", "load_published", "load_recorded", "resolve_data_path"]
+__all__ = ["RECORDED_COLUMNS", "claims_vs_bound", "load_published", "load_recorded", "resolve_data_path",
+           "speed_claims"]
 
 RECORDED_COLUMNS = ["label", "date", "commit", "device", "preset", "stage", "block", "batch_size", "context_len",
                     "seconds", "flops", "bytes", "source_file"]
@@ -113,6 +114,26 @@ def _speed_claims(claims: pd.DataFrame) -> list[dict]:
                                     batch_size=b, hardware=hw, system=c["system"], devices=c["gpus"],
                                     per_user=agg / b, verified=c["verified"], note=c.get("note", "")))
     return out
+
+
+def speed_claims(hardware: tuple[str, ...] | None = None, published: str | Path | None = None) -> pd.DataFrame:
+    """Every published tokens/s figure as tokens/s per user (sweeps expanded; a figure repeated by a sweep once),
+    with a short plot label naming its value, batch, system, publisher and whether it was verified in its source.
+    """
+    claims = load_published(published)
+    publisher = dict(zip(claims["id"], claims["source_publisher"]))
+    rows, seen = [], set()
+    for c in _speed_claims(claims):
+        key = (c["hardware"], c["batch_size"], c["per_user"])
+        if key in seen or (hardware and c["hardware"] not in hardware):
+            continue
+        seen.add(key)
+        who = (publisher.get(c["id"].split(":")[0]) or "").split(" (")[0]
+        batch = "batch not stated" if _missing(c["batch_size"]) else f"B={c['batch_size']}"
+        c["label"] = (f"{c['system'] if c['hardware'] != 'gb200' else '16×GB200'}: {c['per_user']:.0f} at {batch} "
+                      f"({who}, {'verified' if c['verified'] else 'unverified'})")
+        rows.append(c)
+    return pd.DataFrame(rows)
 
 
 def claims_vs_bound(preset: str = "kimi-k3", expert_dtype: str = "mxfp4", context_len: int = 8192,

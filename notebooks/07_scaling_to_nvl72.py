@@ -47,14 +47,14 @@ from pathlib import Path
 
 import pandas as pd
 import plotly.graph_objects as go
-import plotly.io as pio
 from IPython.display import display
 from plotly.subplots import make_subplots
 
 import kimik3
 from kimik3.cost import decode_cost, parameter_counts
 from kimik3.hardware import get_hardware
-from kimik3.recorded import load_published, load_recorded, resolve_data_path
+from kimik3.nbsetup import setup_notebook
+from kimik3.recorded import load_recorded, resolve_data_path, speed_claims
 from kimik3.scaleout import (
     DEPLOYMENTS,
     CommModel,
@@ -71,7 +71,7 @@ from kimik3.scaleout import (
     step_time,
 )
 
-pio.renderers.default = "plotly_mimetype+notebook_connected"
+setup_notebook()  # plotly renders with no network: plotly.js embedded once, no CDN
 pd.set_option("display.width", 220)
 pd.set_option("display.max_columns", 30)
 pd.set_option("display.max_colwidth", 60)
@@ -180,7 +180,6 @@ fig_comm
 
 # %%
 pred = prediction_table(cfg, batch_sizes, deps, COMM, overlaps=(0.0, 0.5, 1.0), context_len=T)
-claims = load_published()
 fig_tok = go.Figure()
 for i, d in enumerate(deps):
     color = PALETTE[i % 5]
@@ -191,20 +190,15 @@ for i, d in enumerate(deps):
                         fillcolor=rgba(color, 0.15), showlegend=False, hoverinfo="skip", legendgroup=d.name)
     fig_tok.add_scatter(x=g[0.5]["batch"], y=g[0.5]["tokens_per_s_per_user"], name=d.name, line=dict(color=color),
                         legendgroup=d.name)
-pts = [("GB300 NVL72: ≥ 840 at B=1 (vLLM, unverified)", 1, 840, "gb300", False),
-       ("16×GB200: 127 at B=1 (Inferact, verified)", 1, 127, "gb200", True)]
-sweep = claims[claims["id"] == "inferact-batch-sweep"]["value"].iloc[0]
-for b, agg in zip(sweep["batch_sizes"], sweep["gb200"]):
-    if b > 1:
-        pts.append((f"16×GB200: {agg / b:.0f} at B={b} (Inferact, verified)", b, agg / b, "gb200", True))
-for label, b, v, hw, ver in pts:
-    fig_tok.add_scatter(x=[b], y=[v], mode="markers", name=label,
-                        marker=dict(size=12, symbol="star" if hw == "gb300" else "diamond",
-                                    color="black" if hw == "gb300" else "#d62728",
-                                    line=dict(width=2, color="black"), opacity=1.0 if ver else 0.5))
-semi = float(claims.loc[claims["id"] == "semianalysis-gb300-per-user", "value"].iloc[0])
-fig_tok.add_hline(y=semi, line=dict(dash="dash", color="gray"),
-                  annotation_text=f"GB300 NVL72: {semi:.0f} tok/s/user (SemiAnalysis estimate, batch not stated)")
+speeds = speed_claims(("gb300", "gb200"))
+stated = speeds[speeds["batch_size"].notna()]
+for r in stated.itertuples():
+    fig_tok.add_scatter(x=[r.batch_size], y=[r.per_user], mode="markers", name=r.label,
+                        marker=dict(size=12, symbol="star" if r.hardware == "gb300" else "diamond",
+                                    color="black" if r.hardware == "gb300" else "#d62728",
+                                    line=dict(width=2, color="black"), opacity=1.0 if r.verified else 0.5))
+for r in speeds[speeds["batch_size"].isna()].itertuples():
+    fig_tok.add_hline(y=r.per_user, line=dict(dash="dash", color="gray"), annotation_text=r.label)
 fig_tok.update_xaxes(type="log", title="batch size (sequences per step)")
 fig_tok.update_yaxes(type="log", title="tokens / s / user")
 fig_tok.update_layout(template="plotly_white", height=560, legend=dict(font=dict(size=10)),
@@ -242,9 +236,9 @@ fig_sens = go.Figure()
 for (name, o), g in sens.groupby(["deployment", "overlap"], sort=False):
     fig_sens.add_scatter(x=g["alpha_us"], y=g["tok_s_user"], name=f"{name}, overlap {o:g}",
                          line=dict(dash="solid" if o else "dot"))
-for v, label in ((840, "840 (vLLM, GB300 NVL72, B=1)"), (semi, f"{semi:.0f} (SemiAnalysis, GB300 NVL72)"),
-                 (127, "127 (Inferact, 16×GB200, B=1)")):
-    fig_sens.add_hline(y=v, line=dict(dash="dash", color="gray"), annotation_text=label)
+batch1 = speeds[speeds["batch_size"].isna() | (speeds["batch_size"] == 1)]
+for r in batch1.itertuples():
+    fig_sens.add_hline(y=r.per_user, line=dict(dash="dash", color="gray"), annotation_text=r.label)
 fig_sens.update_xaxes(type="log", title="latency per all-to-all, µs (all-reduce: half)")
 fig_sens.update_yaxes(type="log", title="tokens / s / user at batch 1")
 fig_sens.update_layout(template="plotly_white", height=480, title="Batch-1 speed against the collective latency")
@@ -274,21 +268,21 @@ for cid, r in best.iterrows():
 # Reading the numbers (the lines printed above are the ones to quote; the prose rounds them):
 #
 # * **Replicated attention cannot serve K3 fast at small batch.** One GPU reading K3's 111 GB of non-expert weights
-#   needs ~14 ms per step at 8 TB/s (≈ 70 tok/s/user at best). The 16 × GB200 baseline's *measured* 127 tok/s/user at
-#   batch 1 therefore already implies that its attention is split across GPUs (`memory_over_claim` > 1 for the DP
-#   layout).
-# * **16 × GB200 at 127 tok/s/user is roughly a third to a half of the modelled TP16 bound** (full overlap … none):
+#   needs ~14 ms per step at 8 TB/s (≈ 70 tok/s/user at best). The 16 × GB200 baseline's *measured* batch-1 speed
+#   (`inferact-gb200-batch1`, above 70) therefore already implies that its attention is split across GPUs
+#   (`memory_over_claim` > 1 for the DP layout).
+# * **The 16 × GB200 measurement is roughly a third to a half of the modelled TP16 bound** (full overlap … none):
 #   consistent with a real stack's kernel gaps, expert imbalance and collective latencies.
-# * **840 tok/s/user on GB300 NVL72 at batch 1 is a 1.19 ms step.** HBM bandwidth is not the obstacle once attention
-#   is split over all 72 GPUs (the busiest reads a few GB, ~0.6 ms); with attention split over only 8 GPUs the busiest
-#   GPU's reads alone exceed the step. Communication is the obstacle: 184 all-to-alls plus the TP all-reduces must
-#   fit in what remains — a few µs each at most, several times below the assumed 10 µs. The claim implies far cheaper
-#   collectives (one-sided NVLink writes fused into the compute kernels, as megakernels and DeepEP-style low-latency
-#   kernels do), fewer of them (the layouts here pay 186 TP all-reduces on top of the 184 all-to-alls), or more than
-#   one token per step (speculative decoding / multi-token prediction, which the citation does not rule out;
-#   published.json records the figure as unverified).
-# * **423 tok/s/user (SemiAnalysis, batch not stated, read at batch 1)** fits the modelled TP layouts with a few µs
-#   per collective and good overlap.
+# * **The vLLM GB300 NVL72 batch-1 figure (`vllm-gb300-batch1`) is a step of about a millisecond.** HBM bandwidth is not
+#   the obstacle once attention is split over all 72 GPUs (the busiest reads a few GB, ~0.6 ms); with attention split
+#   over only 8 GPUs the busiest GPU's reads alone exceed the step. Communication is the obstacle: 184 all-to-alls plus
+#   the TP all-reduces must fit in what remains — a few µs each at most, several times below the assumed 10 µs. The
+#   claim implies far cheaper collectives (one-sided NVLink writes fused into the compute kernels, as megakernels and
+#   DeepEP-style low-latency kernels do), fewer of them (the layouts here pay 186 TP all-reduces on top of the 184
+#   all-to-alls), or more than one token per step (speculative decoding / multi-token prediction, which the citation
+#   does not rule out; published.json records the figure as unverified).
+# * **The SemiAnalysis estimate (`semianalysis-gb300-per-user`, batch not stated, read at batch 1)** fits the
+#   modelled TP layouts with a few µs per collective and good overlap.
 
 # %% [markdown]
 # ## 5 · What a single GPU per layer implies
@@ -307,7 +301,7 @@ if recorded.empty or not (recorded["preset"] == "k3-shard").any():
     print(f"No k3-shard GPU measurement is recorded yet ({len(items)} GPU measurements outstanding, e.g. "
           f"{', '.join(i['id'] for i in items[:3])}); using the cost-model bound per layer instead.")
 display(shard.round(4))
-for v, label in ((840, "840 tok/s/user"), (semi, f"{semi:.0f} tok/s/user"), (127, "127 tok/s/user")):
+for v, label in zip(batch1["per_user"], batch1["label"]):
     budget = per_layer_budget(v, cfg)
     one = shard["ms_per_layer"].min() / 1e3
     print(f"{label}: {budget * 1e6:.1f} µs per layer; one GPU needs ≥ {one * 1e6:.0f} µs for a layer at its bound -> "
