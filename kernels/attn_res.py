@@ -25,31 +25,25 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr
 
 from . import _common as C
 from ._source import kernel_source_hash
+from .meta import ARG_ORDER, ATTN_RES_CHUNK_BUDGET, ATTN_RES_KEEP_MAX_CANDIDATES, RMS_EPS, attn_res_threads
 
 # hash of the source as imported: the build cache and prebuilt manifests key on the code that runs
 SOURCE_HASH = kernel_source_hash(__name__.rsplit(".", 1)[-1])
 VEC = C.VEC
-KEEP_MAX_CANDIDATES = 4  # above this the mix re-reads the candidates (L1/L2) instead of keeping them live
-CHUNK_BUDGET = 8  # candidate chunks (16 B = 4 registers each) a thread keeps: NC x CH <= 8 -> <= 32 registers
-EPS = 1e-5
+KEEP_MAX_CANDIDATES = ATTN_RES_KEEP_MAX_CANDIDATES  # (defined in meta.py with the thread rule that depends on it)
+CHUNK_BUDGET = ATTN_RES_CHUNK_BUDGET
+EPS = RMS_EPS
 VARIANTS = ("mix",)
 OUTPUTS = {"mix": ("out",)}
 
 
 def threads_for(H: int, NC: int) -> int:
-    """Threads per CTA: CH = max(1, 8 // NC) chunks per candidate per thread (2 when the candidates are
-    re-read for the mix), enough warps to cover H.
-
-    The register-resident candidates cost NC x CH x 4 registers; a CTA of T threads may use at most
-    65536 / T registers per thread, so more candidates -> fewer chunks per thread -> more threads.
-    """
-    ch = max(1, CHUNK_BUDGET // NC) if NC <= KEEP_MAX_CANDIDATES else 2
-    nch = H // VEC
-    nt = 32 * C.ceil_div(C.ceil_div(nch, ch), 32)
+    """Threads per CTA (the rule is ``meta.attn_res_threads``); one CTA holds at most 1024."""
+    nt = attn_res_threads(H, NC)
     assert nt <= 1024, f"H={H} with {NC} candidates needs more than 1024 threads"
     return nt
 
@@ -69,29 +63,21 @@ def _omega_chunk(gW: cute.Tensor, ch: Any, rw: cute.Tensor) -> Any:
     return rw.load().reshape((VEC,))  # (4, 2) fp32 pieces -> the chunk's 8 columns
 
 
-@cute.kernel
-def attn_res_kernel(mCand: cute.Tensor, mOmega: cute.Tensor, mOut: cute.Tensor, NT: cutlass.Constexpr):
-    tidx, _, _ = cute.arch.thread_idx()
-    b, _, _ = cute.arch.block_idx()
-    warp, lane = tidx // 32, tidx % 32
+@cute.jit
+def attn_res_partials(mCand: cute.Tensor, mOmega: cute.Tensor, b: Int32, tidx: Int32, rv: cute.Tensor,
+                      part: cute.Tensor, NT: cutlass.Constexpr):
+    """Thread ``tidx`` of token ``b``'s CTA: its 8-column chunks tidx, tidx+NT, ... of every candidate and its
+    partial [Σ V², Σ V ω] per candidate into ``part`` (zeroed here). KEEP (few candidates): the chunks stay in
+    ``rv`` (NC x CH x 4 registers, all loads issued up front) for the mix. Otherwise: a real loop over the chunks,
+    NC loads in flight per step, and the mix reads them again."""
     NC, H = cute.size(mCand, mode=[0]), cute.size(mCand, mode=[2])
     NCH = H // VEC
     CH = C.ceil_div(NCH, NT)
     KEEP = NC <= KEEP_MAX_CANDIDATES
-    NW = NT // 32
-    alloc = cutlass.memory.SmemAllocator()
-    red = C.smem_tensor(alloc, Float32, (NW, 2 * NC), "attn_res")
     ld_v = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
-    st = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), BFloat16, num_bits_per_copy=128)
     gW = cute.zipped_divide(mOmega, (4,))
-    gO = cute.zipped_divide(mOut[b, None], (VEC,))
     rw = cute.make_rmem_tensor((4, 2), Float32)
-    ro = cute.make_rmem_tensor((VEC,), BFloat16)
-    part = cute.make_rmem_tensor((2 * NC,), Float32)  # [Σ V², Σ V ω] per candidate
     part.fill(0.0)
-    # KEEP: this thread's CH chunks of every candidate stay in registers (NC x CH x 4 registers, all
-    # loads issued up front). Otherwise: a real loop over the chunks, NC loads in flight per step.
-    rv = cute.make_rmem_tensor((VEC, CH if KEEP else 1, NC), BFloat16)
     if const_expr(KEEP):
         for c in cutlass.range_constexpr(CH):
             if tidx + c * NT < NCH:
@@ -110,6 +96,57 @@ def attn_res_kernel(mCand: cute.Tensor, mOmega: cute.Tensor, mOut: cute.Tensor, 
             w = _omega_chunk(gW, ch, rw)
             for j in cutlass.range_constexpr(NC):
                 _accumulate(rv[None, 0, j].load().to(Float32), w, part, j)
+
+
+@cute.jit
+def attn_res_store(mCand: cute.Tensor, mOut: cute.Tensor, b: Int32, tidx: Int32, rv: cute.Tensor,
+                   alpha: cute.Tensor, NT: cutlass.Constexpr):
+    """Thread ``tidx``'s chunks of ``out[b] = bf16(Σ_j α_j V_j)`` (from ``rv`` when KEEP, else read again)."""
+    NC, H = cute.size(mCand, mode=[0]), cute.size(mCand, mode=[2])
+    NCH = H // VEC
+    CH = C.ceil_div(NCH, NT)
+    KEEP = NC <= KEEP_MAX_CANDIDATES
+    ld_v = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
+    st = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), BFloat16, num_bits_per_copy=128)
+    gO = cute.zipped_divide(mOut[b, None], (VEC,))
+    ro = cute.make_rmem_tensor((VEC,), BFloat16)
+    if const_expr(KEEP):
+        for c in cutlass.range_constexpr(CH):
+            if tidx + c * NT < NCH:
+                acc = rv[None, c, 0].load().to(Float32) * alpha[0]
+                for j in cutlass.range_constexpr(1, NC):
+                    acc = acc + rv[None, c, j].load().to(Float32) * alpha[j]
+                ro.store(acc.to(BFloat16))
+                cute.copy(st, ro, gO[(None, tidx + c * NT)])
+    else:
+        for ch in cutlass.range(tidx, NCH, NT, unroll=1):  # second read of the same bytes: L1/L2
+            for j in cutlass.range_constexpr(NC):
+                cute.copy(ld_v, cute.zipped_divide(mCand[j, b, None], (VEC,))[(None, ch)], rv[None, 0, j])
+            acc = rv[None, 0, 0].load().to(Float32) * alpha[0]
+            for j in cutlass.range_constexpr(1, NC):
+                acc = acc + rv[None, 0, j].load().to(Float32) * alpha[j]
+            ro.store(acc.to(BFloat16))
+            cute.copy(st, ro, gO[(None, ch)])
+
+
+def rv_shape(NC: int, H: int, NT: int) -> tuple[int, int, int]:
+    """Register tile of a thread's candidate chunks: [8, CH, NC] when kept (KEEP), else [8, 1, NC]."""
+    CH = C.ceil_div(H // VEC, NT)
+    return (VEC, CH if NC <= KEEP_MAX_CANDIDATES else 1, NC)
+
+
+@cute.kernel
+def attn_res_kernel(mCand: cute.Tensor, mOmega: cute.Tensor, mOut: cute.Tensor, NT: cutlass.Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    b, _, _ = cute.arch.block_idx()
+    warp, lane = tidx // 32, tidx % 32
+    NC, H = cute.size(mCand, mode=[0]), cute.size(mCand, mode=[2])
+    NW = NT // 32
+    alloc = cutlass.memory.SmemAllocator()
+    red = C.smem_tensor(alloc, Float32, (NW, 2 * NC), "attn_res")
+    part = cute.make_rmem_tensor((2 * NC,), Float32)  # [Σ V², Σ V ω] per candidate
+    rv = cute.make_rmem_tensor(rv_shape(NC, H, NT), BFloat16)
+    attn_res_partials(mCand, mOmega, b, tidx, rv, part, NT)
     # block reduction with one barrier; every warp re-reduces the per-warp partials
     for i in cutlass.range_constexpr(2 * NC):
         s = C.warp_sum(part[i])
@@ -134,23 +171,7 @@ def attn_res_kernel(mCand: cute.Tensor, mOmega: cute.Tensor, mOut: cute.Tensor, 
     inv = 1.0 / tot
     for j in cutlass.range_constexpr(NC):
         alpha[j] = alpha[j] * inv
-    if const_expr(KEEP):
-        for c in cutlass.range_constexpr(CH):
-            if tidx + c * NT < NCH:
-                acc = rv[None, c, 0].load().to(Float32) * alpha[0]
-                for j in cutlass.range_constexpr(1, NC):
-                    acc = acc + rv[None, c, j].load().to(Float32) * alpha[j]
-                ro.store(acc.to(BFloat16))
-                cute.copy(st, ro, gO[(None, tidx + c * NT)])
-    else:
-        for ch in cutlass.range(tidx, NCH, NT, unroll=1):  # second read of the same bytes: L1/L2
-            for j in cutlass.range_constexpr(NC):
-                cute.copy(ld_v, cute.zipped_divide(mCand[j, b, None], (VEC,))[(None, ch)], rv[None, 0, j])
-            acc = rv[None, 0, 0].load().to(Float32) * alpha[0]
-            for j in cutlass.range_constexpr(1, NC):
-                acc = acc + rv[None, 0, j].load().to(Float32) * alpha[j]
-            ro.store(acc.to(BFloat16))
-            cute.copy(st, ro, gO[(None, ch)])
+    attn_res_store(mCand, mOut, b, tidx, rv, alpha, NT)
 
 
 @cute.jit
@@ -190,4 +211,4 @@ def reference(variant: str, t: dict[str, torch.Tensor], **_: Any) -> dict[str, t
 
 
 def launch(compiled: Any, variant: str, t: dict[str, torch.Tensor], tvm_ffi: bool = False) -> None:
-    C.launch(compiled, [t["cand"], t["omega"], t["out"]], tvm_ffi)
+    C.launch(compiled, [t[k] for k in ARG_ORDER[("attn_res", variant)]], tvm_ffi)

@@ -30,6 +30,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from ._common import bf16_round, exp_fast, sigmoid, warp_argmax, warp_max, warp_sum
+from .isa import CTA_THREADS
 
 __all__ = [
     "NT",
@@ -53,8 +54,7 @@ __all__ = [
     "warp_argmax",
 ]
 
-NT = 384  # threads per CTA (one per SM): 12 warps x 32 lanes x 64 B keep ~24 KiB of weight loads in flight per SM,
-# and the 168-register cap (65536 / 384) leaves room for the widest opcode; 512 threads (cap 128) spilled
+NT = CTA_THREADS  # threads per CTA (isa.py: the host checks programs against it)
 NW = NT // 32
 UNROLL = 4  # 16-byte weight loads in flight per lane per GEMV loop step (callers pass 2 when 4 batch rows share
 # each weight chunk: the FMAs per byte quadruple, and 4 x 4 x-chunks in flight would crowd the registers)
@@ -116,14 +116,18 @@ def _dot_step(wv: Any, w0: Int32, W_SMEM: cutlass.Constexpr, xv: Any, x0: Int32,
 
 @cute.jit
 def row_dot(wv: Any, w0: Int32, W_SMEM: cutlass.Constexpr, xv: Any, x0: Int32, xs: Int32, X_SMEM: cutlass.Constexpr,
-            gv: Any, nch: Int32, acc: cute.Tensor, BT: cutlass.Constexpr, U: cutlass.Constexpr = UNROLL) -> None:
+            gv: Any, nch: Int32, acc: cute.Tensor, BT: cutlass.Constexpr, U: cutlass.Constexpr = UNROLL,
+            lane: Any = None) -> None:
     """Per-lane partial dots of one weight row (``nch`` chunks from chunk ``w0`` of ``wv``) with BT x rows
     (row ``b`` starts at chunk ``x0 + b·xs`` of ``xv``), accumulated into ``acc[0:BT]``.
 
     Full steps of 32 lanes x U chunks run in a real loop; the rest (leftover lane rounds and the partial last
     round) one chunk per lane per iteration, the loop bound predicating the lanes past the end (no shuffles
-    inside, so the divergence is harmless). Two instantiations per call site keep the compile small."""
-    lane = cute.arch.lane_idx()
+    inside, so the divergence is harmless). Two instantiations per call site keep the compile small.
+
+    ``lane`` is the lane's index (the host execution passes it; on the GPU, None reads the lane register)."""
+    if const_expr(lane is None):
+        lane = cute.arch.lane_idx()
     steps = nch // (32 * U)
     for it in cutlass.range(steps, unroll=1):
         _dot_step(wv, w0, W_SMEM, xv, x0, xs, X_SMEM, gv, it * (32 * U) + lane, acc, U, BT)
@@ -134,16 +138,16 @@ def row_dot(wv: Any, w0: Int32, W_SMEM: cutlass.Constexpr, xv: Any, x0: Int32, x
 @cute.jit
 def weight_row_dot(stage: Any, staged_rows: Int32, wrow0: Int64, j: Int32, nch: Int32, xv: Any, x0: Int32,
                    xs: Int32, X_SMEM: cutlass.Constexpr, gv: Any, acc: cute.Tensor, BT: cutlass.Constexpr,
-                   U: cutlass.Constexpr = UNROLL) -> None:
+                   U: cutlass.Constexpr = UNROLL, lane: Any = None) -> None:
     """``acc[b] = Σ_k W[j, k] (γ_k) x_b[k]`` (per lane, before the warp sum) for row ``j`` of a weight box whose
     row 0 is at byte address ``wrow0``; rows ``< staged_rows`` are read from the shared-memory stage the
     prefetch filled (row ``j`` at chunk ``j·nch``), the others from global memory. The branch is warp-uniform."""
     acc.fill(0.0)
     if j < staged_rows:
-        row_dot(stage, j * nch, True, xv, x0, xs, X_SMEM, gv, nch, acc, BT, U)
+        row_dot(stage, j * nch, True, xv, x0, xs, X_SMEM, gv, nch, acc, BT, U, lane)
     else:
         row_dot(gchunks(wrow0 + Int64(j) * Int64(nch) * 16), Int32(0), False, xv, x0, xs, X_SMEM, gv, nch, acc, BT,
-                U)
+                U, lane)
 
 
 # ---------------------------------------------------------------------------------------------- reductions

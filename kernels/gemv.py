@@ -32,16 +32,16 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 
 from . import _common as C
 from ._source import kernel_source_hash
+from ._trace import evict_last
+from .meta import ARG_ORDER, GEMV_WARPS, LM_ROWS_PER_WARP, RMS_EPS
 
 # hash of the source as imported: the build cache and prebuilt manifests key on the code that runs
 SOURCE_HASH = kernel_source_hash(__name__.rsplit(".", 1)[-1])
 VEC = C.VEC  # bf16 per 16-byte load
-WARPS = 4  # rows per CTA (one warp each)
+WARPS = GEMV_WARPS  # rows per CTA (one warp each); with LM_ROWS_PER_WARP and RMS_EPS defined in meta.py
 UNROLL = 4  # 16-byte W loads in flight per lane per loop step
-LM_ROWS_PER_WARP = 8  # lm_head: rows per warp, so one CTA's partial arg-max covers 32 rows
 ARGMAX_THREADS = 128
 VARIANTS = ("plain", "rmsnorm", "residual", "f32out", "lm_head")
-RMS_EPS = 1e-5
 
 
 # ---------------------------------------------------------------------------------------------- device code
@@ -51,8 +51,7 @@ def _dot_step(gW: cute.Tensor, gG: Any, mX: cute.Tensor, x0: Int32, c0: Int32, a
     """Accumulate ``n`` chunks (c0, c0+32, ...) of one W row (times gamma if given) against BT rows
     of x; also Σ x² per row into ``ssq`` unless it is None."""
     ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
-    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
-                               l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_LAST)
+    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, **evict_last())
     rw = cute.make_rmem_tensor((VEC, n), BFloat16)
     for u in cutlass.range_constexpr(n):  # all n weight loads issued back to back
         cute.copy(ld_w, gW[(None, c0 + 32 * u)], rw[None, u])
@@ -92,6 +91,29 @@ def row_dot(gW: cute.Tensor, gG: Any, mX: cute.Tensor, x0: Int32, lane: Int32, a
             _dot_step(gW, gG, mX, x0, rounds * 32 + lane, acc, ssq, 1, BT)
 
 
+@cute.jit
+def gemv_tile(bt: Int32, rg: Int32, warp: Int32, BT: cutlass.Constexpr) -> tuple[Int32, Int32]:
+    """(W row, first batch row) of warp ``warp`` in CTA (``bt``, ``rg``): one warp per row, WARPS rows per CTA
+    on grid y, batch tiles of BT rows on grid x. The row is valid only when it is below N."""
+    return rg * WARPS + warp, bt * BT
+
+
+@cute.jit
+def gemv_lane(mW: cute.Tensor, mX: cute.Tensor, mG: Any, row: Int32, x0: Int32, lane: Int32, acc: cute.Tensor,
+              ssq: Any, BT: cutlass.Constexpr):
+    """Lane ``lane``'s partial dot products of W row ``row`` (times gamma when given) with x rows x0..x0+BT-1
+    into ``acc`` (and its partial Σ x² per row into ``ssq`` when gamma is given), before the warp sum."""
+    K = cute.size(mW, mode=[1])
+    acc.fill(0.0)
+    gW = cute.zipped_divide(mW[row, None], (VEC,))
+    gG = None
+    if const_expr(mG is not None):
+        gG = cute.zipped_divide(mG, (VEC,))
+    if const_expr(ssq is not None):
+        ssq.fill(0.0)
+    row_dot(gW, gG, mX, x0, lane, acc, ssq, K // VEC, BT, UNROLL)
+
+
 @cute.kernel
 def gemv_kernel(mW: cute.Tensor, mX: cute.Tensor, mG: Any, mR: Any, mY: cute.Tensor,
                 BT: cutlass.Constexpr, ACT: cutlass.Constexpr):
@@ -99,18 +121,13 @@ def gemv_kernel(mW: cute.Tensor, mX: cute.Tensor, mG: Any, mR: Any, mY: cute.Ten
     bt, rg, _ = cute.arch.block_idx()
     warp, lane = tidx // 32, tidx % 32
     N, K = cute.size(mW, mode=[0]), cute.size(mW, mode=[1])
-    row = rg * WARPS + warp
-    x0 = bt * BT
+    row, x0 = gemv_tile(bt, rg, warp, BT)
     if row < N:  # warp-uniform: the shuffles below stay convergent
         acc = cute.make_rmem_tensor((BT,), Float32)
-        acc.fill(0.0)
-        gW = cute.zipped_divide(mW[row, None], (VEC,))
-        gG, ssq = None, None
+        ssq = None
         if const_expr(mG is not None):
-            gG = cute.zipped_divide(mG, (VEC,))
             ssq = cute.make_rmem_tensor((BT,), Float32)
-            ssq.fill(0.0)
-        row_dot(gW, gG, mX, x0, lane, acc, ssq, K // VEC, BT, UNROLL)
+        gemv_lane(mW, mX, mG, row, x0, lane, acc, ssq, BT)
         for b in cutlass.range_constexpr(BT):
             d = C.warp_sum(acc[b])
             if const_expr(mG is not None):
@@ -124,6 +141,27 @@ def gemv_kernel(mW: cute.Tensor, mX: cute.Tensor, mG: Any, mR: Any, mY: cute.Ten
                 mY[x0 + b, row] = d.to(mY.element_type)
 
 
+@cute.jit
+def x_sumsq_lane(mX: cute.Tensor, xr: Int32, lane: Int32) -> Float32:
+    """Lane ``lane``'s partial Σ x² of x row ``xr`` (chunks lane, lane+32, ...), before the warp sum."""
+    K = cute.size(mX, mode=[1])
+    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)
+    rx = cute.make_rmem_tensor((VEC,), BFloat16)
+    gX = cute.zipped_divide(mX[xr, None], (VEC,))
+    part = Float32(0.0)
+    for c in cutlass.range(lane, K // VEC, 32, unroll=1):
+        cute.copy(ld_x, gX[(None, c)], rx)
+        x = rx.load().to(Float32)
+        part = part + (x * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)
+    return part
+
+
+@cute.jit
+def lm_head_row0(cta: Int32, warp: Int32) -> Int32:
+    """First vocabulary row of warp ``warp`` in CTA ``cta``: it walks LM_ROWS_PER_WARP consecutive rows."""
+    return (cta * WARPS + warp) * LM_ROWS_PER_WARP
+
+
 @cute.kernel
 def lm_head_kernel(mW: cute.Tensor, mX: cute.Tensor, mG: Any, mLogits: Any, mPartV: cute.Tensor,
                    mPartI: cute.Tensor, BT: cutlass.Constexpr):
@@ -132,7 +170,7 @@ def lm_head_kernel(mW: cute.Tensor, mX: cute.Tensor, mG: Any, mLogits: Any, mPar
     bt, cta, _ = cute.arch.block_idx()
     warp, lane = tidx // 32, tidx % 32
     K = cute.size(mW, mode=[1])
-    x0 = bt * BT
+    _, x0 = gemv_tile(bt, cta, warp, BT)
     alloc = cutlass.memory.SmemAllocator()
     sv = C.smem_tensor(alloc, Float32, (WARPS, BT), "lm_head")
     si = C.smem_tensor(alloc, Int32, (WARPS, BT), "lm_head")
@@ -143,25 +181,15 @@ def lm_head_kernel(mW: cute.Tensor, mX: cute.Tensor, mG: Any, mLogits: Any, mPar
     acc = cute.make_rmem_tensor((BT,), Float32)
     rstd = cute.make_rmem_tensor((BT,), Float32)
     rstd.fill(1.0)
-    gG = None
     if const_expr(mG is not None):
         # the norm of x is the same for every row: one pass over x per warp (L1/L2), before the rows
-        gG = cute.zipped_divide(mG, (VEC,))
-        ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)
-        rx = cute.make_rmem_tensor((VEC,), BFloat16)
         for b in cutlass.range_constexpr(BT):
-            gX = cute.zipped_divide(mX[x0 + b, None], (VEC,))
-            part = Float32(0.0)
-            for c in cutlass.range(lane, K // VEC, 32, unroll=1):
-                cute.copy(ld_x, gX[(None, c)], rx)
-                x = rx.load().to(Float32)
-                part = part + (x * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)
+            part = x_sumsq_lane(mX, x0 + b, lane)
             rstd[b] = cute.math.rsqrt(C.warp_sum(part) * (1.0 / K) + RMS_EPS, approx=True)
-    row0 = (cta * WARPS + warp) * LM_ROWS_PER_WARP
+    row0 = lm_head_row0(cta, warp)
     for r in cutlass.range(LM_ROWS_PER_WARP, unroll=1):
         row = row0 + r
-        acc.fill(0.0)
-        row_dot(cute.zipped_divide(mW[row, None], (VEC,)), gG, mX, x0, lane, acc, None, K // VEC, BT, UNROLL)
+        gemv_lane(mW, mX, mG, row, x0, lane, acc, None, BT)
         for b in cutlass.range_constexpr(BT):
             d = C.warp_sum(acc[b]) * rstd[b]
             if const_expr(mLogits is not None):
@@ -256,10 +284,11 @@ def _specs(variant: str, B: int, N: int, K: int) -> dict[str, tuple[Any, tuple[i
 OUTPUTS = {"plain": ("y",), "rmsnorm": ("y",), "residual": ("y",), "f32out": ("y",), "lm_head": ("logits", "token")}
 
 
+_OPTIONAL = {v: () if v == "lm_head" else ("gamma", "residual") for v in VARIANTS}  # None-able per variant
+
+
 def _call_args(variant: str, t: dict[str, Any]) -> list[Any]:
-    if variant == "lm_head":
-        return [t["W"], t["x"], t["gamma"], t["logits"], t["part_v"], t["part_i"], t["token"]]
-    return [t["W"], t["x"], t.get("gamma"), t.get("residual"), t["y"]]
+    return [t.get(k) if k in _OPTIONAL[variant] else t[k] for k in ARG_ORDER[("gemv", variant)]]
 
 
 def compile_for(arch: str, *, variant: str = "plain", B: int, N: int, K: int, tvm_ffi: bool = False,

@@ -31,27 +31,26 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 import torch
-import torch.nn.functional as F
 from cutlass import BFloat16, Float32, const_expr
 
 from . import _common as C
 from ._source import kernel_source_hash
+from .meta import ARG_ORDER, KDA_QK_EPS, KDA_THREADS, RMS_EPS, kda_layout
 
 # hash of the source as imported: the build cache and prebuilt manifests key on the code that runs
 SOURCE_HASH = kernel_source_hash(__name__.rsplit(".", 1)[-1])
-THREADS = 256
+THREADS = KDA_THREADS  # the thread count, eps values and layout rule are defined in meta.py (the host plans with them)
 VARIANTS = ("kda",)
 OUTPUTS = {"kda": ("out", "S", "conv")}
-QK_EPS = 1e-6
-NORM_EPS = 1e-5
+QK_EPS = KDA_QK_EPS
+NORM_EPS = RMS_EPS
 
 
 def _layout(D: int) -> tuple[int, int, int]:
     """(JG, KS, RS): column groups of 4, row splits, rows per thread, for head dim D."""
-    JG = D // 4
-    KS = THREADS // JG
-    assert D % 32 == 0 and 2 * D <= THREADS and THREADS % JG == 0 and D % KS == 0, f"unsupported head dim {D}"
-    return JG, KS, D // KS
+    layout = kda_layout(D)
+    assert layout is not None, f"unsupported head dim {D}"
+    return layout
 
 
 @cute.jit
@@ -222,33 +221,24 @@ def reference(variant: str, t: dict[str, torch.Tensor], *, lower_bound: float | 
               ) -> dict[str, torch.Tensor]:
     """Spec §3.2 on the projected inputs, fp32 math, with the model's l2norm and kda_recurrent_step.
 
-    Returns the expected ``out`` plus the updated ``S`` and ``conv`` (the kernel updates them in place).
-    TODO: the conv, decay gate and gated norm are written out here because kimik3.model implements
-    them as methods of its KDA module (decay(), gated_norm(), inline conv in forward()); call those once
-    they are free functions of (tensors, config).
+    Returns the expected ``out`` plus the updated ``S`` and ``conv`` (the kernel updates them in place). The conv,
+    decay gate and gated norm are the model's own functions, so the kernel is checked against the model's math.
     """
-    from kimik3.model import kda_recurrent_step, l2norm
+    from kimik3.model import kda_decay, kda_gated_norm, kda_recurrent_step, kda_short_conv, l2norm
 
     B, nh, D, _ = t["S"].shape
     P = nh * D
     window = torch.cat([t["conv"], t["qkv"][..., None]], -1)  # [B, 3P, W], oldest first
-    z = F.silu((window.float() * t["conv_w"]).sum(-1)).to(torch.bfloat16)  # conv + SiLU, bf16 result
+    z = kda_short_conv(window, t["conv_w"], torch.bfloat16)  # conv + SiLU, bf16 result
     q, k, v = z.float().unflatten(-1, (3, nh, D)).unbind(1)
     q, k = l2norm(q, QK_EPS) * D**-0.5, l2norm(k, QK_EPS)
-    u = (t["u"].float() + t["dt_bias"]).unflatten(-1, (nh, D))
-    lam = t["A_log"][:nh].exp()[:, None]
-    if lower_bound is not None:
-        g = lower_bound * torch.sigmoid(lam * u)
-    else:
-        g = -lam * F.softplus(u, threshold=20.0)
+    g = kda_decay(t["u"], t["dt_bias"], t["A_log"][:nh], lower_bound)
     beta = torch.sigmoid(t["b"].float())
     o, S = kda_recurrent_step(q, k, v, g, beta, t["S"].float())
-    o = o.to(torch.bfloat16).float()  # cast to bf16 before the gated norm
-    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + NORM_EPS)
-    o = o * t["o_norm"] * torch.sigmoid(t["gate"].float().unflatten(-1, (nh, D)))
+    o = o.to(torch.bfloat16).float()  # cast to bf16 before the gated norm; fp32 in, so the norm's result stays fp32
+    o = kda_gated_norm(o, t["gate"].unflatten(-1, (nh, D)), t["o_norm"], NORM_EPS)
     return {"out": o.flatten(-2).reshape(B, P), "S": S, "conv": window[..., 1:]}
 
 
 def launch(compiled: Any, variant: str, t: dict[str, torch.Tensor], tvm_ffi: bool = False) -> None:
-    C.launch(compiled, [t[k] for k in ("qkv", "u", "b", "gate", "conv_w", "dt_bias", "A_log", "o_norm", "conv", "S",
-                                       "out")], tvm_ffi)
+    C.launch(compiled, [t[k] for k in ARG_ORDER[("kda", variant)]], tvm_ffi)

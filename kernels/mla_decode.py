@@ -31,6 +31,7 @@ from cutlass import BFloat16, Float32, Int32
 
 from . import _common as C
 from ._source import kernel_source_hash
+from .meta import ARG_ORDER, mla_default_splits, mla_head_layout
 
 # hash of the source as imported: the build cache and prebuilt manifests key on the code that runs
 SOURCE_HASH = kernel_source_hash(__name__.rsplit(".", 1)[-1])
@@ -39,25 +40,10 @@ VARIANTS = ("mla",)
 OUTPUTS = {"mla": ("o",)}
 
 
-def head_layout(nh: int) -> tuple[int, int]:
-    """(heads per warp, warps per CTA) with nh divisible by their product.
-
-    Two heads per warp keep q (2 x 18) + o (2 x 16) + a 4-token fp32 K/V tile (72) near 160
-    registers at K3 widths; four heads per warp needed all 255.
-    """
-    for hpw in (2, 1):
-        if nh % hpw == 0:
-            warps = max(w for w in (4, 3, 2, 1) if (nh // hpw) % w == 0)
-            return hpw, warps
-    raise AssertionError
-
-
-def default_splits(B: int, nh: int, S: int) -> int:
-    """Enough CTAs to fill ~2 waves of 132 SMs, never more splits than 64 or than S / 64 tokens."""
-    hpw, warps = head_layout(nh)
-    ctas = B * (nh // (hpw * warps))
-    want = max(1, 264 // max(ctas, 1))
-    return int(max(1, min(want, 64, S // 64)))
+# (heads per warp, warps per CTA) and the default split count are defined in meta.py: the fused stage sizes its
+# partial buffers with the same functions
+head_layout = mla_head_layout
+default_splits = mla_default_splits
 
 
 @cute.kernel
@@ -220,8 +206,8 @@ def make_inputs(variant: str = "mla", *, B: int, nh: int, DL: int, DR: int, S: i
 def reference(variant: str, t: dict[str, Any], **_: Any) -> dict[str, torch.Tensor]:
     """Full (unsplit) softmax attention per sequence in fp32: o_lat[h] = softmax(q·kv^T·scale) · c.
 
-    TODO: kimik3.model.MLA attends in the unabsorbed form over its own cache object; this latent-space
-    form is checked against it algebraically in tests/test_kernel_references.py instead."""
+    Not kimik3.model.MLA, which attends in the unabsorbed form over its own cache object: this latent-space
+    form is checked against it algebraically in tests/test_kernel_references.py."""
     q, kv, lens = t["q"].float(), t["kv"].float(), t["lens"]
     DL = t["o"].shape[-1]
     out = torch.empty(q.shape[0], q.shape[1], DL, device=q.device)
@@ -259,5 +245,5 @@ def split_reference(t: dict[str, Any], nsplit: int) -> dict[str, torch.Tensor]:
 
 
 def launch(compiled: Any, variant: str, t: dict[str, Any], tvm_ffi: bool = False) -> None:
-    C.launch(compiled, [t["q"], t["kv"], t["lens"], t["part_o"], t["part_m"], t["part_l"], t["o"], t["scale"]],
+    C.launch(compiled, [t[k] for k in ARG_ORDER[("mla_decode", variant)]],
              tvm_ffi)

@@ -42,6 +42,8 @@ from cutlass import BFloat16, Float16, Float32, Int32, Uint8, Uint32, const_expr
 
 from . import _common as C
 from ._source import kernel_source_hash
+from ._trace import evict_last
+from .meta import ARG_ORDER, HEADS_ORDER, MOE_ORDER, SITU_BETA, SITU_BETA_LIN, head_routing
 
 # hash of the source as imported: the build cache and prebuilt manifests key on the code that runs
 SOURCE_HASH = kernel_source_hash(__name__.rsplit(".", 1)[-1])
@@ -54,8 +56,6 @@ UNROLL_BF16_GLU = 2  # per matrix for gate/up: 2 x 2 loads in flight, 64 weights
 # 32 registers + 2.5 KB of spills for the gate/up kernel at B = 1 (CUDA 13 ptxas); 1 compiles clean.
 UNROLL_FP4 = 1
 COMBINE_THREADS = 128
-SITU_BETA = 4.0
-SITU_BETA_LIN = 25.0
 VARIANTS = ("bf16", "mxfp4")
 OUTPUTS = {"bf16": ("out",), "mxfp4": ("out",)}
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -138,8 +138,7 @@ def moe_align_kernel(mIds: cute.Tensor, mSorted: cute.Tensor, mActE: cute.Tensor
 def _bf16_step(gA: cute.Tensor, gB: Any, mX: cute.Tensor, xrow: cute.Tensor, c0: Int32, accA: cute.Tensor,
                accB: cute.Tensor, n: cutlass.Constexpr, BT: cutlass.Constexpr):
     ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
-    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
-                               l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_LAST)
+    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, **evict_last())
     ra = cute.make_rmem_tensor((VEC, n), BFloat16)
     for u in cutlass.range_constexpr(n):
         cute.copy(ld_w, gA[(None, c0 + 32 * u)], ra[None, u])
@@ -204,8 +203,7 @@ def _fp4_step(gPA: cute.Tensor, gPB: Any, gSA: cute.Tensor, gSB: Any, mX: cute.T
     """n 32-column groups (c0, c0+32, ...): all code/scale loads first, then one group at a time is
     expanded (32 fp32 per matrix live) and applied to the BT rows of x."""
     ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint32, num_bits_per_copy=128, invariant=True)
-    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
-                               l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_LAST)
+    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, **evict_last())
     GLU = gPB is not None
     rpa = cute.make_rmem_tensor((4, n), Uint32)
     rpb = cute.make_rmem_tensor((4, n), Uint32)
@@ -271,6 +269,58 @@ def situ(a: Float32, b: Float32) -> Float32:
     return g * (SITU_BETA_LIN * cute.math.tanh(b * (1.0 / SITU_BETA_LIN), approx=True))
 
 
+@cute.jit
+def expert_row(rg: Int32, warp: Int32) -> Int32:
+    """The weight row warp ``warp`` of CTA (``rg``, slot) owns (one warp per row, WARPS rows per CTA)."""
+    return rg * WARPS + warp
+
+
+@cute.jit
+def expert_slot(mActE: cute.Tensor, mActStart: cute.Tensor, mActCount: cute.Tensor, a: Int32
+                ) -> tuple[Int32, Int32, Int32]:
+    """(expert id, first sorted pair, pair count) of active-expert slot ``a`` (the CTA's grid y)."""
+    return mActE[a], mActStart[a], mActCount[a]
+
+
+@cute.jit
+def expert_weight_rows(mWA: cute.Tensor, mWB: Any, mSA: Any, mSB: Any, e: Int32, row: Int32) -> tuple[Any, ...]:
+    """Row ``row`` of expert ``e``'s weights as the chunk views the lanes walk: (A, B, A scales, B scales), B and
+    the scales None when absent. bf16: 8-weight chunks; MXFP4: 16-byte chunks of four uint32 code words (one
+    32-column scale group each) and the group's scale byte."""
+    FP4 = mSA is not None
+    GLU = mWB is not None
+    gB, gSA, gSB = None, None, None
+    if const_expr(FP4):
+        gA = cute.zipped_divide(cute.recast_tensor(mWA[e, row, None], Uint32), (4,))
+        if const_expr(GLU):
+            gB = cute.zipped_divide(cute.recast_tensor(mWB[e, row, None], Uint32), (4,))
+        gSA = mSA[e, row, None]
+        if const_expr(GLU):
+            gSB = mSB[e, row, None]
+    else:
+        gA = cute.zipped_divide(mWA[e, row, None], (VEC,))
+        if const_expr(GLU):
+            gB = cute.zipped_divide(mWB[e, row, None], (VEC,))
+    return gA, gB, gSA, gSB
+
+
+@cute.jit
+def expert_lane(gA: cute.Tensor, gB: Any, gSA: Any, gSB: Any, mX: cute.Tensor, mSorted: cute.Tensor, start: Int32,
+                cnt: Int32, t0: Int32, lane: Int32, accA: cute.Tensor, accB: cute.Tensor, pair: cute.Tensor,
+                K: cutlass.Constexpr, XDIV: cutlass.Constexpr, BT: cutlass.Constexpr):
+    """Lane ``lane``'s partial dots of one expert weight row (``expert_weight_rows``) with the x rows of the
+    expert's pairs t0..t0+BT-1 (``mSorted[start:start+cnt]``) into ``accA`` / ``accB``; ``pair`` gets the pairs
+    (past the count the last pair is repeated: its result is computed and not stored)."""
+    FP4 = gSA is not None
+    xrow = cute.make_rmem_tensor((BT,), Int32)
+    for t in cutlass.range_constexpr(BT):  # clamp past the end: reload a valid row, skip its store
+        pair[t] = mSorted[start + cutlass.min(t0 + t, cnt - 1)]
+        xrow[t] = pair[t] // XDIV
+    accA.fill(0.0)
+    accB.fill(0.0)
+    _walk_row(gA, gB, gSA, gSB, mX, xrow, lane, accA, accB, K // 32 if FP4 else K // VEC, BT, FP4)
+
+
 @cute.kernel
 def expert_gemv_kernel(mWA: cute.Tensor, mWB: Any, mSA: Any, mSB: Any, mX: cute.Tensor, mOut: cute.Tensor,
                        mSorted: cute.Tensor, mActE: cute.Tensor, mActStart: cute.Tensor, mActCount: cute.Tensor,
@@ -284,36 +334,16 @@ def expert_gemv_kernel(mWA: cute.Tensor, mWB: Any, mSA: Any, mSB: Any, mX: cute.
     rg, a, _ = cute.arch.block_idx()
     warp, lane = tidx // 32, tidx % 32
     R = cute.size(mWA, mode=[1])
-    FP4 = mSA is not None
     GLU = mWB is not None
-    row = rg * WARPS + warp
+    row = expert_row(rg, warp)
     if (a < mNAct[0]) & (row < R):  # warp-uniform
-        e = mActE[a]
-        start, cnt = mActStart[a], mActCount[a]
-        gB, gSA, gSB = None, None, None
-        if const_expr(FP4):  # codes read as 16-byte chunks of four uint32 words (= one scale group)
-            gA = cute.zipped_divide(cute.recast_tensor(mWA[e, row, None], Uint32), (4,))
-            if const_expr(GLU):
-                gB = cute.zipped_divide(cute.recast_tensor(mWB[e, row, None], Uint32), (4,))
-        else:
-            gA = cute.zipped_divide(mWA[e, row, None], (VEC,))
-            if const_expr(GLU):
-                gB = cute.zipped_divide(mWB[e, row, None], (VEC,))
-        if const_expr(FP4):
-            gSA = mSA[e, row, None]
-            if const_expr(GLU):
-                gSB = mSB[e, row, None]
+        e, start, cnt = expert_slot(mActE, mActStart, mActCount, a)
+        gA, gB, gSA, gSB = expert_weight_rows(mWA, mWB, mSA, mSB, e, row)
         accA = cute.make_rmem_tensor((BT,), Float32)
         accB = cute.make_rmem_tensor((BT,), Float32)
         pair = cute.make_rmem_tensor((BT,), Int32)
-        xrow = cute.make_rmem_tensor((BT,), Int32)
         for t0 in cutlass.range(0, cnt, BT, unroll=1):
-            for t in cutlass.range_constexpr(BT):  # clamp past the end: reload a valid row, skip its store
-                pair[t] = mSorted[start + cutlass.min(t0 + t, cnt - 1)]
-                xrow[t] = pair[t] // XDIV
-            accA.fill(0.0)
-            accB.fill(0.0)
-            _walk_row(gA, gB, gSA, gSB, mX, xrow, lane, accA, accB, K // 32 if FP4 else K // VEC, BT, FP4)
+            expert_lane(gA, gB, gSA, gSB, mX, mSorted, start, cnt, t0, lane, accA, accB, pair, K, XDIV, BT)
             for t in cutlass.range_constexpr(BT):
                 ya = C.warp_sum(accA[t])
                 if const_expr(GLU):
@@ -324,25 +354,31 @@ def expert_gemv_kernel(mWA: cute.Tensor, mWB: Any, mSA: Any, mSB: Any, mX: cute.
                         mOut[pair[t], row] = ya.to(BFloat16)
 
 
-@cute.kernel
-def moe_combine_kernel(mY: cute.Tensor, mWts: cute.Tensor, mOut: cute.Tensor):
-    tidx, _, _ = cute.arch.thread_idx()
-    b, _, _ = cute.arch.block_idx()
+@cute.jit
+def combine_chunk(mY: cute.Tensor, mWts: cute.Tensor, mOut: cute.Tensor, b: Int32, c: Int32):
+    """out[b, 8c:8c+8] = bf16(Σ_j w[b, j] · fp32(y[b·k + j, 8c:8c+8])): fp32 sum over the slots in order, one cast."""
     K = cute.size(mWts, mode=[1])
-    L = cute.size(mOut, mode=[1])
     ld = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)
     st = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), BFloat16, num_bits_per_copy=128)
     r = cute.make_rmem_tensor((VEC,), BFloat16)
     o = cute.make_rmem_tensor((VEC,), BFloat16)
     gOut = cute.zipped_divide(mOut[b, None], (VEC,))
+    acc = cute.make_rmem_tensor((VEC,), Float32)
+    acc.fill(0.0)
+    for j in cutlass.range_constexpr(K):
+        cute.copy(ld, cute.zipped_divide(mY[b * K + j, None], (VEC,))[(None, c)], r)
+        acc.store(acc.load() + r.load().to(Float32) * mWts[b, j])
+    o.store(acc.load().to(BFloat16))
+    cute.copy(st, o, gOut[(None, c)])
+
+
+@cute.kernel
+def moe_combine_kernel(mY: cute.Tensor, mWts: cute.Tensor, mOut: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    b, _, _ = cute.arch.block_idx()
+    L = cute.size(mOut, mode=[1])
     for c in cutlass.range(tidx, L // VEC, COMBINE_THREADS, unroll=1):
-        acc = cute.make_rmem_tensor((VEC,), Float32)
-        acc.fill(0.0)
-        for j in cutlass.range_constexpr(K):
-            cute.copy(ld, cute.zipped_divide(mY[b * K + j, None], (VEC,))[(None, c)], r)
-            acc.store(acc.load() + r.load().to(Float32) * mWts[b, j])
-        o.store(acc.load().to(BFloat16))
-        cute.copy(st, o, gOut[(None, c)])
+        combine_chunk(mY, mWts, mOut, b, c)
 
 
 @cute.jit
@@ -381,8 +417,7 @@ def _specs(variant: str, B: int, E: int, L: int, I: int, topk: int) -> dict[str,
     return spec
 
 
-_ORDER = ("x", "ids", "weights", "w1", "w3", "w2", "s1", "s3", "s2", "h", "y", "sorted", "act_e", "act_start",
-          "act_count", "n_act", "out")
+_ORDER = MOE_ORDER  # = ARG_ORDER[("moe", variant)] for both variants (meta.py)
 
 
 def compile_for(arch: str, *, variant: str = "bf16", B: int, E: int, L: int, I: int, topk: int,  # noqa: E741
@@ -444,8 +479,8 @@ def reference(variant: str, t: dict[str, torch.Tensor], **_: Any) -> dict[str, t
     """The reference MoE expert path (§5.3, §10): experts in bf16 (each projection rounded to bf16),
     SiTU-GLU from the model (kimik3.model.situ_glu), expert outputs bf16, fp32 weighted combine.
 
-    TODO: kimik3.model.MoE.expert() runs one expert on module parameters (bf16 nn.Linear, no MXFP4);
-    delegate to it once it accepts weight tensors (and dequantised MXFP4 weights)."""
+    Written out rather than calling kimik3.model.MoE.expert(), which runs one expert on module parameters (bf16
+    nn.Linear) and takes neither weight tensors nor dequantised MXFP4 weights."""
     from kimik3.model import situ_glu
 
     w1, w3, w2 = expert_weights(variant, t)
@@ -464,7 +499,7 @@ def reference(variant: str, t: dict[str, torch.Tensor], **_: Any) -> dict[str, t
 
 
 def launch(compiled: Any, variant: str, t: dict[str, torch.Tensor], tvm_ffi: bool = False) -> None:
-    C.launch(compiled, [t.get(k) for k in _ORDER], tvm_ffi)
+    C.launch(compiled, [t.get(k) for k in ARG_ORDER[("moe", variant)]], tvm_ffi)
 
 
 # ---------------------------------------------------------------------------------------------- per-head GEMV
@@ -496,7 +531,6 @@ def _heads_specs(B: int, NH: int, R: int, K: int) -> dict[str, tuple[Any, tuple[
             "act_count": (Int32, (NH,)), "n_act": (Int32, (1,))}
 
 
-HEADS_ORDER = ("W", "x", "out", "sorted", "act_e", "act_start", "act_count", "n_act")
 
 
 def compile_heads_for(arch: str, *, B: int, NH: int, R: int, K: int, tvm_ffi: bool = False,
@@ -507,15 +541,6 @@ def compile_heads_for(arch: str, *, B: int, NH: int, R: int, K: int, tvm_ffi: bo
     opts = C.compile_options(arch, tvm_ffi=tvm_ffi, remark_file=remark_file)
     with C.arch_scope(arch):
         return cute.compile(head_gemv, *args, C.fake_stream(tvm_ffi), heads_tile(B), options=opts)
-
-
-def head_routing(B: int, NH: int, device: Any = "cpu") -> dict[str, torch.Tensor]:
-    """The constant routing tables of :func:`head_gemv`: head h owns the pairs b·NH + h, b = 0..B-1."""
-    h = torch.arange(NH, dtype=torch.int32, device=device)
-    b = torch.arange(B, dtype=torch.int32, device=device)
-    return {"sorted": (b[None, :] * NH + h[:, None]).reshape(-1).contiguous(), "act_e": h.clone(),
-            "act_start": h * B, "act_count": torch.full((NH,), B, dtype=torch.int32, device=device),
-            "n_act": torch.tensor([NH], dtype=torch.int32, device=device)}
 
 
 def make_heads_inputs(*, B: int, NH: int, R: int, K: int, device: str = "cpu", seed: int = 0, **_: Any

@@ -188,7 +188,10 @@ def build_prebuilt(arch: str, out_dir: str | os.PathLike, variants: Sequence[Ker
     if ship_runtime and runtime.exists():
         _compress(runtime, out / f"{RUNTIME_LIB}.xz")
         manifest["runtime"]["shipped"] = f"{RUNTIME_LIB}.xz"
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True, default=str))
+    # written last and atomically: an interrupted build leaves no manifest, so the loader refuses the folder
+    from kimik3.atomic import atomic_write_text
+
+    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, default=str))
     return manifest
 
 
@@ -269,7 +272,7 @@ def _verify(directory: Path, manifest: dict[str, Any], name: str, arch: str | No
     current = kernel_source_hash(module)
     if e.get("source_hash") != current:
         raise ValueError(f"prebuilt kernel {name!r} is stale: source hash {str(e.get('source_hash'))[:12]}... "
-                         f"recorded, but the current kernels/{module}.py (+ deps, _common.py) hash is "
+                         f"recorded, but the current kernels/{module}.py (+ deps, contracts, _common.py) hash is "
                          f"{current[:12]}...; rebuild it")
     dsl = _dsl_version()
     if dsl is not None and e.get("dsl_version") != dsl and not (manifest.get("runtime") or {}).get("shipped"):

@@ -19,6 +19,8 @@ from typing import Any
 
 from kimik3.config import ModelConfig, get_preset
 
+from .meta import SUPPORTED_ARCHS
+
 __all__ = ["Budget", "Family", "KernelVariant", "FAMILIES", "PERSISTENT", "PRESETS", "BATCHES", "all_variants",
            "ci_variants", "get_variant", "variants_for", "family"]
 
@@ -51,7 +53,7 @@ class Family:
     ptx_features: tuple[str, ...]  # substrings that must appear in the PTX
     shapes: Callable[[ModelConfig, int], dict[str, Any]]
     runtime: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
-    archs: tuple[str, ...] = ("sm_90a", "sm_100a")  # nothing here is Hopper-only (no wgmma / TMA)
+    archs: tuple[str, ...] = SUPPORTED_ARCHS
     description: str = ""
 
 
@@ -131,7 +133,7 @@ def _megakernel_shapes(cfg: ModelConfig, batch: int) -> dict[str, Any]:
     return static_shapes(cfg, batch)
 
 
-# The persistent megakernel (kernels/megakernel.py, issue 6): one op, one kernel, a whole decode step. Kept apart
+# The persistent megakernel (kernels/megakernel.py): one op, one kernel, a whole decode step. Kept apart
 # from FAMILIES, which lists the fused per-operation kernels (their tests enumerate it with per-family inputs and
 # references), but built, cached and exported through the same paths: get_variant("megakernel/tiny/b1"),
 # build.build(...), and `python -m kimik3 kernels build` (which includes it by default).

@@ -30,6 +30,7 @@ from . import _common as C
 from ._source import kernel_source_hash
 from .gemv import WARPS as GEMV_WARPS
 from .gemv import gemv_kernel
+from .meta import ARG_ORDER
 
 # hash of the source as imported: the build cache and prebuilt manifests key on the code that runs
 SOURCE_HASH = kernel_source_hash(__name__.rsplit(".", 1)[-1])
@@ -162,4 +163,4 @@ def reference(variant: str, t: dict[str, torch.Tensor], *, topk: int, n_group: i
 
 
 def launch(compiled: Any, variant: str, t: dict[str, torch.Tensor], tvm_ffi: bool = False) -> None:
-    C.launch(compiled, [t["W"], t["x"], t["bias"], t["scores"], t["ids"], t["weights"]], tvm_ffi)
+    C.launch(compiled, [t[k] for k in ARG_ORDER[("router", variant)]], tvm_ffi)

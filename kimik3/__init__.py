@@ -1,5 +1,6 @@
 """kimik3: one Kimi K3 decode step, from naive PyTorch to a CuTe DSL megakernel, measured step by step."""
 
+import kimik3._kernel_package  # noqa: F401  (first: lets kimik3.kernels import from a bare copy of the repository)
 from kimik3.checkpoint import from_pretrained, save_pretrained
 from kimik3.config import PRESET_NAMES, ModelConfig, config_from_hf, get_preset, load_config
 from kimik3.cost import decode_cost, parameter_counts

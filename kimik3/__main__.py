@@ -2,9 +2,10 @@
 
   run-notebooks   execute the notebooks headless with papermill into runs/
   export          write a preset's random weights as an HF-format checkpoint
-  bench           benchmark the stages side by side (issue "first rungs")
+  bench           benchmark the stages side by side
   validate        the correctness matrix with an HTML report
   kernels build   compile the CuTe DSL kernels ahead of time (prebuilt kernels)
+  predict         the GPU performance model's step time for fused / megakernel (a model, not a measurement)
 """
 
 from __future__ import annotations
@@ -15,22 +16,52 @@ import sys
 __all__ = ["main"]
 
 
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return v
+
+
 def _export(argv: list[str]) -> int:
     import torch
 
     import kimik3
+    from kimik3.atomic import check_writable
+    from kimik3.checkpoint import is_export
 
     ap = argparse.ArgumentParser(prog="python -m kimik3 export", description=_export.__doc__)
     ap.add_argument("--preset", required=True, choices=kimik3.PRESET_NAMES)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--expert-format", default="bf16", choices=["bf16", "mxfp4"])
-    ap.add_argument("--max-shard-mb", type=int, default=None)
+    ap.add_argument("--expert-format", default="bf16", choices=["bf16", "mxfp4", "int4", "fp8"],
+                    help="mxfp4 / int4: routed experts quantized (K3 / K2-Thinking layout); fp8: every linear weight "
+                         "in 128x128-block FP8 (DeepSeek-V3 / K2 layout)")
+    ap.add_argument("--max-shard-mb", type=_positive_int, default=None)
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace a non-empty --out that is not a kimik3 export (its files are deleted)")
     a = ap.parse_args(argv)
-    model = kimik3.from_preset(a.preset, seed=a.seed, dtype=getattr(torch, a.dtype))
-    shard = a.max_shard_mb * 2**20 if a.max_shard_mb else None
-    path = kimik3.save_pretrained(model, a.out, expert_format=a.expert_format, max_shard_bytes=shard)
+    from pathlib import Path
+
+    out = Path(a.out)
+    try:  # before building the model: a refused --out should cost nothing
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} exists and is not a directory")
+        if out.is_dir() and any(out.iterdir()) and not a.overwrite and not is_export(out):
+            raise ValueError(f"--out {out} is not empty and does not hold a kimik3 export; choose an empty or "
+                             "new folder, or pass --overwrite to replace its contents")
+        check_writable(out.resolve().parent, is_dir=True)
+        model = kimik3.from_preset(a.preset, seed=a.seed, dtype=getattr(torch, a.dtype))
+        shard = a.max_shard_mb * 2**20 if a.max_shard_mb else None
+        path = kimik3.save_pretrained(model, a.out, expert_format=a.expert_format, max_shard_bytes=shard,
+                                      overwrite=a.overwrite)
+    except ValueError as e:
+        print(f"export: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {a.preset} (seed {a.seed}, {a.dtype}, experts {a.expert_format}) to {path}")
     return 0
 
@@ -46,9 +77,27 @@ def _run_notebooks(argv: list[str]) -> int:
     ap.add_argument("--only", default="", help="comma-separated notebook number prefixes, e.g. 01,03")
     ap.add_argument("--small", action="store_true", help="the small CI parameters")
     a = ap.parse_args(argv)
-    done = run_all(a.out, only=[s for s in a.only.split(",") if s] or None, ci=a.small)
+    try:
+        done = run_all(a.out, only=[s for s in a.only.split(",") if s] or None, ci=a.small)
+    except ValueError as e:
+        print(f"run-notebooks: {e}", file=sys.stderr)
+        return 2
     print(f"executed {len(done)} notebook(s) into {a.out}/")
     return 0
+
+
+def _kernels(argv: list[str]) -> int:
+    try:
+        from kimik3.kernels.prebuilt import main as kernels_main
+
+        return kernels_main(argv)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in ("cutlass", "cuda", "tvm_ffi"):
+            raise
+        print(f"kernels: the CuTe DSL compiler is not installed (no module {e.name!r}); building kernels needs it: "
+              "pip install nvidia-cutlass-dsl==4.8.1 (a GPU machine without it runs kernels prebuilt elsewhere, "
+              "see README 'GPU without a GPU at hand')", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         "export": _export,
         "run-notebooks": _run_notebooks,
         "bench": lambda rest: __import__("kimik3.bench", fromlist=["main"]).main(rest),
-        "validate": lambda rest: __import__("kimik3.validate", fromlist=["main"]).main(rest),
-        "kernels": lambda rest: __import__("kimik3.kernels.prebuilt", fromlist=["main"]).main(rest),
+        "validate": lambda rest: __import__("kimik3.validation.cli", fromlist=["main"]).main(rest),
+        "kernels": _kernels,
+        "predict": lambda rest: __import__("kimik3.perfmodel.cli", fromlist=["main"]).main(rest),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)

@@ -1,7 +1,8 @@
 """Benchmark the stages side by side in one run: ``python -m kimik3 bench``.
 
 Prints and returns one row per (stage, batch): ms per decode step (median over repeats, with min/max), tokens/s,
-achieved GB/s (cost-model bytes of the step over the measured time), % of this machine's measured copy bandwidth,
+achieved GB/s (cost-model bytes of the step over the measured time), % of this machine's measured read bandwidth
+(decode's ceiling; unclamped: a row above 100 % is flagged as a measurement problem, not shown as a result),
 and speedups vs ``naive`` and vs ``compiled`` (the strongest PyTorch-only peer) measured in the same run. For
 configs transformers supports (DeepSeek-V3 and Kimi-Linear formats) transformers' own decode on the same weights
 is a peer row. A benchmark, not a test: it reports what it measured, on what, with the spread.
@@ -12,70 +13,27 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
-import platform
-import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
 import kimik3
+from kimik3.atomic import atomic_write_text, check_writable
+from kimik3.clilog import compiler_output_to
 from kimik3.cost import decode_cost
-from kimik3.hardware import measure_local
+from kimik3.hardware import measure_local, read_ceiling_Bps
 from kimik3.profiling import Timing
-from kimik3.tolerances import rel_error
+from kimik3.provenance import provenance
+from kimik3.validation.metric import rel_error
 
 __all__ = ["run_bench", "provenance", "write_hf_deepseek_checkpoint", "strongest_compile_options", "main"]
-
-
-def provenance(device: str) -> dict:
-    """Where and with what a measurement was taken (commit, device, versions, date)."""
-    commit, dirty = os.environ.get("KIMIK3_COMMIT"), None
-    if not commit:
-        here = Path(__file__).resolve().parent
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                    cwd=here).stdout.strip() or None
-            status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                    text=True, timeout=5, cwd=here)
-            dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError):
-            commit = None
-    info = {
-        "commit": commit,
-        "dirty_working_tree": dirty,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": device,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "host_cpu": platform.processor() or platform.machine(),
-        "cpu_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "kimik3": kimik3.__version__,
-    }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-        info["cuda"] = torch.version.cuda
-        try:
-            q = "clocks.sm,clocks.mem,clocks.max.sm,driver_version"
-            out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
-                                 text=True, timeout=10).stdout.strip()
-            info["nvidia_smi"] = out
-        except (OSError, subprocess.SubprocessError):
-            info["nvidia_smi"] = None
-    return info
 
 
 def write_hf_deepseek_checkpoint(path: str | Path, hidden: int = 512, layers: int = 4, seed: int = 0) -> Path:
@@ -128,20 +86,26 @@ def _hf_runner(path: Path, ids: torch.Tensor, device: str, dtype: torch.dtype) -
 def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naive", "absorbed", "compiled"),
               batches: list[int] | tuple[int, ...] = (1,), context: int = 512, device: str = "auto",
               dtype: str = "auto", steps: int = 8, repeats: int = 5, warmup: int = 2, include_hf: bool = True,
-              checkpoint: str | Path | None = None, out: str | Path | None = None, progress: bool = True,
-              seed: int = 0, compile_options: dict | None = None) -> pd.DataFrame:
+              checkpoint: str | Path | None = None, out: str | Path | None = None, progress: bool | TextIO = True,
+              seed: int = 0, compile_options: dict | None = None, model: kimik3.KimiForCausalLM | None = None,
+              reference: dict[tuple[int, int, int], torch.Tensor] | None = None) -> pd.DataFrame:
     """Measure every (stage, batch) in one process; returns the table (and writes JSON with provenance to out).
 
     ``compile_options`` go to stage "compiled"; by default the strongest PyTorch-only setting for the device
     (:func:`strongest_compile_options`), because that stage is the baseline every later stage has to beat. Each
     row also carries ``rel_err_vs_naive``: the first decode step's logits against the naive stage's, so a fast
-    row that computes something else shows it."""
+    row that computes something else shows it. ``progress``: show a progress bar (on standard error, or on the
+    stream given). ``model``: measure this model (already on ``device`` in ``dtype``) instead of building the
+    preset. ``reference``: naive first-step logits by (batch, context, seed), shared across calls; given, every
+    row gets ``rel_err_vs_naive`` even when ``naive`` is not among the stages (computed untimed, once, and stored
+    in it), so a caller that measures one stage per call still checks each against ``naive``."""
+    check_bench_args(stages, batches, context, device, dtype, steps, repeats, warmup)
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    if dev == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but no CUDA device is available")
     dt = {"auto": torch.bfloat16 if dev == "cuda" else torch.float32, "float32": torch.float32,
           "bfloat16": torch.bfloat16}[dtype]
-    if checkpoint is not None:
+    if model is not None:
+        source = model.config.name or preset
+    elif checkpoint is not None:
         model = kimik3.from_pretrained(checkpoint, dtype=dt, device=dev)
         source = Path(checkpoint).name  # the directory name (a temporary path says nothing)
     else:
@@ -149,10 +113,12 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
         source = preset
     cfg = model.config
     hf_ok = include_hf and checkpoint is not None and cfg.family in ("deepseek_v3", "kimi_k2", "kimi_linear")
-    copy_bw = measure_local(device=dev, quick=True)
+    ceiling = measure_local(device=dev, quick=True)  # STREAM-style; decode's ceiling is the read bandwidth
+    read_bw = read_ceiling_Bps(ceiling)
     rows = []
     names = list(stages) + (["transformers"] if hf_ok else [])
-    bar = tqdm(total=len(batches) * (len(names) + repeats), desc="bench", disable=not progress)
+    bar = tqdm(total=len(batches) * (len(names) + repeats), desc="bench", disable=progress is False,
+               file=None if isinstance(progress, bool) else progress)
     g = torch.Generator().manual_seed(seed)
     compile_options = strongest_compile_options(dev) if compile_options is None else compile_options
     clock = "cuda-synchronized wall clock" if dev == "cuda" else "wall-clock"
@@ -161,6 +127,14 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
         runners: dict[str, Callable[[int], None]] = {}
         batch_rows: dict[str, dict] = {}
         first_naive = None  # the naive stage's logits of the first decode step
+        if reference is not None and "naive" not in names:
+            key = (batch, context, seed)
+            if key not in reference:  # untimed: the same prompt and first step as the naive row would see
+                ref_dec = kimik3.Decoder(model, "naive", batch_size=batch, max_seq_len=context + 2, prefill="chunked")
+                ref_dec.prefill(ids)
+                reference[key] = ref_dec.step(ids[:, -1]).float().cpu()
+                del ref_dec
+            first_naive = reference[key]
         for stage in names:  # set-up: build, prefill, first step (compilation), warm-up — none of it timed
             bar.set_postfix_str(f"set up {stage} B={batch}")
             row = batch_rows[stage] = {"stage": stage, "batch": batch, "context": context,
@@ -191,7 +165,7 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
         # speed lands on every stage alike and the ratios of one run stay fair
         samples: dict[str, list[float]] = {s: [] for s in runners}
         order = list(runners)
-        for r in range(repeats):
+        for r in range(repeats if order else 0):  # no stage set up (all refused): nothing to time
             bar.set_postfix_str(f"repeat {r + 1}/{repeats} B={batch}")
             for stage in order[r % len(order):] + order[:r % len(order)]:
                 _sync(dev)
@@ -210,8 +184,11 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
                            ms_max=t.spread[1] * 1e3, repeats=len(t.samples), clock=t.clock,
                            tokens_per_s=batch / t.median, tokens_per_s_per_user=1 / t.median,
                            gb_per_s=nbytes / t.median / 1e9,
-                           pct_copy_bw=100 * nbytes / t.median / copy_bw["copy_bandwidth_Bps"], bytes_per_step=nbytes,
+                           pct_read_bw=100 * nbytes / t.median / read_bw, bytes_per_step=nbytes,
                            flops_per_step=cost.total_flops)
+                if row["pct_read_bw"] > 100:  # unclamped, so an impossible figure shows as one
+                    row["status"] = (f"measurement problem: {row['pct_read_bw']:.0f}% of the measured read bandwidth "
+                                     "(above the ceiling: the cost model's bytes, the clock or the ceiling is wrong)")
             rows.append(row)
         del runners
     bar.close()
@@ -221,29 +198,65 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
             base = df[df.stage == ref].set_index("batch")["ms_per_token"]
             df[f"speedup_vs_{ref}"] = [base.get(b, float("nan")) / m if m == m else float("nan")
                                        for b, m in zip(df.batch, df.get("ms_per_token"))]
+    if checkpoint is None and len(df) and df.stage.isin(["fused", "megakernel"]).any():
+        # the GPU performance model (design v1, H200 constants) beside the measurement: a model, not a measurement
+        from kimik3.perfmodel import model_columns
+
+        extra = [model_columns(source, s, int(b), context) for s, b in zip(df.stage, df.batch)]
+        for k in ("model_ms", "model_roofline_ms", "model_note"):
+            if any(k in e for e in extra):
+                df[k] = [e.get(k) for e in extra]
     if out is not None:
         # the data/measurements format (kimik3.recorded.load_recorded): provenance on top, one record per row
         records = []
         for r in json.loads(df.to_json(orient="records")):
             rec = {**r, "block": "step", "batch_size": r["batch"], "context_len": r["context"]}
-            if r.get("status") == "ok":
+            if r.get("ms_per_token") is not None:  # measured (ok, or flagged above its ceiling)
                 rec.update(seconds=r["ms_per_token"] / 1e3, bytes=r["bytes_per_step"], flops=r["flops_per_step"])
             records.append(rec)
         record = {"kind": "bench", **provenance(dev), "preset": preset if checkpoint is None else None,
-                  "source": "kimik3.bench", "copy_bandwidth": copy_bw,
+                  "source": "kimik3.bench", "bandwidth_ceiling": ceiling,
                   "config": {"model": source, "params": model.num_parameters(), "context": context,
                              "steps": steps, "repeats": repeats, "warmup": warmup, "interleaved": True},
-                  "records": [r for r in records if "seconds" in r],
+                  "records": [r for r in records if "seconds" in r and r.get("status") == "ok"],
+                  # above the ceiling: kept for diagnosis, never among the records plotted as results
+                  "flagged": [r for r in records if "seconds" in r and r.get("status") != "ok"],
                   "not_run": [r for r in records if "seconds" not in r]}
         if dev != "cuda":
             record["gpu_rows"] = "not yet measured: this run had no GPU"
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(record, indent=1))
+        atomic_write_text(out, json.dumps(record, indent=1))
     return df
 
 
-COLUMNS = ["stage", "batch", "ms_per_token", "ms_min", "ms_max", "tokens_per_s", "gb_per_s", "pct_copy_bw",
-           "speedup_vs_naive", "speedup_vs_compiled", "rel_err_vs_naive", "status"]
+def check_bench_args(stages: list[str] | tuple[str, ...], batches: list[int] | tuple[int, ...], context: int,
+                     device: str, dtype: str, steps: int, repeats: int, warmup: int = 2) -> None:
+    """Refuse, before anything is built or measured, arguments with which nothing could be measured."""
+    from kimik3.stages import get_stage
+
+    def pos_int(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    if not stages:
+        raise ValueError("no stages given (e.g. --stages naive,absorbed,compiled)")
+    for s in stages:
+        get_stage(s)  # unknown names: ValueError listing the known stages
+    if not batches or not all(pos_int(b) for b in batches):
+        raise ValueError(f"batch sizes must be positive integers, got {list(batches)}")
+    for name, v in (("context", context), ("steps", steps), ("repeats", repeats)):
+        if not pos_int(v):
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA device is available")
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
+
+
+COLUMNS = ["stage", "batch", "ms_per_token", "ms_min", "ms_max", "tokens_per_s", "gb_per_s", "pct_read_bw",
+           "speedup_vs_naive", "speedup_vs_compiled", "rel_err_vs_naive", "model_ms", "model_roofline_ms", "status"]
 
 
 def strongest_compile_options(device: str) -> dict:
@@ -276,10 +289,23 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     checkpoint = a.checkpoint
     tmp = None
+    out = a.out or f"runs/bench/{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    try:  # every argument checked before any work, and the output's folder before a run whose result it keeps
+        try:
+            batches = [int(b) for b in a.batch.split(",") if b.strip()]
+        except ValueError:
+            raise ValueError(f"--batch must be comma-separated integers, got {a.batch!r}") from None
+        check_bench_args([s for s in a.stages.split(",") if s], batches, a.context, a.device, a.dtype, a.steps,
+                         a.repeats)
+        check_writable(out)
+        if checkpoint not in (None, "hf-dsv3-40m") and not Path(checkpoint).is_dir():
+            raise ValueError(f"--checkpoint {checkpoint} is not a directory")
+    except ValueError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
     if checkpoint == "hf-dsv3-40m":
         tmp = tempfile.TemporaryDirectory()
         checkpoint = write_hf_deepseek_checkpoint(Path(tmp.name) / "dsv3-40m")
-    out = a.out or f"runs/bench/{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
     copts = None
     if a.compile_mode is not None or a.no_freeze:
         dev = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
@@ -289,9 +315,12 @@ def main(argv: list[str] | None = None) -> int:
         if a.no_freeze:
             copts.pop("freeze", None)
             copts.pop("inductor_options", None)
-    df = run_bench(a.preset, [s for s in a.stages.split(",") if s], [int(b) for b in a.batch.split(",")],
-                   a.context, a.device, a.dtype, a.steps, a.repeats, include_hf=not a.no_hf, checkpoint=checkpoint,
-                   out=out, compile_options=copts)
+    log = Path(out).with_suffix(".log")
+    print(f"compiler and autotune output: {log}", flush=True)
+    with compiler_output_to(log) as terminal:  # the table below stays readable; the progress bar stays visible
+        df = run_bench(a.preset, [s for s in a.stages.split(",") if s], batches,
+                       a.context, a.device, a.dtype, a.steps, a.repeats, include_hf=not a.no_hf,
+                       checkpoint=checkpoint, out=out, compile_options=copts, progress=terminal)
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         shown = df[[c for c in COLUMNS if c in df]].copy()
         if "status" in shown:  # a refusal's full reason is in the JSON; the table keeps its start
@@ -300,4 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {out}")
     if tmp is not None:
         tmp.cleanup()
+    if "ms_per_token" not in df or df["ms_per_token"].isna().all():
+        reasons = "; ".join(f"{r.stage} B={r.batch}: {r.status}" for r in df.itertuples() if isinstance(r.status, str))
+        print(f"bench: nothing was measured ({reasons})", file=sys.stderr)
+        return 1
     return 0

@@ -3,77 +3,54 @@
 Reads DeepSeek-V3 / Kimi K2 (``DeepseekV3ForCausalLM``), Kimi-Linear (``KimiLinearForCausalLM``) and the
 Kimi K3 release layout (spec §6–7: ``text_config`` nested in config.json, tensors under ``language_model.``,
 vision tensors skipped, routed experts plain ``w1/w2/w3.weight`` or MXFP4 ``weight_packed``/``weight_scale``
-dequantised on load per §5.5). Every problem is a ``ValueError`` naming the file, tensor or field.
+dequantised on load per §5.5), and the quantized releases: FP8 128×128 block-scaled (DeepSeek-V3, Kimi-K2) and
+compressed-tensors INT4 ``pack-quantized`` (Kimi-K2-Thinking); the formats are defined in :mod:`kimik3.quant`.
+Subsets of layers and experts read only what they keep (:mod:`kimik3.subset`). Every problem is a ``ValueError``
+naming the file, tensor or field.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
-import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
+from kimik3.atomic import staged_directory
 from kimik3.config import ModelConfig, load_config, to_hf_dict
+from kimik3.config_checks import require_memory, resolve_dtype
 from kimik3.init import build_model
+from kimik3.layouts import is_fused, to_release
 from kimik3.model import KimiForCausalLM, keeps_fp32
+from kimik3.quant import (
+    E2M1_VALUES,
+    EXPERT_WEIGHTS,
+    EXPORT_FORMATS,
+    MXFP4_GROUP,
+    QUANT_SUFFIXES,
+    QuantizedExperts,
+    e8m0_to_float,
+    export_quantization_config,
+    export_tensors,
+    mxfp4_dequantize,
+    mxfp4_quantize,
+    parse_quantization_config,
+)
+from kimik3.safetensors_reader import read_header, read_index, read_json_file, require_regular_file
 
-__all__ = ["from_pretrained", "save_pretrained", "mxfp4_quantize", "mxfp4_dequantize", "E2M1_VALUES"]
+__all__ = ["from_pretrained", "save_pretrained", "mxfp4_quantize", "mxfp4_dequantize", "E2M1_VALUES", "MXFP4_GROUP",
+           "e8m0_to_float"]
 
-# E2M1 code -> value (§5.5): bit 3 is the sign.
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-MXFP4_GROUP = 32
-
+_log = logging.getLogger(__name__)
+QUANTIZED_EXPERTS = ("dequantize", "keep")
 _SKIP_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 _FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-
-
-# ====================================================================== MXFP4 (§5.5)
-
-
-def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
-    """Scale byte e -> 2^(e-127) exactly, built from fp32 bit patterns (e = 0 is the subnormal 2^-127; 255 is NaN)."""
-    e = scale.to(torch.int32)
-    bits = torch.where(e > 0, e << 23, torch.full_like(e, 1 << 22))
-    out = bits.view(torch.float32)
-    return torch.where(e == 255, torch.full_like(out, float("nan")), out)
-
-
-def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """U8 [R, C/2] codes (low nibble = even column) and U8 [R, C/32] E8M0 scales -> [R, C] weights."""
-    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 tensors must be uint8, got packed {packed.dtype} and scale {scale.dtype}")
-    R, half = packed.shape
-    C = 2 * half
-    if scale.shape != (R, C // MXFP4_GROUP) or C % MXFP4_GROUP:
-        raise ValueError(f"MXFP4 scale shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)} "
-                         f"(expected [{R}, {C // MXFP4_GROUP}])")
-    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(R, C).long()
-    vals = E2M1_VALUES.to(packed.device)[codes]
-    return (vals * e8m0_to_float(scale).repeat_interleave(MXFP4_GROUP, 1)).to(dtype)
-
-
-def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Our own packer (the release's is not public): per 32 columns the scale is the smallest power of two that
-    fits the block's max |w| into E2M1's range (6), each weight rounds to the nearest code (ties to the smaller
-    magnitude). Returns (packed U8 [R, C/2], scale U8 [R, C/32])."""
-    R, C = w.shape
-    if C % MXFP4_GROUP:
-        raise ValueError(f"MXFP4 needs the input width to be a multiple of {MXFP4_GROUP}, got {C}")
-    blocks = w.float().reshape(R, C // MXFP4_GROUP, MXFP4_GROUP)
-    amax = blocks.abs().amax(-1).clamp_min(2.0**-126)
-    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    scale = (exp + 127).to(torch.uint8)
-    x = blocks / e8m0_to_float(scale)[..., None]
-    mags = E2M1_VALUES[:8]
-    code = (x.abs()[..., None] - mags).abs().argmin(-1)  # nearest magnitude, first (smaller) on ties
-    code = code + 8 * ((x < 0) & (code > 0)).long()
-    code = code.reshape(R, C).to(torch.uint8)
-    return code[:, 0::2] | (code[:, 1::2] << 4), scale
 
 
 # ====================================================================== key mapping
@@ -111,16 +88,14 @@ def _internal_name(key: str, cfg: ModelConfig) -> tuple[str, int | None, str] | 
 
 def _shard_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index}: malformed index ({e})") from None
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (path / f).exists()]
+    if index.exists() or index.is_symlink():
+        files = sorted(set(read_index(index, path).values()))
+        missing = [f.name for f in files if not f.exists()]
         if missing:
             raise ValueError(f"{index} lists shard(s) that do not exist: {', '.join(missing)}")
-        return [path / f for f in files]
+        for f in files:
+            require_regular_file(f, "safetensors shard")
+        return files
     if (path / "model.safetensors").exists():
         return [path / "model.safetensors"]
     files = sorted(path.glob("model-*-of-*.safetensors")) or sorted(path.glob("*.safetensors"))
@@ -132,64 +107,113 @@ def _shard_files(path: Path) -> list[Path]:
 
 
 def _check_shard(f: Path) -> None:
-    """Catch a truncated or corrupt shard with a clear message before safetensors does something obscure."""
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{f}: truncated safetensors file ({size} bytes, no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise ValueError(f"{f}: truncated safetensors file (header claims {n} bytes, file has {size})")
-        try:
-            header = json.loads(fh.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ValueError(f"{f}: corrupt safetensors header") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise ValueError(f"{f}: truncated safetensors shard: tensors need {8 + n + end} bytes, file has {size}")
+    """Catch a truncated, corrupt or hostile shard with a clear message before safetensors reads it."""
+    read_header(f)
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
-    for f in files:
+def _iter_tensors(files: list[Path], wanted: Callable[[str], bool] | None = None, progress: bool = False
+                  ) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """(shard, key, tensor) for every tensor ``wanted(key)`` accepts, shard by shard. safe_open memory-maps the
+    shard, so a tensor that is not fetched is never read."""
+    seen: dict[str, Path] = {}
+    bar = tqdm(files, desc="loading shards", unit="shard", disable=not progress)
+    for f in bar:
         _check_shard(f)
         try:
             with safe_open(f, framework="pt") as fh:
                 for key in fh.keys():
-                    yield f, key, fh.get_tensor(key)
+                    if key in seen:  # which copy wins would depend on file order: refuse instead
+                        raise ValueError(f"tensor {key!r} appears in both {seen[key].name} and {f.name}")
+                    seen[key] = f
+                    if wanted is None or wanted(key):
+                        yield f, key, fh.get_tensor(key)
         except ValueError:
             raise
         except Exception as e:  # safetensors raises its own error types
             raise ValueError(f"{f}: cannot read safetensors ({e})") from None
 
 
+def _a_log(t: torch.Tensor, nh: int, key: str, f: Path) -> torch.Tensor:
+    """A_log as stored -> [nh]: [nh], Kimi-Linear's [1, 1, nh, 1], or K3's longer vector whose tail is zero.
+    Anything else (a matrix, a non-zero tail) is some other tensor under this name and is refused."""
+    flat = t.reshape(-1)
+    vector = sum(d != 1 for d in t.shape) <= 1
+    if vector and (flat.numel() == nh or (flat.numel() > nh and not flat[nh:].any())):
+        return flat[:nh]
+    raise ValueError(f"tensor {key!r} in {f.name} has shape {list(t.shape)}; expected A_log as [{nh}], "
+                     f"[1, 1, {nh}, 1] or a longer vector whose entries past {nh} are zero")
+
+
 def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    ) -> KimiForCausalLM:
+                    layers: Iterable[int] | None = None,
+                    experts: Iterable[int] | Mapping[int, Iterable[int]] | None = None,
+                    preset: str | None = None, progress: bool | None = None,
+                    quantized_experts: str = "dequantize") -> KimiForCausalLM:
     """Load an HF-format checkpoint directory. ``dtype`` applies to the bf16 tensors; the spec's fp32 tensors
-    (KDA A_log, dt_bias, conv weights, o_norm; router bias) stay fp32."""
+    (KDA A_log, dt_bias, conv weights, o_norm; router bias) stay fp32. Quantized tensors (FP8 block-scaled,
+    compressed-tensors INT pack-quantized or MXFP4, as the config's ``quantization_config`` says) are
+    dequantised in fp32 (stored value × scale) and cast once to the parameter's dtype.
+
+    ``layers`` / ``experts`` build a model from a subset of the checkpoint, reading only the tensors it keeps
+    (see :mod:`kimik3.subset`: layers renumbered in order, the router restricted to the kept experts);
+    ``preset="k3-shard"`` checks the subset against that preset. ``progress``: a progress bar over the shards
+    (default: when there is more than one).
+
+    ``quantized_experts``: "dequantize" (the default: routed experts become dense parameters in ``dtype``) or
+    "keep": MXFP4 routed experts stay as the file stores them, byte for byte
+    (:class:`kimik3.quant.QuantizedExperts`), which the fused stage's MXFP4 kernel reads directly
+    (``expert_format="mxfp4"``) and the naive reference path dequantises one expert at a time; the other stages
+    refuse them until ``model.dequantize_experts()``. What each form costs is logged at load and given by
+    ``model.expert_memory()`` (:func:`kimik3.quant.expert_memory`); for k3-shard: 3.66 GiB kept, 13.78 GiB as
+    bf16. Only MXFP4 experts can be kept: no kernel here reads FP8 or INT4 weights, so those are always
+    dequantised."""
     path = Path(path)
+    dtype = resolve_dtype(dtype)
+    if quantized_experts not in QUANTIZED_EXPERTS:
+        raise ValueError(f"quantized_experts must be one of {QUANTIZED_EXPERTS}, got {quantized_experts!r}")
     if not path.is_dir():
         raise ValueError(f"checkpoint directory {path} does not exist")
     cfg = load_config(path)
-    raw = json.loads((path / "config.json").read_text())
+    raw = read_json_file(path / "config.json", "config")
     text = raw.get("text_config", raw)
     cfg = cfg.replace(extra={"num_nextn_predict_layers": int(text.get("num_nextn_predict_layers") or 0)})
     files = _shard_files(path)
+    quant = _quant_spec(raw)
+    keep = quantized_experts == "keep"
+    if keep and (quant is None or quant.method != "mxfp4-pack-quantized"):
+        what = "no quantization_config" if quant is None else f"quantization method {quant.method!r}"
+        raise ValueError(f"quantized_experts='keep' holds MXFP4 routed experts as stored, but {path / 'config.json'} "
+                         f"has {what}; only the fused stage's MXFP4 kernel reads quantized experts (no kernel reads "
+                         "FP8 or INT4 weights): load with quantized_experts='dequantize'")
+    sel = None
+    if layers is not None or experts is not None or preset is not None:
+        from kimik3.subset import select
+
+        sel = select(cfg, layers, experts, preset)
+        cfg = sel.config
 
     model = build_model(cfg, "meta")
     model.cast_(dtype)
+    kept: dict[str, tuple[QuantizedExperts, str]] = {}  # internal name "...experts.w1" -> (holder, "w1")
+    if keep:
+        for i, layer in enumerate(model.model.layers):
+            if layer.is_moe:
+                q = QuantizedExperts(cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.expert_in_dim, "meta")
+                layer.block_sparse_moe.experts = q
+                kept.update({f"model.layers.{i}.block_sparse_moe.experts.{n}": (q, n) for n in EXPERT_WEIGHTS})
+    require_memory(sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())), device,
+                   f"the weights of {path / 'config.json'}")
     model = model.to_empty(device=device)
     model.reset_buffers()
     params = dict(model.named_parameters())
     filled: set[str] = set()
     experts_filled: dict[str, set[int]] = {}
-    packed: dict[tuple[str, int], dict[str, tuple[Path, torch.Tensor]]] = {}
 
     def put(name: str, e: int | None, t: torch.Tensor, f: Path, key: str) -> None:
         p = params[name]
         want = p.shape[1:] if e is not None else p.shape
         if name.endswith(".A_log"):  # K3 stores 128 entries (zero tail), Kimi-Linear [1, 1, nh, 1]: use first nh
-            t = t.reshape(-1)[: p.shape[0]] if t.numel() >= p.shape[0] else t
+            t = _a_log(t, p.shape[0], key, f)
         if tuple(t.shape) != tuple(want):
             raise ValueError(f"tensor {key!r} in {f.name} has shape {list(t.shape)}, expected {list(want)}")
         if not t.is_floating_point() or not torch.isfinite(t).all():
@@ -202,37 +226,86 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device
         else:
             experts_filled.setdefault(name, set()).add(e)
 
-    for f, key, t in _iter_tensors(files):
-        mapped = _internal_name(key, cfg)
-        if mapped is None:
-            continue
-        name, e, kind = mapped
-        if name not in params or (e is not None and not 0 <= e < params[name].shape[0]):
-            raise ValueError(f"unexpected tensor {key!r} in {f.name}: the {cfg.family} config "
+    def plan(key: str) -> tuple[str, torch.Tensor | None, str, tuple[str, int | None, str] | None] | None:
+        """key -> (key in the model's numbering, router rows to keep, tensor suffix, internal name), or None to
+        skip without reading; the name is None for a tensor the model has no place for (an error once read)."""
+        rows = None
+        if sel is not None:
+            hit = sel.map_key(key)
+            if hit is None:
+                return None
+            key, rows = hit
+        module, _, suffix = key.rpartition(".")
+        if suffix not in QUANT_SUFFIXES:
+            return key, rows, "", _internal_name(key, cfg)
+        mapped = _internal_name(module + ".weight", cfg)
+        return key, rows, suffix, mapped
+
+    def wanted(key: str) -> bool:
+        if is_fused(key):  # transformers' in-memory layout: read when its layer is kept, split once read
+            return sel is None or sel.map_key(key) is not None
+        p = plan(key)
+        if p is None or p[3] is None:
+            return False  # skipped tensors (vision tower, multi-token prediction, another subset's) are not read
+        if cfg.tie_word_embeddings and p[3][0] == "lm_head.weight":
+            return False  # a tied lm_head is the embedding: a stored copy is redundant (as transformers treats it)
+        return True
+
+    pending: dict[tuple[str, int | None], tuple[str, Path, dict[str, torch.Tensor]]] = {}
+    show = progress if progress is not None else len(files) > 1
+    for f, orig_key, t in ((f, k, t) for f, key0, t0 in _iter_tensors(files, wanted, show)
+                           for k, t in to_release(key0, t0)):
+        if not wanted(orig_key):
+            continue  # a part of a fused tensor the subset does not keep
+        key, rows, suffix, mapped = plan(orig_key)
+        name, e, _ = mapped
+        n_slots = params[name].shape[0] if name in params else kept[name][0].n_experts if name in kept else None
+        if n_slots is None or (e is not None and not 0 <= e < n_slots):
+            raise ValueError(f"unexpected tensor {orig_key!r} in {f.name}: the {cfg.family} config "
                              f"({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts) has no such weight")
-        if kind == "weight":
+        if rows is not None:
+            if t.dim() == 0 or t.shape[0] != sel.source.n_routed_experts:
+                raise ValueError(f"tensor {orig_key!r} in {f.name} has shape {list(t.shape)}; the router needs "
+                                 f"{sel.source.n_routed_experts} rows, one per expert")
+            t = t[rows]
+        if suffix == "" and t.dtype != torch.float8_e4m3fn:
             if t.dtype not in _FLOAT_DTYPES.values():
-                raise ValueError(f"tensor {key!r} in {f.name} has dtype {t.dtype}; expected F32, BF16 or F16")
-            put(name, e, t, f, key)
-        else:  # MXFP4 halves: collect both, dequantise when the pair is complete
-            if t.dtype != torch.uint8:
-                raise ValueError(f"tensor {key!r} in {f.name} has dtype {t.dtype}; MXFP4 {kind} must be U8")
-            slot = packed.setdefault((name, e), {})
-            slot[kind] = (f, t)
-            if len(slot) == 2:
-                pf, pk = slot["weight_packed"]
-                try:
-                    w = mxfp4_dequantize(pk, slot["weight_scale"][1], torch.float32)
-                except ValueError as err:
-                    raise ValueError(f"{key.rsplit('.', 1)[0]} in {pf.name}: {err}") from None
-                put(name, e, w, pf, key.rsplit(".", 1)[0] + ".weight_packed")
-                del packed[(name, e)]
-    if packed:
-        (name, e), slot = next(iter(packed.items()))
-        have = next(iter(slot))
-        raise ValueError(f"expert {e} of {name}: has {have} but not its "
-                         f"{'weight_scale' if have == 'weight_packed' else 'weight_packed'}")
+                raise ValueError(f"tensor {orig_key!r} in {f.name} has dtype {t.dtype}; expected F32, BF16 or F16 "
+                                 "(or a quantized format declared in config.json's quantization_config)")
+            if name in kept:
+                raise ValueError(f"tensor {orig_key!r} in {f.name} is a routed expert stored unquantized ({t.dtype}); "
+                                 "quantized_experts='keep' holds MXFP4 experts only: load with "
+                                 "quantized_experts='dequantize'")
+            put(name, e, t, f, orig_key)
+            continue
+        # a part of a quantized weight: collect the module's parts, dequantise once they are all there
+        module = orig_key.rpartition(".")[0] if suffix else orig_key.removesuffix(".weight")
+        if quant is None:
+            raise ValueError(f"tensor {orig_key!r} in {f.name} is quantized ({suffix or t.dtype}) but config.json "
+                             "has no quantization_config saying how to read it")
+        if quant.ignored(module):
+            raise ValueError(f"tensor {orig_key!r} in {f.name} is stored quantized but its module is in "
+                             "quantization_config's ignore list (or matches none of its targets)")
+        slot = pending.setdefault((name, e), (module, f, {}))[2]
+        if (suffix or "weight") in slot:
+            raise ValueError(f"{module}: {suffix or 'weight'} appears twice")
+        slot[suffix or "weight"] = t
+        if set(slot) >= quant.parts():
+            if name in kept:
+                _keep_mxfp4(kept[name], e, module, slot, f)
+                experts_filled.setdefault(name, set()).add(e)
+            else:
+                put(name, e, quant.dequantize(module, slot), f, module + ".weight")
+            del pending[(name, e)]
+    for (name, e), (module, _f, slot) in pending.items():  # quantized weights with a part missing
+        lacking = sorted(quant.parts() - set(slot))
+        who = name if e is None else f"expert {e} of {name}"
+        raise ValueError(f"{who}: has {', '.join(sorted(slot))} but not its {', '.join(lacking)} "
+                         f"({module}, {quant.method} format)")
     missing = []
+    for name, (q, _leaf) in kept.items():
+        got = experts_filled.get(name, set())
+        missing += [f"{name}[{e}]" for e in range(q.n_experts) if e not in got]
     for name, p in params.items():
         if name.endswith("experts.w1") or name.endswith("experts.w2") or name.endswith("experts.w3"):
             got = experts_filled.get(name, set())
@@ -242,7 +315,41 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device
     if missing:
         more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
         raise ValueError(f"checkpoint {path} is missing {len(missing)} tensor(s): {', '.join(missing[:8])}{more}")
+    if cfg.n_routed_experts:
+        _log.info("%s: %s; held %s", path, model.expert_memory(), "as MXFP4" if kept else "dense")
     return model.eval()
+
+
+def _keep_mxfp4(dest: tuple[QuantizedExperts, str], e: int, module: str, parts: dict[str, torch.Tensor],
+                f: Path) -> None:
+    """Copy one expert's MXFP4 codes and scales into the held stacks, unchanged, after the checks a dequantising
+    load makes (dtype, shapes, and no NaN scale byte 255, which would dequantise to non-finite weights)."""
+    q, leaf = dest
+    packed, scale = parts["weight_packed"], parts["weight_scale"]
+    p_dst, s_dst = q.packed(leaf)
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise ValueError(f"{module} in {f.name}: MXFP4 tensors must be uint8, got weight_packed {packed.dtype} and "
+                         f"weight_scale {scale.dtype}")
+    for what, t, want in (("weight_packed", packed, p_dst.shape[1:]), ("weight_scale", scale, s_dst.shape[1:])):
+        if tuple(t.shape) != tuple(want):
+            raise ValueError(f"{module}.{what} in {f.name} has shape {list(t.shape)}, expected {list(want)}")
+    if bool((scale == 255).any()):
+        raise ValueError(f"{module}.weight_scale in {f.name} holds the E8M0 NaN byte 255; expected finite scales")
+    p_dst[e].copy_(packed)
+    s_dst[e].copy_(scale)
+
+
+def _quant_spec(raw: dict):
+    """The checkpoint's quantization_config (top level, or in K3's text_config) parsed; None when absent."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    top, inner = raw.get("quantization_config"), text.get("quantization_config")
+    if top is not None and inner is not None and top != inner:
+        raise ValueError("config.json has different quantization_config objects at the top level and in "
+                         "text_config")
+    try:
+        return parse_quantization_config(top if top is not None else inner)
+    except ValueError as e:
+        raise ValueError(f"config.json: {e}") from None
 
 
 # ====================================================================== writing
@@ -258,10 +365,12 @@ def _external_names(cfg: ModelConfig, name: str) -> str:
 
 
 def state_items(model: KimiForCausalLM, expert_format: str = "bf16") -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint key, tensor) pairs in the family's release layout; experts split per expert."""
+    """(checkpoint key, tensor) pairs in the family's release layout; experts split per expert. ``expert_format``:
+    "bf16" (as stored), "mxfp4" / "int4" (routed experts quantized, K3 / K2-Thinking) or "fp8" (every linear
+    weight block-scaled, DeepSeek-V3 / K2): see :func:`kimik3.quant.export_tensors`."""
     cfg = model.config
-    if expert_format not in ("bf16", "mxfp4"):
-        raise ValueError(f"expert_format must be 'bf16' or 'mxfp4', got {expert_format!r}")
+    if expert_format not in EXPORT_FORMATS:
+        raise ValueError(f"expert_format must be one of {EXPORT_FORMATS}, got {expert_format!r}")
     ds = cfg.family in ("deepseek_v3", "kimi_k2")
     ename = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"} if ds else {k: k for k in ("w1", "w2", "w3")}
     for name, p in model.named_parameters():
@@ -270,29 +379,61 @@ def state_items(model: KimiForCausalLM, expert_format: str = "bf16") -> Iterator
         if base.endswith("block_sparse_moe.experts"):
             prefix = _external_names(cfg, base)
             for e in range(t.shape[0]):
-                key = f"{prefix}.{e}.{ename[leaf]}"
-                if expert_format == "mxfp4":
-                    packed, scale = mxfp4_quantize(t[e])
-                    yield key + ".weight_packed", packed
-                    yield key + ".weight_scale", scale
-                else:
-                    yield key + ".weight", t[e].contiguous()
+                yield from export_tensors(expert_format, f"{prefix}.{e}.{ename[leaf]}.weight", t[e], expert=True)
             continue
         if name.endswith(".A_log") and cfg.family == "kimi_linear":
             t = t.view(1, 1, -1, 1)
-        yield _external_names(cfg, name), t.contiguous()
+        yield from export_tensors(expert_format, _external_names(cfg, name), t, expert=False)
+    for name, mod in model.named_modules():  # routed experts held as MXFP4 (not parameters)
+        if not isinstance(mod, QuantizedExperts):
+            continue
+        prefix = _external_names(cfg, name)
+        for leaf in EXPERT_WEIGHTS:
+            packed, scale = (t.detach().cpu() for t in mod.packed(leaf))
+            for e in range(mod.n_experts):
+                key = f"{prefix}.{e}.{ename[leaf]}"
+                if expert_format == "mxfp4":  # the held bytes, unchanged (not dequantised and packed again)
+                    yield key + ".weight_packed", packed[e].contiguous()
+                    yield key + ".weight_scale", scale[e].contiguous()
+                else:
+                    w = mxfp4_dequantize(packed[e], scale[e], torch.float32).to(model.dtype)
+                    yield from export_tensors(expert_format, key + ".weight", w, expert=True)
+
+
+_EXPORT_NAMES = re.compile(r"^(config\.json|model\.safetensors|model\.safetensors\.index\.json|"
+                           r"model-\d{5}-of-\d{5}\.safetensors)$")
+
+
+def is_export(path: Path) -> bool:
+    """Whether ``path`` holds only what :func:`save_pretrained` writes (so replacing it loses nothing else)."""
+    entries = list(Path(path).iterdir())
+    return any(e.name == "config.json" for e in entries) and all(
+        _EXPORT_NAMES.match(e.name) and e.is_file() and not e.is_symlink() for e in entries)
 
 
 def save_pretrained(model: KimiForCausalLM, path: str | Path, expert_format: str = "bf16",
-                    max_shard_bytes: int | None = None) -> Path:
+                    max_shard_bytes: int | None = None, overwrite: bool = False) -> Path:
     """Write ``model`` as an HF-format checkpoint (config.json + safetensors, sharded with an index when
-    ``max_shard_bytes`` is given). K3-family models use the K3 release layout."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    ``max_shard_bytes`` is given). K3-family models use the K3 release layout.
+
+    The export is built in a temporary sibling folder and swapped in whole: an earlier export at ``path`` is
+    replaced, never mixed with the new files, and an interrupted export leaves it intact. A non-empty ``path``
+    that is not a kimik3 export is refused unless ``overwrite``."""
+    if max_shard_bytes is not None and (isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int)
+                                        or max_shard_bytes < 1):
+        raise ValueError(f"max_shard_bytes must be a positive int or None, got {max_shard_bytes!r}")
+    with staged_directory(path, overwrite=overwrite, replaceable=is_export) as stage:
+        _write_checkpoint(model, stage, expert_format, max_shard_bytes)
+    return Path(path)
+
+
+def _write_checkpoint(model: KimiForCausalLM, path: Path, expert_format: str, max_shard_bytes: int | None) -> Path:
+    """The files of an export, written into the (empty, staging) folder ``path``."""
     cfg = model.config
     hf = to_hf_dict(cfg)
-    if expert_format == "mxfp4" and cfg.family == "kimi_k3":
-        hf["text_config"]["quantization_config"] = {"format": "mxfp4-pack-quantized", "group_size": MXFP4_GROUP}
+    qc = export_quantization_config(expert_format)
+    if qc is not None:
+        (hf["text_config"] if cfg.family == "kimi_k3" else hf)["quantization_config"] = qc
     (path / "config.json").write_text(json.dumps(hf, indent=1))
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

@@ -11,11 +11,13 @@ are 1-based; the parser converts them (spec §1.1, pitfall 16).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kimik3.config_checks import check_config_values, check_hf_fields
+from kimik3.layer_kinds import ffn_rule, kda_from_layer_types
 
 __all__ = [
     "ModelConfig",
@@ -173,6 +175,7 @@ class ModelConfig:
             if not cond:
                 raise ValueError(f"inconsistent config{' ' + repr(self.name) if self.name else ''}: {msg}")
 
+        check_config_values(self)  # types and ranges first: the consistency checks below compare numbers
         need(self.family in FAMILIES, f"family must be one of {FAMILIES}, got {self.family!r}")
         for f in ("vocab_size", "hidden_size", "num_hidden_layers"):
             need(getattr(self, f) > 0, f"{f} must be positive, got {getattr(self, f)}")
@@ -239,16 +242,30 @@ def config_from_hf(raw: dict, name: str = "") -> ModelConfig:
         if text.get("model_type", "kimi_linear") != "kimi_linear":
             raise ValueError(f"kimi_k3 text_config.model_type must be 'kimi_linear', got {text.get('model_type')!r}")
         raw = text
+        check_hf_fields(raw, "text_config.")
     elif model_type not in ("kimi_linear", "deepseek_v3", "kimi_k2"):
         raise ValueError(
             f"unknown model_type {model_type!r}: supported are 'kimi_k3', 'kimi_linear', 'deepseek_v3', 'kimi_k2'"
         )
+    else:
+        check_hf_fields(raw)
     try:
         if family in ("deepseek_v3", "kimi_k2"):
             return _deepseek_family(raw, family, name)
         return _kimi_linear_family(raw, family, name)
     except KeyError as e:
         raise ValueError(f"config.json ({model_type}) is missing required field {e.args[0]!r}") from None
+
+
+def _ffn_fields(raw: dict) -> dict:
+    """first_k_dense_replace / moe_layer_freq, from transformers' per-layer ``mlp_layer_types`` when written."""
+    k, f = raw.get("first_k_dense_replace"), raw.get("moe_layer_freq")
+    if raw.get("mlp_layer_types") is None:
+        return dict(first_k_dense_replace=int(k or 0), moe_layer_freq=int(f or 1))
+    experts = int(_get(raw, "n_routed_experts", "num_experts", "num_local_experts", default=0))
+    k, f = ffn_rule(raw["mlp_layer_types"], int(raw["num_hidden_layers"]), experts,
+                    None if k is None else int(k), None if f is None else int(f))
+    return dict(first_k_dense_replace=k, moe_layer_freq=f)
 
 
 def _moe_fields(raw: dict) -> dict:
@@ -261,8 +278,7 @@ def _moe_fields(raw: dict) -> dict:
         routed_scaling_factor=float(_get(raw, "routed_scaling_factor", default=1.0)),
         n_group=int(_get(raw, "n_group", "num_expert_group", default=1)),
         topk_group=int(_get(raw, "topk_group", default=1)),
-        first_k_dense_replace=int(_get(raw, "first_k_dense_replace", default=0)),
-        moe_layer_freq=int(_get(raw, "moe_layer_freq", default=1)),
+        **_ffn_fields(raw),
     )
 
 
@@ -347,8 +363,10 @@ def _kimi_linear_family(raw: dict, family: str, name: str) -> ModelConfig:
             missing = sorted(set(range(1, n + 1)) - set(kda1) - set(full1))
             raise ValueError(f"inconsistent config: layers {missing} (1-based) are neither KDA nor MLA")
         kda = tuple(int(i) - 1 for i in kda1)
-    elif raw.get("layer_types"):
-        kda = tuple(i for i, t in enumerate(raw["layer_types"]) if t == "linear_attention")
+        if raw.get("layer_types") is not None:
+            kda_from_layer_types(raw["layer_types"], n, kda)
+    elif raw.get("layer_types") is not None:
+        kda = kda_from_layer_types(raw["layer_types"], n, None)
     else:
         kda = ()
     full_rank = bool(lac.get("use_full_rank_gate", False))
@@ -378,11 +396,13 @@ def load_config(path: str | Path) -> ModelConfig:
         p = p / "config.json"
     if not p.exists():
         raise FileNotFoundError(f"no config.json at {p}")
+    from kimik3.safetensors_reader import read_json_file  # (the untrusted-file rules: regular file, size, JSON)
+
+    raw = read_json_file(p, "config")
     try:
-        raw = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not valid JSON ({e})") from None
-    return config_from_hf(raw, name=p.parent.name)
+        return config_from_hf(raw, name=p.parent.name)
+    except ValueError as e:
+        raise ValueError(f"{p}: {e}") from None
 
 
 # ---------------------------------------------------------------------- K3-format config.json writer

@@ -10,7 +10,7 @@ Counting rules (spec §8): a weight is read once per step however many sequences
 only when touched (``D(B)`` distinct experts per MoE layer, :func:`expected_distinct_experts`, or exact counts
 from a routing); KDA state and MLA cache traffic are per sequence; FLOPs are 2 per multiply-add. Activations
 are the input/output vectors of each block (what an unfused implementation moves; small next to weights).
-Section numbers (§) refer to ``shared/spec/kimi-k3-architecture.md``.
+Section numbers (§) refer to ``docs/architecture.md``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from kimik3.model import KimiForCausalLM
+from kimik3.config_checks import require_memory
+from kimik3.model import DecodeState, KimiForCausalLM
 from kimik3.stages import get_stage
 
 __all__ = ["Decoder"]
@@ -26,10 +27,11 @@ class Decoder:
                  max_seq_len: int = 1024, **stage_options) -> None:
         if not isinstance(model, KimiForCausalLM):
             raise ValueError(f"Decoder needs a kimik3 model (from_preset / from_pretrained), got {type(model)}")
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if not isinstance(max_seq_len, int) or max_seq_len < 1:
+        if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
             raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+        _check_state_fits(model, batch_size, max_seq_len)
         self.model = model
         self.stage_name = stage
         self.batch_size = batch_size
@@ -63,22 +65,31 @@ class Decoder:
             bad = ids[(ids < 0) | (ids >= self.vocab_size)][0].item()
             raise ValueError(f"{what} contains token id {bad} outside the vocabulary [0, {self.vocab_size})")
 
-    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor | list[int] | None = None) -> torch.Tensor:
-        """Start (or restart) every sequence from its prompt; returns fp32 logits at each last prompt token."""
-        ids = self._ids(input_ids, "input_ids", 2)
+    def _prompt_lengths(self, ids: torch.Tensor, lengths: torch.Tensor | list[int] | None) -> torch.Tensor:
         B, T = ids.shape
         if T < 1:
             raise ValueError("input_ids must hold at least one token per sequence")
         if lengths is None:
             lens = torch.full((B,), T, dtype=torch.long, device=ids.device)
         else:
-            lens = torch.as_tensor(lengths, dtype=torch.long).to(ids.device)
+            raw = lengths if isinstance(lengths, torch.Tensor) else torch.as_tensor(lengths)
+            if raw.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+                # a float length would be truncated silently: 5.7 -> 5
+                raise ValueError(f"lengths must be integers, got dtype {raw.dtype}")
+            lens = raw.to(device=ids.device, dtype=torch.long)
             if lens.shape != (B,):
                 raise ValueError(f"lengths must have shape [{B}], got {list(lens.shape)}")
             if int(lens.min()) < 1 or int(lens.max()) > T:
                 raise ValueError(f"lengths must be in 1..{T} (the padded prompt width), got {lens.tolist()}")
         if int(lens.max()) > self.max_seq_len:
             raise ValueError(f"prompt of {int(lens.max())} tokens exceeds max_seq_len={self.max_seq_len}")
+        return lens
+
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+        """Start (or restart) every sequence from its prompt; returns fp32 logits at each last prompt token."""
+        ids = self._ids(input_ids, "input_ids", 2)
+        B, T = ids.shape
+        lens = self._prompt_lengths(ids, lengths)
         valid = torch.arange(T, device=ids.device)[None, :] < lens[:, None]
         self._check_vocab(ids[valid], "input_ids")
         ids = torch.where(valid, ids, torch.zeros_like(ids))  # padding values are never embedded into a state
@@ -105,15 +116,16 @@ class Decoder:
                  lengths: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         """Greedy decoding. Returns [B, T + max_new_tokens]: each row is its own prompt (``lengths[b]`` tokens)
         followed by its new tokens, then ``pad_token_id`` (0 if unset) up to the common width."""
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         ids = self._ids(input_ids, "input_ids", 2)
         B, T = ids.shape
+        longest = int(self._prompt_lengths(ids, lengths).max())
+        if longest + max_new_tokens > self.max_seq_len + 1:  # checked before prefill: a refusal changes nothing
+            raise ValueError(f"{longest} prompt + {max_new_tokens} new tokens exceed "
+                             f"max_seq_len={self.max_seq_len}")
         logits = self.prefill(ids, lengths)
         lens0 = self.lengths.clone()
-        if int(lens0.max()) + max_new_tokens > self.max_seq_len + 1:
-            raise ValueError(f"{int(lens0.max())} prompt + {max_new_tokens} new tokens exceed "
-                             f"max_seq_len={self.max_seq_len}")
         pad = self.model.config.pad_token_id or 0
         out = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=ids.device)
         cols = torch.arange(T, device=ids.device)[None, :]
@@ -125,3 +137,14 @@ class Decoder:
             if i + 1 < max_new_tokens:
                 logits = self.step(nxt)
         return out
+
+
+def _check_state_fits(model: KimiForCausalLM, batch_size: int, max_seq_len: int) -> None:
+    """Refuse, with the figure, a cache that cannot fit in the device's memory — instead of a raw allocator error
+    or (on Linux, where allocation is lazy) the process being killed halfway through filling it."""
+    states = [layer.self_attn.new_state(batch_size, "meta", model.dtype) if layer.kind == "kda"
+              else layer.self_attn.new_cache(batch_size, max_seq_len, "meta", model.dtype)
+              for layer in model.model.layers]
+    need = DecodeState(states, max_seq_len).nbytes()
+    require_memory(need, model.device, f"the decode state (caches) for batch_size={batch_size}, "
+                   f"max_seq_len={max_seq_len}", "use a smaller max_seq_len or batch_size")

@@ -61,7 +61,7 @@ from kimik3.config import ModelConfig, get_preset
 from kimik3.model import KimiForCausalLM, MoE
 from kimik3.stages import register_stage
 from kimik3.stages.base import Stage, StageSupport
-from kimik3.tolerances import TOL, rel_error
+from kimik3.validation.metric import TOL, rel_error
 
 __all__ = [
     "CollectiveRecord",

@@ -2,13 +2,13 @@
 
 Why both: a bound is only as good as its ceilings. Datasheet peaks (``data/hardware.json``, every entry with its
 source and a note where a figure is uncertain) say what a chip could do; :func:`measure_local` says what the
-machine running the notebook actually does (copy bandwidth and matmul rate, with spread and provenance), so a
-measured step can be placed against the ceiling of the machine it ran on.
+machine running the notebook actually does (STREAM-style read, copy and triad bandwidth and the matmul rate, with
+spread and provenance), so a measured step can be placed against the ceiling of the machine it ran on. Decode's
+ceiling is the read bandwidth: a step reads weights and cache and writes almost nothing.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import platform
 import statistics
@@ -20,8 +20,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-__all__ = ["DATA_DIR", "HardwareSpec", "get_hardware", "hardware_table", "list_hardware", "local_hardware",
-           "measure_local"]
+__all__ = ["DATA_DIR", "STREAM_KERNELS", "HardwareSpec", "get_hardware", "hardware_table", "list_hardware",
+           "local_hardware", "measure_bandwidth", "measure_local", "read_ceiling_Bps"]
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 HARDWARE_JSON = DATA_DIR / "hardware.json"
@@ -136,61 +136,149 @@ def _device_name(dev: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def _timed(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> list[float]:
-    fn()
-    sync()  # warm-up: allocator, kernels, caches
-    out = []
-    for _ in range(repeats):
+def _timer(dev: torch.device) -> Callable[[Callable[[], object], int], float]:
+    """Seconds per call of ``fn`` averaged over ``inner`` back-to-back calls. On a GPU, CUDA events around the
+    batch: one launch is microseconds and a host clock plus a synchronize would swamp a 100 µs kernel."""
+    if dev.type == "cuda":
+        def gpu(fn: Callable[[], object], inner: int) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / inner
+        return gpu
+
+    def cpu(fn: Callable[[], object], inner: int) -> float:
         t0 = time.perf_counter()
-        fn()
-        sync()
-        out.append(time.perf_counter() - t0)
-    return out
+        for _ in range(inner):
+            fn()
+        return (time.perf_counter() - t0) / inner
+    return cpu
 
 
 def _spread(rates: list[float]) -> dict[str, float]:
     q = statistics.quantiles(rates, n=4) if len(rates) >= 2 else [rates[0]] * 3
     return {"min": min(rates), "p25": q[0], "median": statistics.median(rates), "p75": q[2], "max": max(rates),
-            "relative_iqr": (q[2] - q[0]) / statistics.median(rates)}
+            "relative_iqr": (q[2] - q[0]) / statistics.median(rates), "n": len(rates)}
 
 
-def measure_local(device: str | torch.device = "auto", quick: bool = True, repeats: int | None = None) -> dict:
-    """Measure this machine's copy bandwidth and matmul rate now, with provenance and spread.
+# Bytes each STREAM-style kernel moves per element, counted as STREAM counts them (write-allocate traffic of a
+# cache that reads a line before writing it is not counted: the figure is what the program asked for).
+STREAM_KERNELS = {"read": 1, "copy": 2, "triad": 3}
 
-    Copy bandwidth: a large tensor clone, counting read + write bytes; matmul: square fp32 GEMM on CPU, bf16 on
-    GPU, counting 2·n³ FLOPs. Each is the median of ``repeats`` timed runs after a warm-up. ``quick`` keeps the
-    whole call to about a second on a laptop CPU (smaller tensors, fewer repeats); use ``quick=False`` for
-    numbers worth recording.
+
+def measure_bandwidth(device: str | torch.device = "auto", nbytes: int | None = None, repeats: int = 10,
+                      warmup: int = 2, threads: int | None = None) -> dict:
+    """STREAM-style memory bandwidth of this machine now: read (``sum``), copy and triad (``a = b + s·c``).
+
+    Every kernel writes into buffers allocated before timing (a fresh allocation per call would time page faults,
+    not memory), runs ``warmup`` times first, then ``repeats`` timed samples interleaved across the kernels (so a
+    drift in the machine's speed lands on all three alike). ``nbytes`` is the size of one buffer (default: 512 MiB
+    on a CPU, far past any last-level cache; 2 GiB on a GPU). On a CPU the kernels run on torch's intra-op thread
+    pool, ``threads`` threads (default: torch's current setting), as the decode stages do. Rates are in bytes/s
+    with min/median/max over the samples. Decode reads weights and cache and writes little, so ``read`` is its
+    ceiling; ``copy`` and ``triad`` are there to compare with published STREAM figures.
+    """
+    dev = torch.device("cuda" if (device == "auto" and torch.cuda.is_available()) else
+                       ("cpu" if device == "auto" else device))
+    gpu = dev.type == "cuda"
+    nbytes = int(nbytes or (2 * 2**30 if gpu else 512 * 2**20))
+    if nbytes < 4 * 2**10 or repeats < 1 or warmup < 0:
+        raise ValueError(f"need nbytes >= 4 KiB, repeats >= 1, warmup >= 0; got {nbytes}, {repeats}, {warmup}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    n = nbytes // 4
+    # several calls per sample on a GPU: one call is ~100 µs there and the events' resolution is ~1 µs
+    inner = 10 if gpu else 1
+    old_threads = torch.get_num_threads()
+    if threads is not None and not gpu:
+        torch.set_num_threads(threads)
+    try:
+        a = torch.empty(n, dtype=torch.float32, device=dev).fill_(1.0)  # fill: touch every page before timing
+        b = torch.empty(n, dtype=torch.float32, device=dev).fill_(2.0)
+        c = torch.empty(n, dtype=torch.float32, device=dev).fill_(0.5)
+        acc = torch.empty((), dtype=torch.float32, device=dev)
+        kernels: dict[str, Callable[[], object]] = {
+            "read": lambda: torch.sum(b, 0, out=acc),
+            "copy": lambda: a.copy_(b),
+            "triad": lambda: torch.add(b, c, alpha=3.0, out=a),
+        }
+        timer = _timer(dev)
+        for fn in kernels.values():
+            for _ in range(warmup):
+                timer(fn, inner)
+        seconds: dict[str, list[float]] = {k: [] for k in kernels}
+        for _ in range(repeats):
+            for k, fn in kernels.items():
+                seconds[k].append(timer(fn, inner))
+        used_threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old_threads)
+    out: dict = {"bandwidth_method": "STREAM-style read (sum), copy, triad into preallocated fp32 buffers; "
+                                     "bytes counted as STREAM counts them",
+                 "bandwidth_buffer_bytes": nbytes, "bandwidth_repeats": repeats, "bandwidth_warmup": warmup,
+                 "bandwidth_calls_per_sample": inner, "bandwidth_threads": None if gpu else used_threads}
+    for k, per in STREAM_KERNELS.items():
+        rates = [per * 4 * n / t for t in seconds[k]]
+        out[f"{k}_bandwidth_Bps"] = statistics.median(rates)
+        out[f"{k}_bandwidth_spread"] = _spread(rates)
+    return out
+
+
+def _provenance(dev: torch.device) -> dict:
+    from kimik3.provenance import provenance
+
+    # the one provenance record, plus what a bandwidth figure depends on: the device's name and the thread count
+    return {**provenance(dev), "device_name": _device_name(dev), "threads": torch.get_num_threads()}
+
+
+def measure_local(device: str | torch.device = "auto", quick: bool = True, repeats: int | None = None,
+                  threads: int | None = None) -> dict:
+    """Measure this machine's memory bandwidth and matmul rate now, with provenance and spread.
+
+    Bandwidth: :func:`measure_bandwidth` (STREAM-style read, copy and triad into preallocated buffers).
+    ``read_bandwidth_Bps`` is decode's ceiling (:func:`local_hardware` uses it); ``copy_bandwidth_Bps`` counts
+    read + write bytes of a copy into a preallocated buffer. Matmul: square fp32 GEMM on CPU, bf16 on GPU,
+    counting 2·n³ FLOPs. Each rate is the median of ``repeats`` timed runs after a warm-up, with its spread.
+    ``quick`` keeps the call to a second or two (smaller buffers, fewer repeats; the buffers still far exceed a
+    CPU's last-level cache); use ``quick=False`` for numbers worth recording.
     """
     dev = torch.device("cuda" if (device == "auto" and torch.cuda.is_available()) else
                        ("cpu" if device == "auto" else device))
     gpu = dev.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(dev)) if gpu else (lambda: None)
     repeats = repeats or (5 if quick else 20)
-    copy_bytes = (512 if quick else 2048) * 2**20 if gpu else (64 if quick else 512) * 2**20
+    buffer_bytes = (1 if quick else 2) * 2**30 if gpu else (256 if quick else 512) * 2**20
     n = (8192 if quick else 16384) if gpu else (1024 if quick else 2048)
     mm_dtype = torch.bfloat16 if gpu else torch.float32
 
-    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=dev).fill_(1.0)
-    copy_times = _timed(src.clone, sync, repeats)
-    src = None  # free before the matmul operands are allocated
-    a = torch.randn(n, n, device=dev, dtype=mm_dtype)
-    b = torch.randn(n, n, device=dev, dtype=mm_dtype)
-    mm_times = _timed(lambda: torch.mm(a, b), sync, repeats)
-
-    copy_rates = [2 * copy_bytes / t for t in copy_times]  # read + write
+    info = _provenance(dev)
+    bw = measure_bandwidth(dev, buffer_bytes, repeats=repeats, threads=threads)
+    old_threads = torch.get_num_threads()
+    if threads is not None and not gpu:
+        torch.set_num_threads(threads)
+    try:
+        a = torch.randn(n, n, device=dev, dtype=mm_dtype)
+        b = torch.randn(n, n, device=dev, dtype=mm_dtype)
+        c = torch.empty(n, n, device=dev, dtype=mm_dtype)
+        timer = _timer(dev)
+        timer(lambda: torch.mm(a, b, out=c), 1)
+        sync()
+        mm_times = [timer(lambda: torch.mm(a, b, out=c), 1) for _ in range(repeats)]
+        sync()
+    finally:
+        torch.set_num_threads(old_threads)
     mm_rates = [2 * n**3 / t for t in mm_times]
     return {
-        "device": str(dev),
-        "device_name": _device_name(dev),
-        "torch_version": torch.__version__,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "threads": torch.get_num_threads(),
+        **info,
         "quick": quick,
         "repeats": repeats,
-        "copy_bytes_moved": 2 * copy_bytes,
-        "copy_bandwidth_Bps": statistics.median(copy_rates),
-        "copy_bandwidth_spread": _spread(copy_rates),
+        **bw,
+        "ceiling": "read",
+        "ceiling_Bps": bw["read_bandwidth_Bps"],
+        "copy_bytes_moved": 2 * buffer_bytes,
         "matmul_dtype": "bf16" if gpu else "fp32",
         "matmul_n": n,
         "matmul_flops_per_s": statistics.median(mm_rates),
@@ -198,12 +286,60 @@ def measure_local(device: str | torch.device = "auto", quick: bool = True, repea
     }
 
 
+def read_ceiling_Bps(measured: dict) -> float:
+    """Decode's bandwidth ceiling from a :func:`measure_local` record: the read bandwidth. A record from before
+    the read kernel was measured has only a copy figure, returned as it is (the caller's plots say which)."""
+    return float(measured.get("read_bandwidth_Bps") or measured["copy_bandwidth_Bps"])
+
+
 def local_hardware(measured: dict | None = None) -> HardwareSpec:
-    """A :class:`HardwareSpec` whose ceilings are this machine's measured rates (measures now if not given)."""
+    """A :class:`HardwareSpec` whose ceilings are this machine's measured rates (measures now if not given): the
+    bandwidth ceiling is the measured read bandwidth, because a decode step reads its weights and cache and
+    writes almost nothing."""
     m = measured or measure_local()
-    return HardwareSpec(key="local", name=f"local: {m['device_name']} (measured {m['date'][:10]})",
-                        hbm_bandwidth=m["copy_bandwidth_Bps"], hbm_capacity=None,
+    kind = "read" if m.get("read_bandwidth_Bps") else "copy"
+    return HardwareSpec(key="local", name=f"local: {m['device_name']} (measured {m['date'][:10]}, {kind} BW)",
+                        hbm_bandwidth=read_ceiling_Bps(m), hbm_capacity=None,
                         dense_flops={m["matmul_dtype"]: m["matmul_flops_per_s"]},
-                        source=(f"kimik3.hardware.measure_local, torch {m['torch_version']}",),
-                        note="measured copy bandwidth and matmul rate, not datasheet peaks", measured=True,
-                        provenance=m)
+                        source=(f"kimik3.hardware.measure_local, torch {m['torch']}",),
+                        note=f"measured {kind} bandwidth (decode's ceiling) and matmul rate, not datasheet peaks",
+                        measured=True, provenance=m)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m kimik3.hardware``: this machine's ceilings, and the read figure checked against a plain
+    ``torch.sum`` over the same number of bytes timed in the same run (the two should agree within ~15 %)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kimik3.hardware", description=_main.__doc__)
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--quick", action="store_true", help="smaller buffers and fewer repeats")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None, help="write the record as JSON here")
+    a = ap.parse_args(argv)
+    m = measure_local(a.device, quick=a.quick, threads=a.threads)
+    dev = torch.device(m["device"])
+    x = torch.ones(m["bandwidth_buffer_bytes"] // 4, device=dev)
+    timer = _timer(dev)
+    timer(x.sum, 1)
+    plain = statistics.median(x.numel() * 4 / timer(x.sum, 1) for _ in range(m["bandwidth_repeats"]))
+    m["plain_torch_sum_Bps"] = plain
+    for k in STREAM_KERNELS:
+        s = m[f"{k}_bandwidth_spread"]
+        print(f"{k:6s} {s['median'] / 1e9:8.1f} GB/s  (min {s['min'] / 1e9:.1f}, max {s['max'] / 1e9:.1f}, "
+              f"n={s['n']})")
+    print(f"plain torch.sum over {m['bandwidth_buffer_bytes'] / 2**20:.0f} MiB: {plain / 1e9:.1f} GB/s "
+          f"(read / plain = {m['read_bandwidth_Bps'] / plain:.2f})")
+    print(f"matmul {m['matmul_dtype']} n={m['matmul_n']}: {m['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; "
+          f"threads {m['bandwidth_threads']}, load {m['load_average_1m']}, {m['device_name']}")
+    if a.out:
+        p = Path(a.out)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(m, indent=1))
+        tmp.replace(p)  # atomic: a reader never sees half a record
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -2,7 +2,7 @@
 
 Read top to bottom: numerics helpers, feed-forward (SiTU/SwiGLU MLP, router, LatentMoE), the two token
 mixers (KDA linear attention, MLA), Attention Residuals, the decoder layer and the model. Section numbers
-(§) refer to ``shared/spec/kimi-k3-architecture.md``.
+(§) refer to ``docs/architecture.md``.
 
 One code path serves three model families, selected by config fields rather than subclasses:
 
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimik3.config import ModelConfig, yarn_mscale
+from kimik3.quant import QuantizedExperts, describe_expert_memory, mxfp4_quantize
 
 __all__ = [
     "KimiForCausalLM",
@@ -36,8 +37,13 @@ __all__ = [
     "glu",
     "l2norm",
     "route",
+    "router_logits",
+    "route_from_logits",
     "attn_res_mix",
     "kda_recurrent_step",
+    "kda_short_conv",
+    "kda_decay",
+    "kda_gated_norm",
     "keeps_fp32",
     "f32",
 ]
@@ -119,14 +125,20 @@ class MLP(nn.Module):
         return self.down_proj(glu(self.cfg, self.gate_proj(x), self.up_proj(x)))
 
 
-def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """noaux_tc sigmoid router (§5.2). x [N, H] -> (weights fp32 [N, k], expert ids int64 [N, k]).
+def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """The router's linear layer in fp32 (§5.2): input and weight upcast before the product, so the top-k sees
+    the scores at full precision. x [N, H] (or a row tile of the weight) -> [N, E]."""
+    return F.linear(f32(x), f32(gate_weight).to(f32(x).dtype))
+
+
+def route_from_logits(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """noaux_tc sigmoid top-k (§5.2) from the router logits [N, E] -> (weights fp32 [N, k], ids int64 [N, k]).
 
     The correction bias only chooses; the weights come from the unbiased scores. Grouped top-k masks
     the groups outside the best ``topk_group`` with -inf (HF / K3 convention).
     """
-    scores = torch.sigmoid(F.linear(f32(x), f32(gate_weight).to(f32(x).dtype)))
+    scores = torch.sigmoid(logits)
     choice = scores + bias.to(scores.dtype)
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
@@ -140,6 +152,12 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, cfg: M
     if cfg.norm_topk_prob and k > 1:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
     return w * cfg.routed_scaling_factor, idx
+
+
+def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """noaux_tc sigmoid router (§5.2). x [N, H] -> (weights fp32 [N, k], expert ids int64 [N, k])."""
+    return route_from_logits(router_logits(x, gate_weight), bias, cfg)
 
 
 class Router(nn.Module):
@@ -180,9 +198,15 @@ class MoE(nn.Module):
             else None
 
     def expert(self, e: int, xl: torch.Tensor) -> torch.Tensor:
-        """One routed expert's GLU FFN on latent (or hidden) inputs [n, D]."""
+        """One routed expert's GLU FFN on latent (or hidden) inputs [n, D]. Experts held as MXFP4
+        (:class:`kimik3.quant.QuantizedExperts`) are dequantised one expert at a time, to the values a
+        dequantising load would have stored."""
         ex = self.experts
-        return F.linear(glu(self.cfg, F.linear(xl, ex.w1[e]), F.linear(xl, ex.w3[e])), ex.w2[e])
+        if isinstance(ex, QuantizedExperts):
+            w1, w3, w2 = (ex.expert(n, e, xl.dtype) for n in ("w1", "w3", "w2"))
+        else:
+            w1, w3, w2 = ex.w1[e], ex.w3[e], ex.w2[e]
+        return F.linear(glu(self.cfg, F.linear(xl, w1), F.linear(xl, w3)), w2)
 
     def to_latent(self, x: torch.Tensor) -> torch.Tensor:
         return self.routed_expert_down_proj(x) if self.cfg.moe_latent_size is not None else x
@@ -234,6 +258,34 @@ def kda_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return torch.einsum("bhkv,bhk->bhv", S, q), S  # read with the UPDATED state
 
 
+def kda_short_conv(window: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The depthwise short conv of q/k/v at the newest position (§3.2): window [.., C, W] oldest first, weight
+    [C, W] fp32 -> SiLU of the fp32 sum, cast to ``dtype``. The conv is always followed by SiLU (pitfall 5)."""
+    return F.silu((f32(window) * weight).sum(-1)).to(dtype)
+
+
+def kda_decay(f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None
+              ) -> torch.Tensor:
+    """Per-channel log-decay g [.., nh, dk] in fp32 (§3.2) from the low-rank gate projection f = f_b(f_a(x))
+    [.., nh·dk], dt_bias [nh·dk] and A_log [nh] (any head range, as long as the three agree):
+    lb·σ(exp(A_log)·(f+dt_bias)) with K3's lower bound ``lb`` (pitfall 1), -exp(A_log)·softplus(f+dt_bias)
+    for Kimi-Linear (``lower_bound`` None)."""
+    u = (f32(f) + dt_bias).unflatten(-1, (A_log.shape[0], -1))
+    lam = A_log.exp()[:, None]
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(lam * u)
+    return -lam * F.softplus(u, threshold=20.0)
+
+
+def kda_gated_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """KDA's output norm (§3.2): RMSNorm over the head dim with the fp32 ``weight`` [dk], times σ(gate), all in
+    fp32, cast back to o's dtype; o, gate [.., nh, dk]. o arrives already cast to the activation dtype
+    (pitfall 4)."""
+    o32 = f32(o)
+    o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + eps)
+    return (o32 * weight * torch.sigmoid(f32(gate))).to(o.dtype)
+
+
 class KDA(nn.Module):
     """Kimi Delta Attention: short conv + gated delta rule + gated RMSNorm output (§3)."""
 
@@ -275,11 +327,8 @@ class KDA(nn.Module):
         """Per-channel log-decay g [.., nh, dk] in fp32: lb·σ(exp(A_log)·(u+dt_bias)) for K3 (pitfall 1),
         -exp(A_log)·softplus(u+dt_bias) for Kimi-Linear (no lower bound)."""
         c = self.cfg
-        u = (f32(self.f_b_proj(self.f_a_proj(x))) + self.dt_bias).unflatten(-1, (c.kda_num_heads, c.kda_head_dim))
-        lam = self.A_log[: c.kda_num_heads].exp()[:, None]
-        if c.kda_gate_lower_bound is not None:
-            return c.kda_gate_lower_bound * torch.sigmoid(lam * u)
-        return -lam * F.softplus(u, threshold=20.0)
+        return kda_decay(self.f_b_proj(self.f_a_proj(x)), self.dt_bias, self.A_log[: c.kda_num_heads],
+                         c.kda_gate_lower_bound)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if self.cfg.kda_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
@@ -290,9 +339,7 @@ class KDA(nn.Module):
 
     def gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm over head dim with fp32 weight, times σ(gate), in fp32; o, gate [.., nh, dk]."""
-        o32 = f32(o)
-        o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return (o32 * self.o_norm.weight * torch.sigmoid(f32(gate))).to(o.dtype)
+        return kda_gated_norm(o, gate, self.o_norm.weight, self.cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, state: KDAState, active: torch.Tensor | None = None) -> torch.Tensor:
         c = self.cfg
@@ -305,7 +352,7 @@ class KDA(nn.Module):
         outs = []
         for t in range(T):
             window = torch.cat([state.conv, mixed[:, t, :, None]], -1)  # [B, 3P, W] oldest first
-            z = F.silu((f32(window) * wconv).sum(-1)).to(x.dtype)  # conv always SiLU (pitfall 5)
+            z = kda_short_conv(window, wconv, x.dtype)
             q, k, v = f32(z).unflatten(-1, (3, nh, dk)).unbind(1)
             q, k = l2norm(q) * dk**-0.5, l2norm(k)
             o, S = kda_recurrent_step(q, k, v, g[:, t], beta[:, t], state.S)
@@ -572,9 +619,21 @@ class KimiForCausalLM(nn.Module):
         self.config = cfg
         self.model = KimiModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._tie()
         # inference only: no parameter takes gradients (torch.compile's freezing also needs this to treat the
         # weights as constants)
         self.requires_grad_(False)
+
+    def _tie(self) -> None:
+        """tie_word_embeddings: lm_head reads the embedding matrix itself (one parameter, not a copy)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (torch's signature)
+        # .to()/.to_empty() give each module its own new Parameter, which would silently untie the pair
+        out = super()._apply(fn, recurse)
+        self._tie()
+        return out
 
     @property
     def dtype(self) -> torch.dtype:
@@ -639,4 +698,60 @@ class KimiForCausalLM(nn.Module):
                     layer.self_attn.inv_freq = inv.to(self.device)
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """Parameters of the model as defined (routed experts held as MXFP4 count their dense elements)."""
+        return sum(p.numel() for p in self.parameters()) + sum(
+            m.num_weights() for m in self.modules() if isinstance(m, QuantizedExperts))
+
+    # ------------------------------------------------------------------ routed expert storage
+    def _moe_layers(self) -> list[MoE]:
+        return [layer.block_sparse_moe for layer in self.model.layers if layer.is_moe]
+
+    @property
+    def expert_storage(self) -> str:
+        """How the routed experts are held: "dense" (stacked parameters in the model dtype) or "mxfp4"
+        (:class:`kimik3.quant.QuantizedExperts`, from ``from_pretrained(..., quantized_experts="keep")`` or
+        :meth:`quantize_experts`)."""
+        kept = {isinstance(m.experts, QuantizedExperts) for m in self._moe_layers()}
+        if kept == {True, False}:
+            raise ValueError("some MoE layers hold their routed experts as MXFP4 and some dense")
+        return "mxfp4" if kept == {True} else "dense"
+
+    def expert_memory(self) -> str:
+        """What the routed experts cost in memory in each form (dense in the model dtype, MXFP4)."""
+        return describe_expert_memory(self.config, self.dtype)
+
+    @torch.no_grad()
+    def dequantize_experts(self) -> KimiForCausalLM:
+        """Routed experts held as MXFP4 -> dense parameters in the model dtype, in place (exactly the weights a
+        dequantising load gives); the memory this costs is :meth:`expert_memory`'s "dense" figure. No-op when
+        they are dense already."""
+        for moe in self._moe_layers():
+            q = moe.experts
+            if not isinstance(q, QuantizedExperts):
+                continue
+            dense = {n: q.dequantized(n, self.dtype) for n in ("w1", "w3", "w2")}
+            with torch.device("meta"):
+                ex = Experts(self.config)
+            for n, t in dense.items():
+                setattr(ex, n, nn.Parameter(t, requires_grad=False))
+            moe.experts = ex
+        return self
+
+    @torch.no_grad()
+    def quantize_experts(self) -> KimiForCausalLM:
+        """Dense routed experts -> held as MXFP4 (packed by :func:`kimik3.quant.mxfp4_quantize`: exact for weights
+        that are MXFP4 values, e.g. dequantised from an MXFP4 checkpoint, a 4-bit quantisation otherwise), in
+        place. No-op when they are MXFP4 already."""
+        cfg = self.config
+        for moe in self._moe_layers():
+            ex = moe.experts
+            if isinstance(ex, QuantizedExperts):
+                continue
+            q = QuantizedExperts(cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.expert_in_dim, self.device)
+            for n in ("w1", "w3", "w2"):
+                w = getattr(ex, n)
+                p, s = q.packed(n)
+                for e in range(w.shape[0]):  # one expert at a time: bounded scratch
+                    p[e], s[e] = mxfp4_quantize(w[e])
+            moe.experts = q
+        return self

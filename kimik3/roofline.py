@@ -29,8 +29,8 @@ from kimik3.cost import BYTES_PER_ELEMENT, MLA_FORMS, DecodeCost, decode_cost
 from kimik3.hardware import HardwareSpec, get_hardware, list_hardware
 from kimik3.recorded import load_recorded
 
-__all__ = ["RooflinePanel", "latency_roofline_figure", "latency_table", "points_from_cost", "roofline_figure",
-           "roofline_panel", "save_html"]
+__all__ = ["RooflinePanel", "check_ceilings", "latency_roofline_figure", "latency_table", "points_from_cost",
+           "roofline_figure", "roofline_panel", "save_html"]
 
 POINT_COLUMNS = ["label", "block", "stage", "kind", "flops", "bytes", "seconds", "intensity", "flops_per_s",
                  "hardware"]
@@ -110,7 +110,57 @@ def _recorded_points(recorded_dir: str | Path) -> pd.DataFrame:
         "seconds": rec["seconds"].astype(float), "hardware": rec["device"].fillna("")})
     out["intensity"] = out["flops"] / out["bytes"]
     out["flops_per_s"] = out["flops"] / out["seconds"]
-    return out[POINT_COLUMNS].reset_index(drop=True)
+    out["ceiling_Bps"] = [_record_ceiling(r) for r in rec.to_dict("records")]
+    return out[[*POINT_COLUMNS, "ceiling_Bps"]].reset_index(drop=True)
+
+
+def _record_ceiling(r: Mapping) -> float:
+    """The bandwidth ceiling a record was measured against (the read bandwidth where it has one; older records
+    carry only a copy figure), NaN when it carries none."""
+    for key in ("bandwidth_ceiling", "copy_bandwidth"):
+        m = r.get(key)
+        if isinstance(m, Mapping):
+            v = m.get("read_bandwidth_Bps") or m.get("copy_bandwidth_Bps")
+            if v:
+                return float(v)
+    for key in ("ceiling_Bps", "read_bandwidth_Bps", "copy_bandwidth_Bps"):
+        v = r.get(key)
+        if isinstance(v, (int, float)) and v == v and v > 0:
+            return float(v)
+    return float("nan")
+
+
+def check_ceilings(points, hardware: Sequence[str | HardwareSpec] = ()) -> pd.DataFrame:
+    """``points`` with each one's fraction of its own roof, unclamped: ``pct_of_ceiling`` = 100 · max(bytes/s ÷
+    bandwidth, FLOP/s ÷ peak), and ``above_ceiling`` where a measured or recorded point exceeds it.
+
+    Why: a point above its roof is not a fast kernel but a wrong measurement (the byte count, the clock or the
+    ceiling), and must be shown as such, never as a result. A point's roof is its ``ceiling_Bps`` column when it
+    has one (a record carries the bandwidth it was measured against), else that of the entry of ``hardware`` (or
+    the datasheet) whose name or key is the point's ``hardware``; the compute peak is the chip's highest. Points
+    with no known ceiling get NaN and are not flagged; analytic points sit on their roof by construction.
+    """
+    pts = _as_points(points).copy()
+    specs: dict[str, HardwareSpec] = {}
+    for h in hardware:
+        sp = _hw(h)
+        specs[sp.name], specs[sp.key] = sp, sp
+    known = set(list_hardware())
+    bw_col = pts["ceiling_Bps"].astype(float) if "ceiling_Bps" in pts else pd.Series(np.nan, index=pts.index)
+    bws, peaks = [], []
+    for (_, r), own in zip(pts.iterrows(), bw_col):
+        name = str(r.get("hardware") or "")
+        sp = specs.get(name) or (get_hardware(name) if name and name.lower() in known else None)
+        flops = [v for v in sp.dense_flops.values() if v] if sp is not None else []
+        bws.append(own if own == own else (sp.hbm_bandwidth if sp is not None else np.nan))
+        peaks.append(max(flops) if flops else np.nan)
+    pts["ceiling_Bps"], peak = bws, np.array(peaks, dtype=float)
+    bps = pts["bytes"].astype(float) / pts["seconds"].astype(float)
+    frac = np.fmax(bps.to_numpy() / pts["ceiling_Bps"].to_numpy(dtype=float),
+                   pts["flops_per_s"].astype(float).to_numpy() / peak)
+    pts["pct_of_ceiling"] = 100 * frac
+    pts["above_ceiling"] = (pts["kind"] != "analytic") & (np.nan_to_num(frac, nan=0.0) > 1 + 1e-9)
+    return pts
 
 
 def _as_points(points) -> pd.DataFrame:
@@ -161,6 +211,11 @@ def roofline_figure(points=None, hardware: Sequence[str | HardwareSpec] = ("h200
         if not rec.empty:
             pts = pd.concat([pts, rec], ignore_index=True) if not pts.empty else rec
     specs = [_hw(h) for h in hardware]
+    if not pts.empty:
+        pts = check_ceilings(pts, specs)
+        flagged, pts = pts[pts["above_ceiling"]], pts[~pts["above_ceiling"]]
+    else:
+        flagged = pts
     ridges = [s.ridge_point(d) for s in specs for d in compute_dtypes]
     ai = pts["intensity"].astype(float).to_numpy() if not pts.empty else np.array([1.0])
     x_lo = 10 ** math.floor(math.log10(max(min(ai.min(), min(ridges, default=1.0)) / 3, 1e-3)))
@@ -193,10 +248,23 @@ def roofline_figure(points=None, hardware: Sequence[str | HardwareSpec] = ("h200
                 customdata=np.stack([g["bytes"] / 1e9, g["flops"] / 1e9, g["seconds"] * 1e3], axis=-1),
                 hovertemplate="%{text}<br>%{x:.3g} FLOP/B, %{y:.3g} FLOP/s<br>%{customdata[0]:.3g} GB, "
                               "%{customdata[1]:.3g} GFLOP, %{customdata[2]:.3g} ms<extra></extra>"))
+    if not flagged.empty:  # drawn apart, as what they are: evidence of a measurement problem, not results
+        fig.add_trace(go.Scatter(
+            x=flagged["intensity"], y=flagged["flops_per_s"], mode="markers",
+            name=f"above its ceiling: measurement problem, not a result ({len(flagged)})",
+            text=flagged["label"].astype(str) + " · " + flagged["stage"].astype(str),
+            marker=dict(size=11, symbol="x-open", color="#7f7f7f"), customdata=flagged[["pct_of_ceiling"]],
+            hovertemplate="%{text}<br>%{customdata[0]:.0f}% of its own ceiling: a wrong byte count, clock or "
+                          "ceiling<extra>measurement problem</extra>"))
     fig.update_xaxes(type="log", title="arithmetic intensity (FLOP / byte moved)")
     fig.update_yaxes(type="log", title="attained FLOP/s")
     fig.update_layout(title=title or "Roofline: decode blocks against memory and compute ceilings",
                       template="plotly_white", legend=dict(font=dict(size=10)), height=560)
+    if any(sp.measured for sp in specs):
+        fig.add_annotation(text="measured memory ceiling = read bandwidth (STREAM-style): decode's ceiling, "
+                                "since a step reads weights and cache and writes almost nothing",
+                           xref="paper", yref="paper", x=0, y=1.0, yanchor="bottom", showarrow=False,
+                           font=dict(size=10, color="#555"))
     return fig
 
 

@@ -31,21 +31,29 @@ prompt_len = 16
 new_tokens = 8
 seed = 0
 out_dir = "runs/01_naive_decode"
+solutions = False  # workshop: True checks the reference solutions instead of your answers (make run does)
+
 
 # %%
-from pathlib import Path
+# a bad parameter (papermill -p, or an edit above) stops here with its name, not deep inside a later cell
+from kimik3.notebooks import check_params
+
+check_params(dict(preset=preset, device=device, batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
+                  seed=seed), "01_naive_decode")
+
+# %%
 
 import plotly.express as px
 import torch
 
 import kimik3
 from kimik3.anatomy import block_table, cache_bytes_per_sequence, layer_map, layer_map_figure, trace_step
+from kimik3.nbsetup import start_notebook
 from kimik3.profiling import count_ops, time_per_call
 
-out = Path(out_dir)
-out.mkdir(parents=True, exist_ok=True)
-dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+# plotly renders with no network (plotly.js embedded once, no CDN); figures go to `out`;
+# `dev`: the GPU when one is present, else the CPU; `dtype`: bf16 on a GPU, fp32 on a CPU
+out, dev, dtype = start_notebook(out_dir, device)
 model = kimik3.from_preset(preset, seed=seed, dtype=dtype, device=dev)
 cfg = model.config
 print(f"{preset}: {model.num_parameters() / 1e6:.1f}M parameters on {dev} in {dtype}")
@@ -139,6 +147,26 @@ tokens = dec.generate(ids, max_new_tokens=new_tokens, lengths=lengths)
 for b in range(batch_size):
     n = lengths[b]
     print(f"sequence {b}: prompt {ids[b, :n].tolist()[-6:]} ... -> {tokens[b, n:n + new_tokens].tolist()}")
+
+# %% [markdown]
+# ### Exercise: attention over the cache
+#
+# Each MLA head of one decode step is a single query against every cached position: scores q·k, scaled by
+# 1/√d, a softmax over the positions, and a weighted sum of the values. Write it for one step (all heads at once);
+# the check runs it on random tensors and names the usual mistakes.
+
+# %%
+from kimik3 import workshop
+
+
+def attend(q, k, v):
+    """q [H, d], k [T, H, d], v [T, H, dv] -> [H, dv]."""
+    raise NotImplementedError("your code here")
+
+
+# %%
+workshop.check("decode_attention", attend, solutions=solutions)
+# workshop.reveal("decode_attention")  # uncomment to see a solution
 
 # %% [markdown]
 # ## Operators (kernel launches) per token

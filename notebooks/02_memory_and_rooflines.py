@@ -32,13 +32,19 @@ preset = "kimi-k3"
 batch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 context_lens = [0, 8192, 131072]
 out_dir = "runs/02"
+solutions = False  # workshop: True checks the reference solutions instead of your answers (make run does)
+
 
 # %%
-from pathlib import Path
+# a bad parameter (papermill -p, or an edit above) stops here with its name, not deep inside a later cell
+from kimik3.notebooks import check_params
+
+check_params(dict(preset=preset, batch_sizes=batch_sizes, context_lens=context_lens), "02_memory_and_rooflines")
+
+# %%
 
 import pandas as pd
 import plotly.graph_objects as go
-import plotly.io as pio
 from IPython.display import display
 
 import kimik3
@@ -50,14 +56,12 @@ from kimik3.cost import (
     parameter_counts,
 )
 from kimik3.hardware import hardware_table, local_hardware, measure_local
+from kimik3.nbsetup import start_notebook
 from kimik3.recorded import claims_vs_bound, load_published, load_recorded
 from kimik3.roofline import latency_roofline_figure, points_from_cost, roofline_figure, roofline_panel, save_html
 
-pio.renderers.default = "plotly_mimetype+notebook_connected"
-pd.set_option("display.width", 200)
-pd.set_option("display.max_columns", 30)
-out = Path(out_dir)
-out.mkdir(parents=True, exist_ok=True)
+# plotly renders with no network (plotly.js embedded once, no CDN); figures go to `out`
+out = start_notebook(out_dir, pandas_display={"width": 200, "max_columns": 30}).out
 cfg = kimik3.get_preset(preset)
 HARDWARE = ["h100-sxm", "h200", "b200", "gb200", "gb300"]
 T_MID = sorted(context_lens)[len(context_lens) // 2]  # the middle context of the sweep, for single-context tables
@@ -81,6 +85,25 @@ display(hw)
 print(f"{cfg.name}, batch 1, context {T_MID:,}: {step1.total_flops / 1e9:,.1f} GFLOP over "
       f"{step1.total_bytes / 1e9:,.2f} GB = {step1.arithmetic_intensity:.2f} FLOP/byte; "
       f"ridge points {hw['ridge bf16 FLOP/B'].min():.0f}-{hw['ridge bf16 FLOP/B'].max():.0f} FLOP/byte (bf16)")
+
+# %% [markdown]
+# ### Exercise: the least time a step can take
+#
+# A step moves `bytes` through memory at `bandwidth` bytes/s and performs `flops` at `peak_flops` FLOP/s.
+# Write the lower bound on its time — the roofline in one line.
+
+# %%
+from kimik3 import workshop
+
+
+def step_lower_bound(bytes_, flops, bandwidth, peak_flops):
+    """Least seconds for a step (bytes/s and FLOP/s ceilings)."""
+    raise NotImplementedError("your code here")
+
+
+# %%
+workshop.check("step_lower_bound", step_lower_bound, solutions=solutions)
+# workshop.reveal("step_lower_bound")  # uncomment to see a solution
 
 # %% [markdown]
 # ## What one token costs at full size
@@ -173,6 +196,25 @@ save_html(fig_batch, out / "bytes_vs_batch.html")
 fig_batch
 
 # %% [markdown]
+# ### Exercise: experts touched by a batch
+#
+# B tokens each pick k of the E routed experts. Expert weights are read once per distinct expert, so the bytes
+# of a step follow the expected number of *distinct* experts, not B·k. Write it (uniform routing).
+
+# %%
+from kimik3 import workshop
+
+
+def distinct_experts(num_experts, top_k, batch_size):
+    """Expected number of distinct experts read when batch_size tokens each pick top_k of num_experts."""
+    raise NotImplementedError("your code here")
+
+
+# %%
+workshop.check("distinct_experts", distinct_experts, solutions=solutions)
+# workshop.reveal("distinct_experts")  # uncomment to see a solution
+
+# %% [markdown]
 # ## Context: a fixed state and a growing cache
 #
 # K3 keeps a fixed 449 MB of KDA state per sequence plus 27,648 bytes per token of MLA latent cache (24 layers);
@@ -236,13 +278,18 @@ print(f"All weights at rest (every expert): {mxfp4.resident_weight_bytes / 1e9:,
 # ## Rooflines
 #
 # Each block of the step at batch 1 and batch 64, timed at its own lower bound on an H200 and a GB300 (so the points
-# sit on those rooflines), with this machine's measured copy bandwidth and matmul rate as a third set of ceilings.
+# sit on those rooflines), with this machine's measured read bandwidth and matmul rate as a third set of ceilings.
+# The read bandwidth (STREAM-style: a `sum` over a buffer far larger than any cache, warm, on all of torch's threads)
+# is decode's ceiling, because a step reads weights and cache and writes almost nothing; a measured point above
+# its ceiling is drawn apart, as a measurement problem.
 # Recorded GPU measurements in `data/measurements/` appear as "recorded <date> <commit>" points when present.
 
 # %%
 local = local_hardware(measure_local(quick=True))
-print(local.name, f"{local.hbm_bandwidth / 1e9:.1f} GB/s copy, {local.compute_ceiling('fp32')[0] / 1e9:.1f} "
-      "GFLOP/s fp32 matmul")
+m = local.provenance
+print(local.name, f"read {m['read_bandwidth_Bps'] / 1e9:.1f} GB/s (min {m['read_bandwidth_spread']['min'] / 1e9:.1f},"
+      f" max {m['read_bandwidth_spread']['max'] / 1e9:.1f}), copy {m['copy_bandwidth_Bps'] / 1e9:.1f}, triad "
+      f"{m['triad_bandwidth_Bps'] / 1e9:.1f} GB/s; {local.compute_ceiling('fp32')[0] / 1e9:.1f} GFLOP/s fp32 matmul")
 points = pd.concat([
     points_from_cost(decode_cost(cfg, b, T_MID, expert_dtype="mxfp4"), h, stage=f"B={b} on {h}")
     for b in (1, 64) for h in ("h200", "gb300")], ignore_index=True)

@@ -41,183 +41,51 @@ preset = "k3-shard"
 out_dir = "runs/04_fused_kernels"
 batch = 1
 context = 1024
+solutions = False  # workshop: True checks the reference solutions instead of your answers (make run does)
+
 
 # %%
-import inspect
+# a bad parameter (papermill -p, or an edit above) stops here with its name, not deep inside a later cell
+from kimik3.notebooks import check_params
+
+check_params(dict(preset=preset, batch=batch, context=context), "04_fused_kernels")
+
+# %%
 import json
-import re
-import subprocess
-import time
-from pathlib import Path
 
 import pandas as pd
 import plotly.graph_objects as go
-import plotly.io as pio
 import torch
 from IPython.display import Markdown, display
 
 from kimik3.config import get_preset
 from kimik3.hardware import get_hardware
 from kimik3.init import build_model
+from kimik3.kernel_loader import dsl_available
+from kimik3.kernel_report import KernelReport, ptx_highlights, show_source
+from kimik3.launch_cost import launch_bytes, launch_flops
+from kimik3.nbsetup import start_notebook
 from kimik3.recorded import load_recorded, resolve_data_path
 from kimik3.roofline import roofline_figure, save_html
-from kimik3.stages.fused import FusedStep, dsl_available, launch_bytes, launch_flops
+from kimik3.stages.fused import FusedStep
 
-pio.renderers.default = "plotly_mimetype+notebook_connected"
-pd.set_option("display.width", 200)
-pd.set_option("display.max_columns", 20)
-pd.set_option("display.max_colwidth", 80)
-out = Path(out_dir)
-out.mkdir(parents=True, exist_ok=True)
+# plotly renders with no network (plotly.js embedded once, no CDN); figures go to `out`
+out = start_notebook(out_dir, pandas_display={"width": 200, "max_columns": 20, "max_colwidth": 80}).out
 ARCH = "sm_90a"
 H200 = get_hardware("h200")
-BIG = 32e6  # bytes per call from which a kernel is judged against bandwidth rather than launch latency
 cfg = get_preset(preset)
 # The step's program on a meta model: every buffer and prepared weight has its real shape, none has memory.
 step = FusedStep(build_model(cfg, "meta").cast_(torch.bfloat16), batch, 4096 if preset == "k3-shard" else 256)
-launches = {ln.name: ln for ln in step.program}
 program = step.describe(context=context)
 recorded = load_recorded("data/measurements")
 outstanding = json.loads(resolve_data_path("data/measurements/gpu_outstanding.json").read_text())["outstanding"]
 HAVE_DSL = dsl_available()
+# every kernel section below: source, PTX highlights and ptxas resources, bytes per call, recorded measurements
+report = KernelReport(step, arch=ARCH, compile_kernels=compile_kernels, batch=batch, context=context, preset=preset,
+                      hardware=H200, recorded=recorded, have_dsl=HAVE_DSL)
 print(f"{cfg.name}, batch {batch}, context {context}: {sum(program.kind == 'kernel')} kernel launches, "
       f"{sum(program.kind == 'glue')} glue ops, {len(step.ops)} distinct compiled ops; CuTe DSL installed: {HAVE_DSL}; "
       f"compile_kernels={compile_kernels}; recorded measurements: {len(recorded)}")
-
-# %%
-# Helpers shared by the kernel sections: source, PTX highlights, resources, bytes, recorded measurements.
-FEATURES = {
-    "ld.global.nc.v4": "16-byte read-only loads (weights, caches): the loads in flight",
-    "ld.global.v4": "16-byte loads of read-write data (KDA state)",
-    "st.global.v4": "16-byte stores",
-    "shfl.sync.bfly": "butterfly warp reductions (no shared memory, no barrier)",
-    "rsqrt.approx": "RMSNorm / l2norm scalars",
-    "ex2.approx": "exp, sigmoid, softmax in the log2 domain",
-    "tanh.approx": "SiTU-GLU",
-    "match.any.sync": "MoE align: lanes routed to the same expert",
-    "cvt.f32.f16": "MXFP4 codes expanded through fp16",
-    "bar.sync": "CTA barriers",
-    "fma.rn.f32": "fp32 FMAs",
-    ".local": "local memory (must not appear)",
-}
-
-
-def git_date(path):
-    try:
-        return subprocess.run(["git", "log", "-1", "--format=%cI", "--", path], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def cached_build(op):
-    # a previous build of the same kernel source, DSL, arch, family and shapes (any name), or None
-    from kimik3.kernels import build as B
-
-    key = B.cache_key(op, ARCH)
-    for d in sorted(B.cache_root().glob(f"*-{ARCH}-{key}")):
-        if (d / "result.json").exists() and (d / "kernel.ptx").exists():
-            data = json.loads((d / "result.json").read_text())
-            return {"kernels": data["kernels"], "ptx": (d / "kernel.ptx").read_text(), "how": f"cached build {d.name}"}
-    return None
-
-
-def get_build(op):
-    if not HAVE_DSL:
-        return None, "the CuTe DSL is not installed here: no PTX"
-    if compile_kernels:
-        from kimik3.kernels import build as B
-
-        t0 = time.perf_counter()
-        r = B.build(op, ARCH, use_cache=False)
-        return {"kernels": r.kernels, "ptx": r.ptx}, f"compiled now for {ARCH} in {time.perf_counter() - t0:.1f} s"
-    hit = cached_build(op)
-    if hit is None:
-        return None, "compilation skipped (compile_kernels=False) and no cached build: run with compile_kernels=True"
-    return hit, hit["how"]
-
-
-def show_source(*functions):
-    for f in functions:
-        src = inspect.getsource(f)
-        display(Markdown(f"`{f.__module__}.{f.__name__}` ({len(src.splitlines())} lines)\n```python\n{src}```"))
-
-
-def ptx_highlights(ptx):
-    rows = [{"instruction": k, "count": ptx.count(k), "why": v} for k, v in FEATURES.items()]
-    return pd.DataFrame(rows)[lambda d: (d["count"] > 0) | (d["instruction"] == ".local")]
-
-
-def hot_loop_excerpt(ptx, n=16):
-    # the first 16-byte load of a real loop (after `.pragma "nounroll"`), else the first 16-byte load at all
-    lines = ptx.splitlines()
-    loops = [i for i, ln in enumerate(lines) if '"nounroll"' in ln]
-    nc = [i for i, ln in enumerate(lines) if "ld.global.nc.v4" in ln]
-    wide = [i for i, ln in enumerate(lines) if "ld.global.v4" in ln] + nc
-    in_loop = [i for i in nc if loops and i > loops[0]]
-    first = in_loop[0] if in_loop else nc[0] if nc else min(wide) if wide else None
-    if first is None:
-        return "(no 16-byte global load found)"
-    burst = 0
-    for ln in lines[first:]:
-        if "ld.global" in ln:
-            burst += 1
-        elif re.search(r"\b(fma|mul|add|sub)\.(rn\.)?f32", ln):
-            break
-    body = "\n".join(lines[max(0, first - 2):first + n])
-    return f"{burst} global loads issued before the first arithmetic instruction:\n{body}"
-
-
-def measured_rows(launch_name):
-    if recorded.empty:
-        return recorded
-    r = recorded[(recorded["block"] == f"kernel:{launch_name}") & (recorded["batch_size"] == batch)]
-    return r
-
-
-def kernel_section(launch_name, *functions):
-    ln = launches[launch_name]
-    op = ln.op
-    users = [n for n, x in launches.items() if x.op is not None and x.op.key == op.key]
-    display(Markdown(f"**{launch_name}**: `{op.name}` — {ln.note}. Same compiled op for {len(users)} launch(es) "
-                     f"of the step: {', '.join(users[:6])}{' ...' if len(users) > 6 else ''}"))
-    show_source(*functions)
-    res, how = get_build(op)
-    display(Markdown(f"*PTX / ptxas*: {how}"))
-    if res is not None:
-        ptx = res["ptx"]
-        target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
-        display(Markdown(f"`.target {target.group(1) if target else '?'}`, {len(ptx.splitlines()):,} PTX lines"))
-        display(ptx_highlights(ptx))
-        display(Markdown(f"```\n{hot_loop_excerpt(ptx)}\n```"))
-        rk = pd.DataFrame(res["kernels"])
-        rk["kernel"] = rk["name"].str.replace(r"^kernel_cutlass_(\w+?_kernel).*", r"\1", regex=True)
-        b = op.budget
-        rk["budget"] = f"<= {b.max_registers} regs, 0 spills, <= {b.max_shared_bytes} B smem"
-        display(rk[["kernel", "registers", "spill_stores", "spill_loads", "stack", "shared_bytes", "budget"]])
-    nbytes, flops = launch_bytes(ln, context=context), launch_flops(ln, context=context)
-    bound = nbytes / H200.hbm_bandwidth
-    judge = ("judged against 80 % of measured copy bandwidth" if nbytes >= BIG else
-             "under 32 MB: judged against the launch-latency floor (a few microseconds)")
-    display(Markdown(f"*Bytes per call* (from the kernel's shapes, {batch=}, {context=}): **{nbytes / 1e6:,.2f} MB**, "
-                     f"{flops / 1e9:,.3f} GFLOP ({flops / nbytes:.2f} FLOP/B). Analytic bound on an H200 at the "
-                     f"datasheet {H200.hbm_bandwidth / 1e12:.1f} TB/s: **{bound * 1e6:,.1f} µs**; {judge}."))
-    rows = measured_rows(launch_name)
-    if rows.empty:
-        display(Markdown("*Measured*: **GPU measurement outstanding** (`data/measurements/gpu_outstanding.json`, "
-                         f"kernel-bandwidth-{preset}-b{batch})."))
-    else:
-        from kimik3.kernels._source import kernel_source_hash
-
-        now = kernel_source_hash(op.module_name)[:16]
-        src_date = git_date(f"kernels/{op.module_name}.py")
-        for _, r in rows.iterrows():
-            h = r.get("source_hash")
-            stale = (h != now) if isinstance(h, str) else bool(src_date and str(r["date"]) < src_date)
-            flag = " — **stale: measured an older kernel source**" if stale else ""
-            display(Markdown(f"*Measured* ({r['label']}, {r['device']}): {r['seconds'] * 1e6:,.1f} µs, "
-                             f"{r['bytes'] / r['seconds'] / 1e9:,.0f} GB/s{flag}"))
-
 
 # %% [markdown]
 # ## The composed step
@@ -226,7 +94,7 @@ def kernel_section(launch_name, *functions):
 # op when their shapes agree: the KDA and MLA o-proj, the four MoE layers' routers ...); *glue* rows are the few
 # PyTorch ops left between them (embedding gather, the RMSNorm that the router and expert kernels need as input,
 # the MLA latent norm + cache append, the MLA output gate, residual adds). Bytes are the fewest the launch must
-# move, from its own shapes (`kimik3.stages.fused.launch_bytes`: routed experts counted only for the experts a
+# move, from its own shapes (`kimik3.launch_cost.launch_bytes`: routed experts counted only for the experts a
 # uniform routing is expected to touch; MLA reading `context` cache rows).
 
 # %%
@@ -268,7 +136,28 @@ fig
 # %%
 from kimik3.kernels import gemv
 
-kernel_section("L0.kda.qkv", gemv.gemv_kernel, gemv.row_dot, gemv._dot_step)
+report.section("L0.kda.qkv", gemv.gemv_kernel, gemv.row_dot, gemv._dot_step)
+
+# %% [markdown]
+# ### Exercise: a GEMV tile's index arithmetic
+#
+# In `gemv`, a CTA of 4 warps computes 4 output rows, one per warp; each loop step a lane issues 4 unrolled
+# 16-byte loads (8 bf16 each). Which element (row, k) of W does thread (cta, warp, lane) load at step `step`,
+# unrolled load `u`, vector element `v`? The check enumerates every thread: each element read exactly once, one row
+# per warp, and every warp-wide load contiguous (coalesced).
+
+# %%
+from kimik3 import workshop
+
+
+def gemv_element(cta, warp, lane, step, u, v):
+    """(row, k) of W loaded by this thread; 4 warps per CTA, 4 loads per step, 8 elements per load, 32 lanes."""
+    raise NotImplementedError("your code here")
+
+
+# %%
+workshop.check("gemv_tile_index", gemv_element, solutions=solutions)
+# workshop.reveal("gemv_tile_index")  # uncomment to see a solution
 
 # %% [markdown]
 # ## 2 · Final norm + lm_head + arg-max (`gemv.lm_head`)
@@ -279,7 +168,7 @@ kernel_section("L0.kda.qkv", gemv.gemv_kernel, gemv.row_dot, gemv._dot_step)
 # (ties → lowest token id, deterministic, no atomics).
 
 # %%
-kernel_section("lm_head", gemv.lm_head_kernel, gemv.argmax_kernel)
+report.section("lm_head", gemv.lm_head_kernel, gemv.argmax_kernel)
 
 # %% [markdown]
 # ## 3 · Router: sigmoid scores, biased top-k, on the device (`router`)
@@ -292,7 +181,7 @@ kernel_section("lm_head", gemv.lm_head_kernel, gemv.argmax_kernel)
 # %%
 from kimik3.kernels import router
 
-kernel_section("L0.moe.router", router.topk_kernel)
+report.section("L0.moe.router", router.topk_kernel)
 
 # %% [markdown]
 # ## 4 · KDA decode step (`kda`)
@@ -306,7 +195,7 @@ kernel_section("L0.moe.router", router.topk_kernel)
 # %%
 from kimik3.kernels import kda
 
-kernel_section("L0.kda.step", kda.kda_kernel)
+report.section("L0.kda.step", kda.kda_kernel)
 
 # %% [markdown]
 # ## 5 · MLA in the latent space: flash-decoding split + combine (`mla`), absorption as a per-head GEMV
@@ -324,8 +213,8 @@ kernel_section("L0.kda.step", kda.kda_kernel)
 # %%
 from kimik3.kernels import mla_decode, moe
 
-kernel_section("L3.mla.attn", mla_decode.mla_split_kernel, mla_decode.mla_combine_kernel)
-kernel_section("L3.mla.w_uk", moe.head_gemv)
+report.section("L3.mla.attn", mla_decode.mla_split_kernel, mla_decode.mla_combine_kernel)
+report.section("L3.mla.w_uk", moe.head_gemv)
 
 # %% [markdown]
 # ## 6 · Routed experts: grouped GEMV over the selected experts only (`moe.bf16`, `moe.mxfp4`)
@@ -342,14 +231,14 @@ kernel_section("L3.mla.w_uk", moe.head_gemv)
 # shared experts run through the same kernel as a one-expert MoE that every token picks with weight 1.
 
 # %%
-kernel_section("L0.moe.experts", moe.expert_gemv_kernel, moe._bf16_step)
+report.section("L0.moe.experts", moe.expert_gemv_kernel, moe._bf16_step)
 
 # %%
 from dataclasses import replace
 
-ln16 = launches["L0.moe.experts"]
+ln16 = report.launch("L0.moe.experts")
 op4 = replace(ln16.op, family="moe.mxfp4")
-res4, how4 = get_build(op4)
+res4, how4 = report.build(op4)
 display(Markdown(f"**MXFP4 variant** `{op4.name}` — *PTX / ptxas*: {how4}"))
 show_source(moe._fp4_expand, moe._fp4_step)
 if res4 is not None:
@@ -375,7 +264,7 @@ display(rec4 if not rec4.empty else Markdown("*MXFP4 vs bf16 expert time*: **GPU
 # %%
 from kimik3.kernels import attn_res
 
-kernel_section("L0.attn_res.mlp", attn_res.attn_res_kernel)
+report.section("L0.attn_res.mlp", attn_res.attn_res_kernel)
 
 # %% [markdown]
 # ## Roofline position of every kernel
@@ -448,7 +337,7 @@ else:
 # ```
 # Kernels come from the CuTe DSL JIT when it is installed next to the GPU, else from a prebuilt directory
 # (`prebuilt=DIR` or `$KIMIK3_PREBUILT`, built on a CPU machine with
-# `python -m kimik3.device_check --build-prebuilt prebuilt`). On a CPU, for a shape without a kernel (`micro`'s
+# `python scripts/device_check.py --build-prebuilt prebuilt`). On a CPU, for a shape without a kernel (`micro`'s
 # head dim 16) or without a usable prebuilt kernel for the GPU's architecture, the stage refuses with a ValueError
 # that says why. The measurements issue 5 asks for come from one device-tool call: `bash scripts/device_check.sh`
 # (its header has the exact command and the carry list).

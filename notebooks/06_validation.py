@@ -48,22 +48,22 @@ presets = ["micro"]  # add "tiny" for its matrix (hours on a CPU; minutes on a G
 quick = False
 out_dir = "runs/06_validation"
 
-# %%
-from pathlib import Path
 
-import pandas as pd
-import plotly.io as pio
+# %%
+# a bad parameter (papermill -p, or an edit above) stops here with its name, not deep inside a later cell
+from kimik3.notebooks import check_params
+
+check_params(dict(presets=presets), "06_validation")
+
+# %%
 from IPython.display import HTML, display
 
-from kimik3.tolerances import TOL
-from kimik3.validate import CHUNK_TOKENS, default_config, error_figure, quick_config, run_validation, support_table
+from kimik3.nbsetup import start_notebook
+from kimik3.validation import CHUNK_TOKENS, default_config, error_figure, quick_config, run_validation, support_table
+from kimik3.validation.metric import TOL
 
-pio.renderers.default = "plotly_mimetype+notebook_connected"
-pd.set_option("display.width", 220)
-pd.set_option("display.max_columns", 30)
-pd.set_option("display.max_colwidth", 140)
-out = Path(out_dir)
-out.mkdir(parents=True, exist_ok=True)
+# plotly renders with no network (plotly.js embedded once, no CDN); figures go to `out`
+out = start_notebook(out_dir, pandas_display={"width": 220, "max_columns": 30, "max_colwidth": 140}).out
 config = quick_config() if quick else default_config(presets)
 if quick and list(presets) != ["micro"]:
     print(f"quick=True runs micro only; {[p for p in presets if p != 'micro']} listed as not run")
@@ -76,8 +76,9 @@ print("tolerances:", {k: TOL[k] for k in ("fp32_stage", "bf16_stage", "expert_pa
 # ## What each stage claims
 #
 # The space the matrix walks, as the stages declare it. `graphs` and `fused` need CUDA; `fused` also only bf16 and
-# sm_90a / sm_100a; `megakernel-cpu` stops at batch 64 (its program is built per batch); `expert-parallel` runs as
-# one rank of a process group and is checked on local gloo processes instead of in this process.
+# sm_90a / sm_100a; `megakernel-interp` and `megakernel-cpu` stop at batch 64 (their program is built per batch);
+# `expert-parallel` runs as one rank of a process group and is checked on local gloo processes instead of in this
+# process.
 
 # %%
 display(support_table())

@@ -41,9 +41,15 @@
 batch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 out_dir = "runs/07_scaling_to_nvl72"
 
+
+# %%
+# a bad parameter (papermill -p, or an edit above) stops here with its name, not deep inside a later cell
+from kimik3.notebooks import check_params
+
+check_params(dict(batch_sizes=batch_sizes), "07_scaling_to_nvl72")
+
 # %%
 import json
-from pathlib import Path
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -53,7 +59,7 @@ from plotly.subplots import make_subplots
 import kimik3
 from kimik3.cost import decode_cost, parameter_counts
 from kimik3.hardware import get_hardware
-from kimik3.nbsetup import setup_notebook
+from kimik3.nbsetup import start_notebook
 from kimik3.recorded import load_recorded, resolve_data_path, speed_claims
 from kimik3.scaleout import (
     DEPLOYMENTS,
@@ -71,12 +77,8 @@ from kimik3.scaleout import (
     step_time,
 )
 
-setup_notebook()  # plotly renders with no network: plotly.js embedded once, no CDN
-pd.set_option("display.width", 220)
-pd.set_option("display.max_columns", 30)
-pd.set_option("display.max_colwidth", 60)
-out = Path(out_dir)
-out.mkdir(parents=True, exist_ok=True)
+# plotly renders with no network (plotly.js embedded once, no CDN); figures go to `out`
+out = start_notebook(out_dir, pandas_display={"width": 220, "max_columns": 30, "max_colwidth": 60}).out
 cfg = kimik3.get_preset("kimi-k3")
 T = 8192  # context per sequence (tokens cached incl. the new one)
 COMM = CommModel()

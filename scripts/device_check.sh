@@ -1,32 +1,33 @@
 #!/usr/bin/env bash
-# The GPU device check of issue 5 (kimik3/device_check.py) as the one command for the device tool.
-# It runs on the GPU machine, from the repository root of the copy that travels there, and writes its JSON
-# files into $OUT (8 files at most: 00_provenance ... 05_bench, summary.json, measurements.json).
+# The GPU device check (scripts/device_check.py) as the one command for the device tool. It runs on the GPU
+# machine, from the repository root of the copy that travels there, writes its JSON files into $OUT as it goes
+# (00_provenance ... 05_bench, summary.json, measurements.json) and exits non-zero unless every planned GPU test
+# passed and every benchmark row agreed with naive (summary.json names each failure).
 #
 # 1. Before the call, on a CPU machine with the CuTe DSL (`. .venv/bin/activate`), after any kernel change:
-#      python -m kimik3.device_check --build-prebuilt prebuilt
-#        (every kernel the check needs, ~130 ops as TVM-FFI .so + cubin + PTX, the DSL runtime shipped as
-#         libcute_dsl_runtime.so.xz, and prebuilt/BUILD_INFO.json with the commit: the copy on the GPU machine
-#         may have no .git. `python -m kimik3 kernels build --arch sm_90a --out prebuilt/ --ship-runtime` adds
-#         the registry's variants to the same directory; the check does not need them.)
-#      python -m kimik3.device_check --out /tmp/dc --dry-run --prebuilt prebuilt
-#        (must report 0 missing and 0 stale kernels; it also writes the plan the GPU run will follow)
-#    The GPU image has no apache-tvm-ffi (KINDS.md's package list), which loads the kernels: carry its
-#    Python 3.12 wheel, the version the kernels were built with (prebuilt/ is ignored by .gitignore already):
+#      python scripts/device_check.py --build-prebuilt prebuilt
+#        (every kernel of kimik3/gpu_targets.py: the fused ops and the megakernel variants as TVM-FFI .so + cubin
+#         + PTX, the DSL runtime shipped as libcute_dsl_runtime.so.xz, prebuilt/BUILD_INFO.json with the commit:
+#         the copy on the GPU machine may have no .git)
+#      python scripts/device_check.py --out /tmp/dc --dry-run --prebuilt prebuilt
+#        (the whole plan on the CPU, GPU launches left out: every artefact verified and loaded, the carried size;
+#         it must exit 0)
+#    The GPU image has no apache-tvm-ffi, which loads the kernels: carry its Python 3.12 wheel, the version the
+#    kernels were built with (prebuilt/ is ignored by .gitignore already):
 #      echo /.whl/ >> .git/info/exclude
 #      python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #        -d .whl apache-tvm-ffi==0.1.15.post2
-#      du -sh prebuilt .whl   # the working tree plus both must stay under 64 MiB
-# 2. The call (about 5 minutes of device time; the session has 15, so a rerun fits):
+#    Delete prebuilt/libcute_dsl_runtime.so if a local load unpacked it (the .xz travels); the dry run reports the
+#    carried total (working tree + prebuilt + .whl), which must stay under 64 MiB.
+# 2. The call (about 5 minutes of device time):
 #      run(command="bash scripts/device_check.sh", carry=["prebuilt", ".whl"], timeout_s=420)
-#    Add --quick (about 3 minutes: batch 1 kernels, fewer bench rows) when little device time is left:
-#      run(command="bash scripts/device_check.sh --quick", carry=["prebuilt", ".whl"], timeout_s=300)
-#    then give_back unless rerunning at once.
-# 3. Afterwards: copy $OUT/measurements.json to data/measurements/<date>-h200-issue5.json and mark the rows of
+#    Add --quick (about 3 minutes: batch 1 kernels, fewer bench rows) when little device time is left.
+#    Then give_back unless rerunning at once.
+# 3. Afterwards: copy $OUT/measurements.json to data/measurements/<date>-h200.json and mark the rows of
 #    data/measurements/gpu_outstanding.json that it covers (data/measurements/README.md).
 #
-# kimik3/device_check.py itself installs nothing. This wrapper only unpacks the carried wheel into /tmp/site
+# scripts/device_check.py itself installs nothing. This wrapper only unpacks the carried wheel into /tmp/site
 # and puts it on PYTHONPATH (the device tool's documented way to bring a package), when one was carried.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,4 +37,4 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1
-python3 -m kimik3.device_check --out "$OUT" --prebuilt prebuilt "$@"
+python3 scripts/device_check.py --out "$OUT" --prebuilt prebuilt "$@"

@@ -12,6 +12,18 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 ORACLE_VOCAB = 160
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a whole test module (``pytestmark = pytest.mark.usefixtures("one_thread")``).
+
+    For modules of small tensors and many small ops: a second thread buys nothing there, and idle OpenMP threads
+    spin after each op, competing for CI's two cores with the other job or with a CPU executor's own workers."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _dsv3_config(q_lora: int | None, norm_topk: bool, **kw):
     from transformers import DeepseekV3Config
 

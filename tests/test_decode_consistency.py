@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kimik3
-from kimik3.tolerances import TOL, rel_error
+from kimik3.validation.metric import TOL, rel_error
 
 CPU_PRESETS = ["micro", pytest.param("tiny", marks=pytest.mark.slow),
                pytest.param("k3-deep-tiny", marks=pytest.mark.slow)]

@@ -3,18 +3,35 @@ CUDA, the on-device model initialiser, the budget, and the measurement file it w
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import kimik3
-from kimik3 import device_check as dc
+from kimik3.init import device_model
+from kimik3.provenance import commit_info
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_script():
+    """scripts/device_check.py is a script of the repository, not part of the library: loaded by path."""
+    if "device_check" in sys.modules:
+        return sys.modules["device_check"]
+    spec = importlib.util.spec_from_file_location("device_check", REPO / "scripts" / "device_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["device_check"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+dc = _load_script()
 
 
 def test_dry_run_writes_provenance_and_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -68,10 +85,10 @@ def test_prebuilt_status_flags_stale_kernels(tmp_path: Path) -> None:
 
 def test_commit_comes_from_env_then_build_info(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KIMIK3_COMMIT", "abc123")
-    assert dc._commit(tmp_path)[:2] == ("abc123", "env KIMIK3_COMMIT")
+    assert commit_info(tmp_path)[:2] == ("abc123", "env KIMIK3_COMMIT")
     monkeypatch.delenv("KIMIK3_COMMIT")
     (tmp_path / "BUILD_INFO.json").write_text(json.dumps({"commit": "def456", "dirty": True}))
-    commit, source, dirty = dc._commit(tmp_path)
+    commit, source, dirty = commit_info(tmp_path)
     assert commit == "def456" and source.endswith("BUILD_INFO.json") and dirty is True
 
 
@@ -88,7 +105,7 @@ def test_build_prebuilt_records_the_commit(tmp_path: Path, monkeypatch: pytest.M
 
 def test_device_model_reproduces_from_preset_on_cpu() -> None:
     """The on-device initialiser runs kimik3.init's own rules; with a CPU generator it is from_preset exactly."""
-    a = dc.device_model("micro", seed=3, dtype=torch.bfloat16, device="cpu")
+    a = device_model("micro", seed=3, dtype=torch.bfloat16, device="cpu")
     b = kimik3.from_preset("micro", seed=3, dtype=torch.bfloat16)
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -138,7 +155,7 @@ def test_measurements_file_loads_with_load_recorded(tmp_path: Path) -> None:
 
 
 def test_outstanding_file_is_loadable_and_lists_no_numbers() -> None:
-    """data/measurements/gpu_outstanding.json: a list of what issue 5 still needs from a GPU, no values, and it
+    """data/measurements/gpu_outstanding.json: a list of what is still to be measured on a GPU, no values, and it
     does not break load_recorded (no records)."""
     from kimik3.recorded import load_recorded
 
@@ -154,7 +171,7 @@ def test_wrapper_script_runs_the_documented_command() -> None:
     script = REPO / "scripts" / "device_check.sh"
     text = script.read_text()
     assert os.stat(script).st_mode & stat.S_IXUSR
-    assert "python3 -m kimik3.device_check --out \"$OUT\" --prebuilt" in text
+    assert "python3 scripts/device_check.py --out \"$OUT\" --prebuilt" in text
     assert "--build-prebuilt prebuilt" in text and "carry" in text
 
 

@@ -31,11 +31,13 @@ from kimik3.distributed import (
     shard_experts,
     traffic_model,
 )
-from kimik3.tolerances import TOL, rel_error
+from kimik3.validation.metric import TOL, rel_error
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16
 RUN_TIMEOUT_S = 150  # per multi-process run (spawn + import + decode); the pytest timeout sits above it
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # the single-process reference: see _reference
 
 
 @functools.cache
@@ -43,18 +45,14 @@ def _reference(preset: str | kimik3.ModelConfig, seed: int, prompt: tuple[tuple[
                lengths: tuple[int, ...] | None = None) -> torch.Tensor:
     """Single-process fp32 greedy decode with stage 'naive': logits [steps + 1, B, V] (prefill's first).
 
-    One thread: these small per-token matmuls are far slower with two contending threads on a 2-core runner."""
+    On one thread (the module's ``one_thread`` fixture): these small per-token matmuls are far slower with two
+    contending threads on a 2-core runner."""
     ids = torch.tensor(prompt)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = kimik3.from_preset(preset, seed=seed)
-        dec = kimik3.Decoder(model, "naive", batch_size=ids.shape[0], max_seq_len=ids.shape[1] + steps + 1)
-        out = [dec.prefill(ids, None if lengths is None else list(lengths))]
-        for _ in range(steps):
-            out.append(dec.step(out[-1].argmax(-1)))
-    finally:
-        torch.set_num_threads(threads)
+    model = kimik3.from_preset(preset, seed=seed)
+    dec = kimik3.Decoder(model, "naive", batch_size=ids.shape[0], max_seq_len=ids.shape[1] + steps + 1)
+    out = [dec.prefill(ids, None if lengths is None else list(lengths))]
+    for _ in range(steps):
+        out.append(dec.step(out[-1].argmax(-1)))
     return torch.stack(out)
 
 

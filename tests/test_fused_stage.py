@@ -7,7 +7,7 @@ its PyTorch reference — matches naive (bf16 teacher-forced, and with MXFP4 exp
 
 On a GPU (skipped here with "no CUDA device"): the real kernels against naive with ``compare_to_reference``,
 tiny and k3-shard, batch 1 / 8 / 64, bf16 teacher-forced; MXFP4 experts; determinism. Kernels come from the JIT
-when the CuTe DSL is installed, else from ``$KIMIK3_PREBUILT`` (``python -m kimik3.device_check``).
+when the CuTe DSL is installed, else from ``$KIMIK3_PREBUILT`` (``scripts/device_check.py --build-prebuilt``).
 ``KIMIK3_QUICK=1`` drops batch 64.
 """
 
@@ -21,30 +21,33 @@ from pathlib import Path
 
 import pytest
 import torch
+from kimik3.kernels.meta import (
+    ARG_ORDER,
+    attn_res_threads,
+    head_routing,
+    kda_head_dim_ok,
+    mla_default_splits,
+    mla_head_layout,
+)
 
 import kimik3
 from kimik3.config import get_preset
+from kimik3.gpu_targets import fused_cases
 from kimik3.init import build_model
+from kimik3.quant import mxfp4_quantize as mxfp4_pack
 from kimik3.stages.fused import (
-    ARG_ORDER,
     FAMILY_MODULES,
     FusedStage,
     FusedStep,
     ReferenceRunner,
     _find_prebuilt,
     _prebuilt_cache_len,
-    attn_res_threads,
     fused_ops,
-    head_routing,
-    kda_head_dim_ok,
     load_kernels,
-    mla_default_splits,
-    mla_head_layout,
-    mxfp4_pack,
     plan_errors,
 )
-from kimik3.tolerances import TOL, rel_error
 from kimik3.validation import bf16_pair, mixed_lengths
+from kimik3.validation.metric import TOL, rel_error
 
 CUDA = torch.cuda.is_available()
 QUICK = os.environ.get("KIMIK3_QUICK") == "1"
@@ -358,7 +361,7 @@ def test_composition_mxfp4_matches_dequantised_model(small_pair):
 # ====================================================================== on a GPU
 
 gpu = pytest.mark.skipif(not CUDA, reason="no CUDA device")
-GPU_CASES = [(p, b) for p in ("tiny", "k3-shard") for b in (1, 8, 64)]
+GPU_CASES = fused_cases("bf16")  # exactly the exported targets (kimik3.gpu_targets): the loader refuses others
 
 
 class _GpuPairs:
@@ -369,7 +372,7 @@ class _GpuPairs:
         self.cache: dict[str, tuple] = {}
 
     def __call__(self, preset: str) -> tuple:
-        from kimik3.device_check import device_model
+        from kimik3.init import device_model
 
         if preset not in self.cache:
             self.evict()
@@ -415,7 +418,7 @@ def test_fused_matches_naive_on_gpu(gpu_pairs, preset, batch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("preset,batch", [("k3-shard", 1), ("tiny", 8)])
+@pytest.mark.parametrize("preset,batch", fused_cases("mxfp4"))
 def test_fused_mxfp4_matches_dequantised_naive_on_gpu(gpu_pairs, preset, batch):
     from kimik3.validation import compare_to_reference
 

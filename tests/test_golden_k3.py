@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import kimik3
-from kimik3.tolerances import TOL, rel_error
+from kimik3.validation.metric import TOL, rel_error
 
 # Inside the repository, so a lone clone runs this test (see the fixture's README for its provenance).
 GOLDEN = Path(__file__).resolve().parent / "fixtures" / "k3-release-tiny"

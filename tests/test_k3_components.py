@@ -14,7 +14,7 @@ import torch
 import kimik3
 from kimik3.checkpoint import E2M1_VALUES, mxfp4_dequantize, mxfp4_quantize
 from kimik3.model import attn_res_mix, kda_recurrent_step, rms_norm, route, situ_glu
-from kimik3.tolerances import TOL, rel_error
+from kimik3.validation.metric import TOL, rel_error
 
 G = torch.Generator().manual_seed(0)
 

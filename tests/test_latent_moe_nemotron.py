@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kimik3
-from kimik3.tolerances import TOL, rel_error
+from kimik3.validation.metric import TOL, rel_error
 
 pytest.importorskip("transformers")
 

@@ -2,9 +2,9 @@
 the synchronisation the design relies on; the host side (static shapes, device contract, prebuilt export, launch
 signature) is checked on the CPU.
 
-Cold cost on 2 cores: tiny B=1 for sm_90a and sm_100a (~11 s each), k3-shard B=8 for sm_90a (~30 s), micro B=1
-exported through the prebuilt path with TVM-FFI (~15 s); artefacts are cached by source hash (``build.py``), so a
-second run only re-exports micro. The full matrix (every preset x batch x arch) is marked slow.
+Compiling is the cost, so by default only tiny B=1 for sm_90a and sm_100a, k3-shard B=8 for sm_90a, and micro B=1
+exported through the prebuilt path with TVM-FFI; artefacts are cached by source hash (``build.py``), so a second
+run only re-exports micro. The full matrix (every preset x batch x arch) is marked slow.
 """
 
 from __future__ import annotations

@@ -24,13 +24,7 @@ from kimik3.megakernel.instructions import Counter, Kind, Mode, Op, Program, enc
 from kimik3.megakernel.interpreter import CPUInterpreter, DeadlockError
 from kimik3.megakernel.scheduler import POLICIES, build_program
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors: see tests/conftest.py
 
 
 def _with(p: Program, i: int, **changes) -> Program:

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import kimik3
-import kimik3.megakernel.interpreter  # noqa: F401  (registers stage "megakernel-cpu")
+import kimik3.megakernel.interpreter  # noqa: F401  (registers stage "megakernel-interp")
 from kimik3.megakernel.scheduler import POLICIES
-from kimik3.tolerances import TOL, rel_error
+from kimik3.validation.metric import TOL, rel_error
 
 STEPS = 32
 SEEDS = 20
@@ -35,13 +35,7 @@ NUM_SMS = 4
 BATCHES = (1, 4, 33)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: one thread avoids spin-waiting against other jobs on a 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors: see tests/conftest.py
 
 
 def _lengths(B: int) -> list[int]:
@@ -69,7 +63,7 @@ def run_case(preset: str, B: int, policy: str, seeds: int, replay: tuple[tuple[i
     """Seed 0 decodes STEPS steps against naive; seeds 1.. replay the (start, count) windows of ``replay``
     from seed 0's state at ``start`` and must reproduce seed 0 bitwise (and naive within tolerance)."""
     model, ids, lengths, fed, ref = reference(preset, B)
-    dec = kimik3.Decoder(model, "megakernel-cpu", batch_size=B, max_seq_len=max(lengths) + STEPS + 1,
+    dec = kimik3.Decoder(model, "megakernel-interp", batch_size=B, max_seq_len=max(lengths) + STEPS + 1,
                          policy=policy, num_sms=NUM_SMS, seed=0)
     dec.prefill(ids, lengths)
     stage = dec.stage
@@ -115,7 +109,7 @@ def test_decoder_generate_matches_naive():
     ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(7))
     want = kimik3.Decoder(model, "naive", batch_size=2, max_seq_len=20).generate(ids, max_new_tokens=10,
                                                                                  lengths=[6, 3])
-    got = kimik3.Decoder(model, "megakernel-cpu", batch_size=2, max_seq_len=20, num_sms=3,
+    got = kimik3.Decoder(model, "megakernel-interp", batch_size=2, max_seq_len=20, num_sms=3,
                          policy="round_robin").generate(ids, max_new_tokens=10, lengths=[6, 3])
     assert torch.equal(got, want)
 
@@ -123,16 +117,16 @@ def test_decoder_generate_matches_naive():
 def test_stage_refuses_what_it_does_not_support():
     model = kimik3.from_preset("micro", seed=0)
     with pytest.raises(ValueError, match="batch sizes"):
-        kimik3.Decoder(model, "megakernel-cpu", batch_size=65, max_seq_len=8)
+        kimik3.Decoder(model, "megakernel-interp", batch_size=65, max_seq_len=8)
     with pytest.raises(ValueError, match="unknown policy"):
-        kimik3.Decoder(model, "megakernel-cpu", batch_size=1, max_seq_len=8, policy="fastest")
+        kimik3.Decoder(model, "megakernel-interp", batch_size=1, max_seq_len=8, policy="fastest")
 
 
 def test_interpreter_keeps_state_in_the_shared_decode_state():
     """The program updates the model's own DecodeState in place (KDA S and conv, MLA cache), so prefill through
     naive and decode through the program continue one another."""
     model, ids, lengths, fed, ref = reference("micro", 4)
-    dec = kimik3.Decoder(model, "megakernel-cpu", batch_size=4, max_seq_len=max(lengths) + STEPS + 1,
+    dec = kimik3.Decoder(model, "megakernel-interp", batch_size=4, max_seq_len=max(lengths) + STEPS + 1,
                          num_sms=NUM_SMS)
     dec.prefill(ids, lengths)
     st = dec.stage.naive.state

@@ -28,17 +28,11 @@ from kimik3.megakernel.instructions import (
     encoding_table,
     instruction_set_table,
 )
-from kimik3.megakernel.scheduler import POLICIES, Tiling, build_program, build_step, instruction_costs
+from kimik3.megakernel.scheduler import POLICIES, build_program, instruction_costs
+from kimik3.megakernel.step import Tiling, build_step
 from kimik3.megakernel.timeline import from_timings, gantt, makespan_ns, simulate, summary
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: one thread avoids spin-waiting against other jobs on a 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors: see tests/conftest.py
 
 
 def _copy(p: Program, **changes) -> Program:

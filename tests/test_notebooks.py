@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from kimik3.nbsetup import cdn_references
 from kimik3.notebooks import CI, list_notebooks, run_notebook
 
 NOTEBOOKS = list_notebooks()
@@ -27,3 +28,4 @@ def test_notebook_executes(nb, tmp_path):
     errors = [o for c in data["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
     assert any((tmp_path / nb.stem).glob("*.html")), f"{nb.name} wrote no figure"
+    assert cdn_references(out.read_text()) == [], f"{nb.name}: an executed output loads from the network"

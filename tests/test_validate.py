@@ -19,9 +19,11 @@ from kimik3.stages import STAGES
 from kimik3.stages.absorbed import AbsorbedStage
 from kimik3.stages.base import StageSupport
 from kimik3.stages.naive import NaiveStage
-from kimik3.validate import (
+from kimik3.validation import (
     CELL_COLUMNS,
     ValidationConfig,
+    bf16_pair,
+    compare_to_reference,
     compare_with_trace,
     drift_with_depth,
     hazard_table,
@@ -30,7 +32,6 @@ from kimik3.validate import (
     run_validation,
     support_refusal,
 )
-from kimik3.validation import bf16_pair, compare_to_reference
 
 # ---------------------------------------------------------------- fake stages (registered per test)
 
@@ -150,7 +151,7 @@ def test_validate_quick_cli(tmp_path):
     acc = t[t["check"] == "accuracy"]
     assert set(acc["preset"]) == {"micro"}
     ran = acc[acc["status"] != "not-run"]
-    for stage in ("naive", "absorbed", "compiled", "megakernel-cpu"):
+    for stage in ("naive", "absorbed", "compiled", "megakernel-interp", "megakernel-cpu"):
         for dtype in ("float32", "bfloat16"):
             got = ran[(ran["stage"] == stage) & (ran["dtype"] == dtype)]
             assert sorted({int(b) for b in got["batch"]}) == [1, 2, 8, 33, 64], (stage, dtype)

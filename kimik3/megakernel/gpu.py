@@ -15,8 +15,9 @@ Refusals are ``ValueError`` with the reason, never a fallback: not on a CUDA dev
 device contract. A tripped watchdog raises :class:`MegakernelError` naming the instruction and the counter it
 waited on; the stage then refuses further steps until ``reset()``.
 
-Status: the host side (program, contract check, static shapes) is tested on a CPU; the launch itself has **not run
-on a GPU yet** (``tests/test_megakernel_gpu.py`` skips without one).
+The host side (program, contract check, static shapes) is tested on a CPU; the launch itself is checked by
+``tests/test_megakernel_gpu.py``, which needs a GPU (what is still to be measured on one is listed in
+``data/measurements/gpu_outstanding.json``).
 
 Registering the stage (the lazy table in ``kimik3/stages/__init__.py``)::
 
@@ -33,10 +34,32 @@ import pandas as pd
 import torch
 
 from kimik3.config import ModelConfig, get_preset
+from kimik3.kernel_loader import (
+    default_prebuilt_dir,
+    dsl_available,
+    jit_compiled,
+    load_prebuilt_kernel,
+    norm_shapes,
+)
+from kimik3.kernels.meta import SUPPORTED_ARCHS as ARCHS  # the architectures kernels are built for
 from kimik3.megakernel.hazards import check_program, format_violations
-from kimik3.megakernel.instructions import Kind, Op, Program, encode_program
+from kimik3.megakernel.instructions import (
+    CTA_THREADS,
+    CTL_WORDS,
+    ERR_BAD_PROGRAM,
+    ERR_WATCHDOG,
+    ERROR_WORDS,
+    FFN_LATENT_NORM,
+    FFN_MLP,
+    FFN_ROUTED,
+    Kind,
+    Op,
+    Program,
+    encode_program,
+)
 from kimik3.megakernel.layout import check_supported, pack_weights, state_views, weight_view
-from kimik3.megakernel.scheduler import FFN_LATENT_NORM, FFN_MLP, FFN_ROUTED, POLICIES, Tiling, build_program
+from kimik3.megakernel.scheduler import POLICIES, build_program
+from kimik3.megakernel.step import Tiling
 from kimik3.megakernel.timeline import from_timings
 from kimik3.model import DecodeState, KDAState, KimiForCausalLM
 from kimik3.stages import register_stage
@@ -55,6 +78,8 @@ __all__ = [
     "static_shapes",
     "check_device_contract",
     "variant_name",
+    "ERR_WATCHDOG",
+    "ERR_BAD_PROGRAM",
 ]
 
 # Static capacities of the kernel's parameters (every tensor parameter has a static shape, so it is a single
@@ -64,13 +89,11 @@ PROG_WORDS = 1 << 22  # 16 MiB of int32 program (tiny at B = 64 on 132 SMs: 0.9 
 MAX_INSTR = 1 << 15  # timing rows
 MAX_BUFS = 1 << 12  # buffer-table entries
 MAX_CTRS = 1 << 12
-ARCHS = ("sm_90a", "sm_100a")
 _ARCH_OF_CC = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 DEFAULT_SPINS = 1 << 22  # watchdog: spins before a wait gives up (x ~sleep_ns each: about 0.5 s at 64 ns)
 DEFAULT_SLEEP_NS = 64
-ERROR_WORDS, CTL_WORDS = 8, 8
-ERR_WATCHDOG, ERR_BAD_PROGRAM = 1, 2
-BT_MAX = 4  # as kernels/megakernel.py (batch rows per GEMV pass)
+# ERROR_WORDS, CTL_WORDS, ERR_WATCHDOG, ERR_BAD_PROGRAM: the launch's error / control words, defined with the
+# program encoding in kernels/isa.py (the device code reads the same definitions)
 
 
 def static_shapes(cfg: ModelConfig | str, batch: int, prog_words: int = PROG_WORDS, max_instr: int = MAX_INSTR,
@@ -150,8 +173,8 @@ def check_device_contract(program: Program, cfg: ModelConfig, batch: int, shapes
         out.append(f"program built for batch {program.batch}, kernel for {batch}")
     if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
         out.append("grouped routing (n_group > 1) is not implemented in the megakernel's ROUTER")
-    if cfg.kda_layers and cfg.kda_head_dim > 384:
-        out.append(f"KDA head dim {cfg.kda_head_dim} > 384 threads per CTA")
+    if cfg.kda_layers and cfg.kda_head_dim > CTA_THREADS:
+        out.append(f"KDA head dim {cfg.kda_head_dim} > {CTA_THREADS} threads per CTA")
     n = len(program.instructions)
     words = encode_program(program).numel()
     caps = [("program words", words, shapes["prog_words"]), ("instructions", n, shapes["max_instr"]),
@@ -203,9 +226,6 @@ class MegakernelError(RuntimeError):
         self.code, self.instruction, self.counter, self.target, self.seen, self.cta, self.sm, self.step = words
 
 
-_COMPILED: dict[tuple, Any] = {}  # (arch, shapes) -> compiled TVM-FFI function, per process
-
-
 def _device_arch(device: torch.device) -> str:
     cc = torch.cuda.get_device_capability(device)
     if cc not in _ARCH_OF_CC:
@@ -216,30 +236,27 @@ def _device_arch(device: torch.device) -> str:
 def _compile(arch: str, shapes: dict[str, Any], prebuilt: str | None, name: str) -> Any:
     """The kernel as a TVM-FFI callable: a verified prebuilt artefact when ``prebuilt`` is given (shapes and source
     hash must match), else compiled in-process with the DSL (cached per process)."""
-    if prebuilt is None:
-        from kimik3.stages.fused import default_prebuilt_dir, dsl_available
-
-        if not dsl_available():  # the GPU image has no DSL compiler: the prebuilt directory is the way in
-            found = default_prebuilt_dir()
-            if found is None:
-                raise ValueError("the megakernel needs nvidia-cutlass-dsl to compile, or a prebuilt export: "
-                                 "`python -m kimik3 kernels build --family megakernel --preset <preset> --batch <B> "
-                                 "--arch sm_90a --out prebuilt --ship-runtime` on a machine with the DSL, then "
-                                 "set $KIMIK3_PREBUILT or pass prebuilt=DIR")
-            prebuilt = str(found)
+    # a GPU image usually has no DSL compiler: then the prebuilt directory is the way in
+    if prebuilt is None and not dsl_available():
+        found = default_prebuilt_dir()
+        if found is None:
+            raise ValueError("the megakernel needs nvidia-cutlass-dsl to compile, or a prebuilt export: "
+                             "`python -m kimik3 kernels build --family megakernel --preset <preset> --batch <B> "
+                             "--arch sm_90a --out prebuilt --ship-runtime` on a machine with the DSL, then "
+                             "set $KIMIK3_PREBUILT or pass prebuilt=DIR")
+        prebuilt = str(found)
     if prebuilt is not None:
-        from kimik3.kernels.prebuilt import load_prebuilt
+        return load_prebuilt_kernel(prebuilt, name, arch, shapes)  # ValueError naming what does not match
 
-        return load_prebuilt(prebuilt, name, arch=arch, shapes=shapes)  # ValueError naming what does not match
-    key = (arch, tuple(sorted(shapes.items())))
-    if key not in _COMPILED:
+    def compile_megakernel() -> Any:
         try:
             from kimik3.kernels import megakernel as mk
         except ImportError as e:
             raise ValueError("the megakernel needs nvidia-cutlass-dsl to compile (or pass prebuilt=DIR with an "
                              f"exported kernel): {e}") from None
-        _COMPILED[key] = mk.compile_for(arch, tvm_ffi=True, **shapes)
-    return _COMPILED[key]
+        return mk.compile_for(arch, tvm_ffi=True, **shapes)
+
+    return jit_compiled((arch, "megakernel", "megakernel", norm_shapes(shapes)), compile_megakernel)
 
 
 @dataclass
@@ -432,7 +449,9 @@ class MegakernelStage(Stage):
         self.runner = MegakernelRunner(model, batch_size, max_seq_len, num_sms, policy, tiling, check,
                                        max_spins=max_spins, sleep_ns=sleep_ns, prebuilt=prebuilt)
         self.program = self.runner.program
-        self.naive = NaiveStage(model, batch_size, max_seq_len)
+        # the prompt through the model's chunked forward (as stage fused does): a long prompt token by token would
+        # cost a naive step per token, only decode steps run on the kernel
+        self.naive = NaiveStage(model, batch_size, max_seq_len, prefill="chunked")
 
     def reset(self) -> None:
         self.naive.reset()
@@ -441,7 +460,7 @@ class MegakernelStage(Stage):
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        logits = self.naive.prefill(input_ids, lengths)  # token by token through the reference path
+        logits = self.naive.prefill(input_ids, lengths)  # the reference path, chunked
         self.runner.bind_state(self.naive.state)  # prefill re-allocates the state: new addresses
         self.runner.reset_counters()
         return logits

@@ -10,7 +10,11 @@ the counter reaches a target. This module defines
 * the declarations every instruction carries (:class:`Operand`): which buffer, which element box, read or write,
   and whether it may be *prefetched* before the instruction's waits (only static weights may);
 * the program container (:class:`Program`) and its fixed-width int32 encoding (:func:`encode_program`,
-  :func:`decode_program`), which is what the CPU interpreter executes and what the CuTe DSL kernel will read.
+  :func:`decode_program`), which is what the CPU interpreter executes and what the CuTe DSL kernel reads.
+
+The numbers of that encoding — opcodes, modes, buffer kinds, dtype codes, word offsets, argument flags — are
+defined once, in ``kernels/isa.py`` (standard library only), and re-exported here; the device code
+(``kernels/megakernel.py``) imports the same module, so host and kernel cannot disagree on the layout.
 
 Everything the hazard checker proves is proved from these declarations alone, so they must be complete: an
 instruction touches nothing it does not declare (the CPU interpreter enforces this by handing each instruction
@@ -31,12 +35,85 @@ so the launch boundary orders a step's accesses after the previous step's.
 
 from __future__ import annotations
 
-import enum
 import inspect
 from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
+
+# the encoding contract lives beside the device code that reads it
+from kimik3.kernels.isa import (
+    BUFFER_WORDS,
+    BW_D0,
+    BW_D1,
+    BW_D2,
+    BW_DTYPE,
+    BW_KIND,
+    BW_NAME_LEN,
+    BW_NAME_OFF,
+    COUNTER_WORDS,
+    CTA_THREADS,
+    CTL_WORDS,
+    CW_NAME_LEN,
+    CW_NAME_OFF,
+    CW_TOTAL,
+    DTYPE_CODES,
+    ERR_BAD_PROGRAM,
+    ERR_WATCHDOG,
+    ERROR_WORDS,
+    FFN_LATENT_NORM,
+    FFN_MLP,
+    FFN_ROUTED,
+    H_BATCH,
+    H_C,
+    H_HEADER_WORDS,
+    H_INSTR_WORDS,
+    H_LAYERS,
+    H_MAGIC,
+    H_MAX_OPERANDS,
+    H_MAX_SEQ,
+    H_MAX_WAITS,
+    H_N,
+    H_NB,
+    H_NSTR,
+    H_OFF_BUF,
+    H_OFF_CTR,
+    H_OFF_INS,
+    H_OFF_Q,
+    H_OFF_STR,
+    H_POLICY,
+    H_Q,
+    H_S,
+    H_TOTAL,
+    H_VERSION,
+    HEADER_WORDS,
+    INSTR_WORDS,
+    MAGIC,
+    MAX_OPERANDS,
+    MAX_WAITS,
+    OPERAND_WORDS,
+    OW_BOX,
+    OW_BUF,
+    OW_MODE,
+    POLICIES,
+    VERSION,
+    W_AMOUNT,
+    W_ARGS,
+    W_LAYER,
+    W_NOPS,
+    W_NWAITS,
+    W_OP,
+    W_OPS,
+    W_QPOS,
+    W_SIGNAL,
+    W_SM,
+    W_WAITS,
+    Kind,
+    Mode,
+    NormRole,
+    Op,
+    Site,
+)
 
 __all__ = [
     "Op",
@@ -58,91 +135,19 @@ __all__ = [
     "INSTR_WORDS",
     "MAGIC",
     "VERSION",
+    "FFN_ROUTED",
+    "FFN_MLP",
+    "FFN_LATENT_NORM",
+    "ERROR_WORDS",
+    "CTL_WORDS",
+    "ERR_WATCHDOG",
+    "ERR_BAD_PROGRAM",
+    "CTA_THREADS",
 ]
 
-
-class Op(enum.IntEnum):
-    """Opcodes. The number is what the int32 program stores in word 0 of an instruction."""
-
-    NOP = 0
-    EMBED = 1  # batch tile: stream[b, 0] = Emb[ids[b]]
-    ATTN_RES_MIX = 2  # batch tile of one AttnRes site: softmax-over-depth mix of stream entries -> mix
-    NORM_PROJ = 3  # RMSNorm(x) and a tile of output rows of one projection (KDA/MLA input, router, latent down)
-    MLP_GATE_UP = 4  # RMSNorm(x), a tile of gate and up rows, SiTU -> shared-expert / dense-MLP hidden
-    KDA_STEP = 5  # head tile: short conv, l2norm, decay gate, delta-rule state update, gated RMSNorm
-    MLA_Q = 6  # head tile: q LoRA norm, q_b rows, absorb W_UK -> latent-space queries
-    MLA_KV_APPEND = 7  # normalised latent + shared key of the new token -> compressed cache at its position
-    MLA_PARTIAL = 8  # absorbed attention over one context split for a head tile -> (o, max, sum) partials
-    MLA_REDUCE = 9  # head tile: merge the splits, absorb W_UV, output gate
-    O_PROJ_RESIDUAL = 10  # column tile of o_proj, added into (or starting) the block's partial sum
-    ROUTER = 11  # sigmoid scores + bias, top-k, renormalise; compact the distinct experts into slots
-    EXPERT_GATE_UP = 12  # (slot, row) tile of the chosen experts' w1/w3 + SiTU
-    EXPERT_DOWN = 13  # row tile of w2 over every chosen expert, fp32 weighted combine -> latent sum
-    FFN_OUT = 14  # column tile: latent norm + up-proj (LATENT_NORM_UP), shared/dense down-proj, residual add
-    LM_HEAD = 15  # final RMSNorm + a tile of vocabulary rows -> fp32 logits and the tile's (max, argmax)
-    ARGMAX = 16  # reduce the per-tile (max, argmax) pairs -> next greedy token
-
-
-class Kind(enum.IntEnum):
-    """What a buffer is; decides what the hazard checker allows."""
-
-    INPUT = 1  # written by the host before the launch (token ids, positions); read-only inside a step
-    WEIGHT = 2  # static for the whole run: the only kind that may be prefetched before a wait
-    ACT = 3  # per-step scratch activations
-    STATE = 4  # carried across steps (KDA state and conv history, MLA cache)
-    OUTPUT = 5  # written inside the step, read by the host afterwards (logits, next token)
-
-
-class Mode(enum.IntFlag):
-    READ = 1
-    WRITE = 2
-    READ_WRITE = 3
-    PREFETCH = 4  # with READ: the read may be issued before the instruction's waits are satisfied
-
-
-class NormRole(enum.IntEnum):
-    """NORM_PROJ / MLP_GATE_UP arg 1: which projection a tile belongs to (for labels and cost attribution)."""
-
-    KDA_IN = 0
-    MLA_IN = 1
-    ROUTER = 2
-    LATENT_DOWN = 3
-    SHARED = 4
-    DENSE = 5
-
-
-class Site(enum.IntEnum):
-    """ATTN_RES_MIX arg 0."""
-
-    ATTN = 0
-    MLP = 1
-    OUTPUT = 2
-
-
-# ---------------------------------------------------------------------------------------------------- encoding
-
-MAGIC = 0x4B334D4B  # "K3MK"
-VERSION = 1
-HEADER_WORDS = 32
-MAX_WAITS = 4
-MAX_OPERANDS = 12
-OPERAND_WORDS = 8  # buffer, mode, b0, b1, r0, r1, c0, c1
-INSTR_WORDS = 128
-BUFFER_WORDS = 8  # kind, dtype, d0, d1, d2, name offset, name length, 0
-COUNTER_WORDS = 4  # total, name offset, name length, 0
-# word offsets inside one instruction row
-W_OP, W_LAYER, W_SM, W_QPOS = 0, 1, 2, 3
-W_ARGS = 4  # 4 words
-W_SIGNAL, W_AMOUNT, W_NWAITS = 8, 9, 10
-W_WAITS = 11  # MAX_WAITS x (counter, target)
-W_NOPS = W_WAITS + 2 * MAX_WAITS  # 19
-W_OPS = W_NOPS + 1  # 20 .. 20 + 12*8 = 116; words 116..127 reserved (zero)
-assert W_OPS + MAX_OPERANDS * OPERAND_WORDS <= INSTR_WORDS
-
-POLICIES = ("round_robin", "critical_path", "custom")
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int64: 3, torch.int32: 4, torch.bool: 5,
-           torch.float64: 6}
+# The opcodes, modes, kinds, word offsets and dtype codes are defined once, in ``kernels/isa.py`` (imported above
+# and re-exported): the persistent kernel reads the same file, so the two sides cannot drift apart.
+_DTYPES = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
 _DTYPE_OF = {v: k for k, v in _DTYPES.items()}
 
 
@@ -338,19 +343,32 @@ def encode_program(p: Program) -> torch.Tensor:
     off_str = off_q + S * Q
     total = off_str + len(words)
     t = torch.zeros(total, dtype=torch.int32)
-    hdr = [MAGIC, VERSION, HEADER_WORDS, N, INSTR_WORDS, S, Q, C, NB, p.batch, p.max_seq_len, p.num_layers,
-           POLICIES.index(p.policy), off_buf, off_ctr, off_ins, off_q, off_str, len(words), total, MAX_WAITS,
-           MAX_OPERANDS]
-    t[: len(hdr)] = torch.tensor(hdr, dtype=torch.int64).to(torch.int32)
+    hdr = [0] * HEADER_WORDS
+    hdr[H_MAGIC], hdr[H_VERSION], hdr[H_HEADER_WORDS], hdr[H_N], hdr[H_INSTR_WORDS] = (MAGIC, VERSION, HEADER_WORDS,
+                                                                                      N, INSTR_WORDS)
+    hdr[H_S], hdr[H_Q], hdr[H_C], hdr[H_NB] = S, Q, C, NB
+    hdr[H_BATCH], hdr[H_MAX_SEQ], hdr[H_LAYERS], hdr[H_POLICY] = (p.batch, p.max_seq_len, p.num_layers,
+                                                                  POLICIES.index(p.policy))
+    hdr[H_OFF_BUF], hdr[H_OFF_CTR], hdr[H_OFF_INS], hdr[H_OFF_Q], hdr[H_OFF_STR] = off_buf, off_ctr, off_ins, off_q, \
+        off_str
+    hdr[H_NSTR], hdr[H_TOTAL], hdr[H_MAX_WAITS], hdr[H_MAX_OPERANDS] = len(words), total, MAX_WAITS, MAX_OPERANDS
+    t[:HEADER_WORDS] = torch.tensor(hdr, dtype=torch.int64).to(torch.int32)
     if NB:
         bt = torch.zeros(NB, BUFFER_WORDS, dtype=torch.int32)
         for i, b in enumerate(p.buffers):
-            bt[i] = torch.tensor([int(b.kind), _dtype_code(b.dtype), *b.shape, *where[i], 0])
+            row = [0] * BUFFER_WORDS
+            row[BW_KIND], row[BW_DTYPE] = int(b.kind), _dtype_code(b.dtype)
+            row[BW_D0], row[BW_D1], row[BW_D2] = b.shape
+            row[BW_NAME_OFF], row[BW_NAME_LEN] = where[i]
+            bt[i] = torch.tensor(row)
         t[off_buf:off_ctr] = bt.flatten()
     if C:
         ct = torch.zeros(C, COUNTER_WORDS, dtype=torch.int32)
         for i, c in enumerate(p.counters):
-            ct[i] = torch.tensor([c.total, *where[NB + i], 0])
+            row = [0] * COUNTER_WORDS
+            row[CW_TOTAL] = c.total
+            row[CW_NAME_OFF], row[CW_NAME_LEN] = where[NB + i]
+            ct[i] = torch.tensor(row)
         t[off_ctr:off_ins] = ct.flatten()
     rows = []
     for i, ins in enumerate(p.instructions):
@@ -367,7 +385,8 @@ def encode_program(p: Program) -> torch.Tensor:
         r[W_NOPS] = len(ins.operands)
         for j, o in enumerate(ins.operands):
             base = W_OPS + OPERAND_WORDS * j
-            r[base : base + OPERAND_WORDS] = [o.buf, int(o.mode), *o.box]
+            r[base + OW_BUF], r[base + OW_MODE] = o.buf, int(o.mode)
+            r[base + OW_BOX : base + OW_BOX + 6] = o.box
         rows.append(r)
     if N:
         t[off_ins:off_q] = torch.tensor(rows, dtype=torch.int32).flatten()
@@ -386,11 +405,12 @@ def decode_program(t: torch.Tensor) -> Program:
     if t.dtype != torch.int32 or t.dim() != 1:
         raise ValueError(f"a program is a 1-D int32 tensor, got {t.dtype} {list(t.shape)}")
     h = t[:HEADER_WORDS].tolist()
-    if h[0] != MAGIC or h[1] != VERSION:
-        raise ValueError(f"not a megakernel program (magic {h[0]:#x}, version {h[1]})")
-    N, W, S, Q, C, NB = h[3], h[4], h[5], h[6], h[7], h[8]
-    batch, max_len, layers, policy = h[9], h[10], h[11], POLICIES[h[12]]
-    off_buf, off_ctr, off_ins, off_q, off_str, nstr, total = h[13:20]
+    if h[H_MAGIC] != MAGIC or h[H_VERSION] != VERSION:
+        raise ValueError(f"not a megakernel program (magic {h[H_MAGIC]:#x}, version {h[H_VERSION]})")
+    N, W, S, Q, C, NB = h[H_N], h[H_INSTR_WORDS], h[H_S], h[H_Q], h[H_C], h[H_NB]
+    batch, max_len, layers, policy = h[H_BATCH], h[H_MAX_SEQ], h[H_LAYERS], POLICIES[h[H_POLICY]]
+    off_buf, off_ctr, off_ins, off_q, off_str = h[H_OFF_BUF], h[H_OFF_CTR], h[H_OFF_INS], h[H_OFF_Q], h[H_OFF_STR]
+    nstr, total = h[H_NSTR], h[H_TOTAL]
     if W != INSTR_WORDS or total != t.numel():
         raise ValueError(f"program width {W} / length {total} do not match (expected {INSTR_WORDS} / {t.numel()})")
     blob = t[off_str : off_str + nstr].numpy().tobytes()
@@ -399,17 +419,17 @@ def decode_program(t: torch.Tensor) -> Program:
         return blob[o : o + n].decode()
 
     bt = t[off_buf:off_ctr].view(NB, BUFFER_WORDS).tolist() if NB else []
-    buffers = [BufferSpec(string(r[5], r[6]), Kind(r[0]), (r[2], r[3], r[4]), _DTYPE_OF[r[1]]) for r in bt]
+    buffers = [BufferSpec(string(r[BW_NAME_OFF], r[BW_NAME_LEN]), Kind(r[BW_KIND]), (r[BW_D0], r[BW_D1], r[BW_D2]),
+                          _DTYPE_OF[r[BW_DTYPE]]) for r in bt]
     ct = t[off_ctr:off_ins].view(C, COUNTER_WORDS).tolist() if C else []
-    counters = [Counter(string(r[1], r[2]), r[0]) for r in ct]
+    counters = [Counter(string(r[CW_NAME_OFF], r[CW_NAME_LEN]), r[CW_TOTAL]) for r in ct]
     instructions = []
     for r in t[off_ins:off_q].view(N, INSTR_WORDS).tolist() if N else []:
         waits = tuple((r[W_WAITS + 2 * j], r[W_WAITS + 2 * j + 1]) for j in range(r[W_NWAITS]))
         ops = []
         for j in range(r[W_NOPS]):
             base = W_OPS + OPERAND_WORDS * j
-            w = r[base : base + OPERAND_WORDS]
-            ops.append(Operand(w[0], w[1], tuple(w[2:8])))
+            ops.append(Operand(r[base + OW_BUF], r[base + OW_MODE], tuple(r[base + OW_BOX : base + OW_BOX + 6])))
         instructions.append(Instruction(Op(r[W_OP]), r[W_LAYER], tuple(r[W_ARGS : W_ARGS + 4]), tuple(ops), waits,
                                         r[W_SIGNAL], r[W_AMOUNT], r[W_SM], r[W_QPOS]))
     queues = [[i for i in row if i >= 0] for row in t[off_q:off_str].view(S, Q).tolist()] if S * Q else \
@@ -474,25 +494,31 @@ def instruction_set_table() -> pd.DataFrame:
 
 
 def encoding_table() -> pd.DataFrame:
-    """The int32 layout, section by section and word by word."""
+    """The int32 layout, section by section and word by word (rendered from the constants of ``kernels/isa.py``)."""
+    kinds = ", ".join(f"{int(k)} {k.name.lower()}" for k in Kind)
+    dtypes = ", ".join(f"{c} {n}" for n, c in DTYPE_CODES.items())
+    ops_end = W_OPS + MAX_OPERANDS * OPERAND_WORDS
     rows = [
-        ("header", "0..31", "magic 0x4B334D4B, version, header words, #instructions N, words/instruction (128), "
-                            "#SMs S, max queue length Q, #counters C, #buffers NB, batch, max_seq_len, layers, "
-                            "policy, section offsets (buffers, counters, instructions, queues, strings), string "
-                            "words, total words, MAX_WAITS, MAX_OPERANDS"),
-        ("buffers", "NB x 8", "kind (1 input, 2 weight, 3 act, 4 state, 5 output), dtype (0 f32, 1 bf16, 2 f16, "
-                              "3 i64, 4 i32, 5 bool, 6 f64), d0, d1, d2, name offset, name length, 0"),
-        ("counters", "C x 4", "per-step total, name offset, name length, 0"),
-        ("instructions", "N x 128", "row i = instruction i in sequential order (see below)"),
+        ("header", f"0..{HEADER_WORDS - 1}", f"magic 0x{MAGIC:08X}, version, header words, #instructions N, "
+                                             f"words/instruction ({INSTR_WORDS}), #SMs S, max queue length Q, "
+                                             "#counters C, #buffers NB, batch, max_seq_len, layers, policy, section "
+                                             "offsets (buffers, counters, instructions, queues, strings), string "
+                                             "words, total words, MAX_WAITS, MAX_OPERANDS"),
+        ("buffers", f"NB x {BUFFER_WORDS}", f"kind ({kinds}), dtype ({dtypes}), d0, d1, d2, name offset, name "
+                                            "length, 0"),
+        ("counters", f"C x {COUNTER_WORDS}", "per-step total, name offset, name length, 0"),
+        ("instructions", f"N x {INSTR_WORDS}", "row i = instruction i in sequential order (see below)"),
         ("queues", "S x Q", "instruction ids per SM in execution order, -1 padded"),
         ("strings", "...", "UTF-8 names of buffers and counters, 4 bytes per word"),
-        ("instr word 0-3", "", "opcode, layer, SM, queue position"),
-        ("instr word 4-7", "", "opcode arguments a0..a3 (heads, split, site, role, tile range, flags)"),
-        ("instr word 8-10", "", "signal counter (-1 none), signal amount, number of waits"),
-        ("instr word 11-18", "", "4 waits x (counter, per-step target): wait for counter >= step*total + target"),
-        ("instr word 19", "", "number of operands"),
-        ("instr word 20-115", "", "12 operands x (buffer, mode 1 R / 2 W / 3 RW / +4 prefetch, b0, b1, r0, r1, c0, "
-                                  "c1)"),
-        ("instr word 116-127", "", "reserved, zero"),
+        (f"instr word {W_OP}-{W_QPOS}", "", "opcode, layer, SM, queue position"),
+        (f"instr word {W_ARGS}-{W_ARGS + 3}", "", "opcode arguments a0..a3 (heads, split, site, role, tile range, "
+                                                  "flags)"),
+        (f"instr word {W_SIGNAL}-{W_NWAITS}", "", "signal counter (-1 none), signal amount, number of waits"),
+        (f"instr word {W_WAITS}-{W_NOPS - 1}", "", f"{MAX_WAITS} waits x (counter, per-step target): wait for "
+                                                   "counter >= step*total + target"),
+        (f"instr word {W_NOPS}", "", "number of operands"),
+        (f"instr word {W_OPS}-{ops_end - 1}", "", f"{MAX_OPERANDS} operands x (buffer, mode 1 R / 2 W / 3 RW / +4 "
+                                                  "prefetch, b0, b1, r0, r1, c0, c1)"),
+        (f"instr word {ops_end}-{INSTR_WORDS - 1}", "", "reserved, zero"),
     ]
     return pd.DataFrame(rows, columns=["section", "size", "contents"])

@@ -16,7 +16,7 @@ Honesty aids:
   that is a view, for anything else (only a broken program does that) a snapshot, i.e. a stale read;
 * a deadlock raises :class:`DeadlockError` with a per-SM dump instead of spinning.
 
-``MegakernelCPUStage`` (stage ``"megakernel-cpu"``) puts this behind the :class:`kimik3.Decoder` API: prefill runs
+``MegakernelInterpStage`` (stage ``"megakernel-interp"``) puts this behind the :class:`kimik3.Decoder` API: prefill runs
 through the naive path token by token and the decode state is then shared; every decode step runs the program.
 """
 
@@ -30,9 +30,19 @@ import torch
 import torch.nn.functional as F
 
 from kimik3.megakernel.hazards import check_program, format_violations
-from kimik3.megakernel.instructions import Instruction, Kind, Op, Program, decode_program
+from kimik3.megakernel.instructions import (
+    FFN_LATENT_NORM,
+    FFN_MLP,
+    FFN_ROUTED,
+    Instruction,
+    Kind,
+    Op,
+    Program,
+    decode_program,
+)
 from kimik3.megakernel.layout import pack_weights, state_views, weight_view
-from kimik3.megakernel.scheduler import FFN_LATENT_NORM, FFN_MLP, FFN_ROUTED, POLICIES, Tiling, build_program
+from kimik3.megakernel.scheduler import POLICIES, build_program
+from kimik3.megakernel.step import Tiling
 from kimik3.model import (
     DecodeState,
     KDAState,
@@ -40,16 +50,21 @@ from kimik3.model import (
     attn_res_mix,
     f32,
     glu,
+    kda_decay,
+    kda_gated_norm,
     kda_recurrent_step,
+    kda_short_conv,
     l2norm,
     rms_norm,
+    route_from_logits,
+    router_logits,
 )
 from kimik3.stages import register_stage
 from kimik3.stages.base import Stage, StageSupport
 from kimik3.stages.naive import NaiveStage
-from kimik3.tolerances import poison
+from kimik3.validation.metric import poison
 
-__all__ = ["CPUInterpreter", "DeadlockError", "MegakernelCPUStage"]
+__all__ = ["CPUInterpreter", "DeadlockError", "MegakernelInterpStage"]
 
 
 class DeadlockError(RuntimeError):
@@ -227,8 +242,8 @@ def _attn_res_mix(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -
 
 def _norm_proj(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
     xn = rms_norm(v[0][:, 0, :], v[1].reshape(-1), it.cfg.rms_norm_eps)
-    if ins.args[0]:  # fp32 logits (router): upcast input and weight, as model.route does
-        y = F.linear(f32(xn), f32(v[2][0]).to(f32(xn).dtype))
+    if ins.args[0]:  # fp32 logits (router): a row tile of model.route's linear layer
+        y = router_logits(xn, v[2][0])
     else:
         y = F.linear(xn, v[2][0])
     v[3][:, 0, :].copy_(y)
@@ -249,23 +264,17 @@ def _kda_step(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> No
     gate, braw = blk[..., 3 * dk : 4 * dk], blk[..., 4 * dk]
     conv = v[2].view(nb, 3, hh * dk, Wc - 1)
     window = torch.cat([conv, raw[..., None]], -1)  # oldest first, the new token last
-    z = F.silu((f32(window) * v[7][0].view(3, hh * dk, Wc)).sum(-1)).to(it.dtype)  # conv always SiLU
+    z = kda_short_conv(window, v[7][0].view(3, hh * dk, Wc), it.dtype)
     q, k, val = f32(z).view(nb, 3, hh, dk).unbind(1)
     q, k = l2norm(q) * dk**-0.5, l2norm(k)
-    u = (f32(F.linear(v[1][:, 0, :], v[4][0])) + v[5].reshape(-1)).view(nb, hh, dk)
-    lam = v[6].reshape(-1).exp()[:, None]
-    if cfg.kda_gate_lower_bound is not None:
-        g = cfg.kda_gate_lower_bound * torch.sigmoid(lam * u)
-    else:
-        g = -lam * F.softplus(u, threshold=20.0)
+    g = kda_decay(F.linear(v[1][:, 0, :], v[4][0]), v[5].reshape(-1), v[6].reshape(-1), cfg.kda_gate_lower_bound)
     beta = torch.sigmoid(f32(braw))
     S = v[3].view(nb, hh, dk, dk)
     o, S_new = kda_recurrent_step(q, k, val, g, beta, S)
     S.copy_(S_new)
     conv.copy_(window[..., 1:])
-    o32 = f32(o.to(it.dtype))  # cast to the activation dtype before the gated norm (pitfall 4)
-    o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
-    out = (o32 * v[8].reshape(-1) * torch.sigmoid(f32(gate))).to(it.dtype)
+    # cast to the activation dtype before the gated norm (pitfall 4)
+    out = kda_gated_norm(o.to(it.dtype), gate, v[8].reshape(-1), cfg.rms_norm_eps)
     v[9][:, 0, :].copy_(out.reshape(nb, hh * dk))
 
 
@@ -326,23 +335,9 @@ def _o_proj_residual(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]
 
 
 def _router(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
-    """model.route from the logits on: sigmoid scores, biased choice, (grouped) top-k, renormalised weights; then
+    """model.route from the logits on (sigmoid scores, biased choice, (grouped) top-k, renormalised weights); then
     compact the distinct chosen experts (ascending, as the naive loop visits them) into slots."""
-    cfg = it.cfg
-    scores = torch.sigmoid(v[0][:, 0, :])
-    choice = scores + v[1].reshape(-1).to(scores.dtype)
-    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
-        grouped = choice.view(-1, cfg.n_group, E // cfg.n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-        keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(cfg.topk_group, dim=-1).indices, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(E // cfg.n_group, dim=1), float("-inf"))
-    idx = choice.topk(k, dim=-1).indices
-    w = scores.gather(1, idx)
-    if cfg.norm_topk_prob and k > 1:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    w = w * cfg.routed_scaling_factor
+    w, idx = route_from_logits(v[0][:, 0, :], v[1].reshape(-1), it.cfg)
     uniq = idx.unique()
     n = uniq.numel()
     match = idx[:, :, None] == uniq[None, None, :]  # [B, k, n]
@@ -421,16 +416,17 @@ _OPS: dict[Op, Callable[[CPUInterpreter, Instruction, list[torch.Tensor]], None]
 
 
 @register_stage
-class MegakernelCPUStage(Stage):
-    """Stage "megakernel-cpu": every decode step runs the megakernel program in the CPU interpreter.
+class MegakernelInterpStage(Stage):
+    """Stage "megakernel-interp": every decode step runs the megakernel program in the CPU interpreter (the
+    randomised-interleaving checker; the native parallel executor is stage "megakernel-cpu").
 
-    Options (``Decoder(..., stage="megakernel-cpu", **options)``): ``policy`` ("critical_path" or
+    Options (``Decoder(..., stage="megakernel-interp", **options)``): ``policy`` ("critical_path" or
     "round_robin"), ``num_sms`` (queues to schedule for), ``seed`` (step ``i`` uses interleaving seed
-    ``seed·1000003 + i``), ``tiling`` (a :class:`~kimik3.megakernel.scheduler.Tiling`), ``check`` (run the hazard
+    ``seed·1000003 + i``), ``tiling`` (a :class:`~kimik3.megakernel.step.Tiling`), ``check`` (run the hazard
     checker on the program once, at construction) and ``poison`` (NaN-fill scratch buffers before each step).
     Deterministic: every element is computed by one instruction in a fixed order whatever the interleaving."""
 
-    name = "megakernel-cpu"
+    name = "megakernel-interp"
     support = StageSupport(dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64), max_batch=64,
                            devices=("cpu",))
 

@@ -10,6 +10,12 @@ Two sources, one table format:
   nanoseconds of ``%globaltimer`` (one clock for the whole GPU), row = instruction id; optionally a third column
   with the SM id the kernel observed (``%smid``), which then overrides the planned SM.
 
+The scheduler's cost model behind :func:`simulate` is deliberately simple (every SM at its full bandwidth share,
+all weights hidden behind a wait). The calibrated model of what the device code actually does — bytes in flight,
+the shared-memory stage actually allocated, counted round trips, serial loops — is
+:func:`kimik3.perfmodel.megakernel_model`, which returns a timeline in this same format (so :func:`gantt` and
+:func:`summary` draw and sum it).
+
 Both return one row per instruction with ``sm, qpos, op, layer, label, arrive_ns, start_ns, end_ns``:
 ``arrive`` is when the SM reached the instruction (its previous one ended), so ``start - arrive`` is time spent
 waiting on counters and ``end - start`` is busy time. :func:`summary` aggregates busy / waiting per opcode and

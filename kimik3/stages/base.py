@@ -24,6 +24,8 @@ class StageSupport:
     devices: tuple[str, ...] = ("cpu", "cuda")
     deterministic: bool = True  # bitwise-identical outputs on identical inputs
     archs: tuple[str, ...] | None = None  # CUDA archs ("sm_90a", ...); None = any
+    # formats of routed experts held quantized (model.expert_storage) that the stage reads; () = dense only
+    kept_experts: tuple[str, ...] = ()
 
     def check(self, stage: str, model: KimiForCausalLM, batch_size: int) -> None:
         dev = model.device.type
@@ -31,6 +33,13 @@ class StageSupport:
             raise ValueError(f"stage {stage!r} runs on {'/'.join(self.devices)}, not on {dev}")
         if model.dtype not in self.dtypes:
             raise ValueError(f"stage {stage!r} supports dtypes {[str(d) for d in self.dtypes]}, got {model.dtype}")
+        storage = getattr(model, "expert_storage", "dense")
+        if storage != "dense" and storage not in self.kept_experts:
+            raise ValueError(f"stage {stage!r} reads dense routed experts, but this model holds them as {storage} "
+                             "(quantized_experts='keep'): call model.dequantize_experts() first "
+                             f"({model.expert_memory()}) or load with quantized_experts='dequantize'; the stages "
+                             "that read kept MXFP4 experts are 'naive' (one expert dequantised at a time) and 'fused' "
+                             "(expert_format='mxfp4')")
         hi = self.max_batch if self.max_batch is not None else float("inf")
         if not self.min_batch <= batch_size <= hi:
             raise ValueError(f"stage {stage!r} supports batch sizes {self.min_batch}..{self.max_batch}, "

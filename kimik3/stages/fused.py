@@ -22,28 +22,28 @@ reads the bytes anyway:
   O(B·H) bytes; the megakernel stage removes them.
 
 Weights are prepared once at construction (concatenated q/k/v, the augmented W_UK, W_UV, fp32 AttnRes ω,
-MXFP4 packing of the routed experts when ``expert_format="mxfp4"``). Kernels come from the CuTe DSL JIT
+MXFP4 packing of the routed experts when ``expert_format="mxfp4"``, or the bytes of a model that holds them as
+MXFP4 — ``from_pretrained(..., quantized_experts="keep")`` — passed as they are). Kernels come from the CuTe DSL JIT
 when it is installed, else from prebuilt artefacts (``kimik3.kernels.prebuilt``: shipped ``.so`` files,
-verified against the current kernel sources). Nothing silently falls back to PyTorch: on a CPU, for a
-shape no kernel supports (e.g. ``micro``'s head dim 16), or without a usable kernel for the model's
-shapes and this GPU's architecture, the stage refuses with a ``ValueError`` saying why.
+verified against the current kernel sources), through :mod:`kimik3.kernel_loader`, which the megakernel stage
+shares. What each launch moves and computes is counted by :mod:`kimik3.launch_cost`. Nothing silently falls back
+to PyTorch: on a CPU, for a shape no kernel supports (e.g. ``micro``'s head dim 16), or without a usable kernel for
+the model's shapes and this GPU's architecture, the stage refuses with a ``ValueError`` saying why.
 
 Known numerical deviation: the fused GEMV normalises with eps = 1e-5 (``gemv.RMS_EPS``), while the model's
 ``q_a_layernorm`` uses 1e-6; rstd differs by a relative (1e-5 − 1e-6) / (2·mean(x²)), far below bf16
 rounding for O(1) activations.
 
 On a CPU the composition is checked with each kernel replaced by its PyTorch reference
-(:class:`ReferenceRunner`, ``tests/test_fused_stage.py``); the kernels themselves have not run on a GPU
-yet (every timing and GPU comparison is outstanding, see ``data/measurements/gpu_outstanding.json``).
+(:class:`ReferenceRunner`, ``tests/test_fused_stage.py``); the kernels themselves are checked on a GPU by the
+same test file (what is still to be measured on one is listed in ``data/measurements/gpu_outstanding.json``).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +53,39 @@ from typing import Any
 import torch
 
 from kimik3.config import ModelConfig, get_preset
+from kimik3.kernel_loader import (
+    KERNEL_SOURCES,
+    PREBUILT_ENV,
+    default_prebuilt_dir,
+    dsl_available,
+    find_prebuilt,
+    jit_compiled,
+    load_prebuilt_fn,
+    norm_shapes,
+    resolve_source,
+)
+
+# The kernels' metadata the host needs — positional parameter order of every compiled op (= each module's
+# launch()), eps values, thread and head layouts, default splits, the per-head routing tables — is defined once in
+# kernels/meta.py, which imports no CuTe DSL (a GPU machine running prebuilt kernels has none): the kernel modules
+# import the same definitions. GEMV_RMS_EPS is the eps every fused RMSNorm uses (gemv, attn_res, kda);
+# LM_ROWS_PER_CTA: one lm_head arg-max partial per 32 vocabulary rows; SITU_BETAS: the MoE kernel's SiTU constants.
+from kimik3.kernels.meta import (
+    ARG_ORDER,
+    LM_ROWS_PER_CTA,
+    SITU_BETAS,
+    SUPPORTED_ARCHS,
+    attn_res_threads,
+    head_routing,
+    kda_head_dim_ok,
+    mla_default_splits,
+    mla_head_layout,
+)
+from kimik3.kernels.meta import RMS_EPS as GEMV_RMS_EPS
+from kimik3.kernels.registry import FAMILIES as _REGISTRY_FAMILIES
+from kimik3.launch_cost import launch_bytes, launch_flops
 from kimik3.model import KDAState, KimiForCausalLM, acc_dtype, f32, rms_norm
+from kimik3.quant import experts_mxfp4
 from kimik3.stages.base import Stage, StageSupport
 
 __all__ = [
@@ -64,137 +96,30 @@ __all__ = [
     "KernelRunner",
     "ReferenceRunner",
     "ARG_ORDER",
+    "GEMV_RMS_EPS",
+    "LM_ROWS_PER_CTA",
+    "SITU_BETAS",
+    "mla_head_layout",
+    "mla_default_splits",
+    "attn_res_threads",
+    "kda_head_dim_ok",
+    "head_routing",
     "FAMILY_MODULES",
     "plan_errors",
     "fused_ops",
     "load_kernels",
     "build_prebuilt_kernels",
-    "mxfp4_pack",
-    "launch_bytes",
-    "launch_flops",
-    "default_prebuilt_dir",
 ]
 
-_REPO = Path(__file__).resolve().parents[2]
-SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
 EXPERT_FORMATS = ("bf16", "mxfp4")
-KERNEL_SOURCES = ("auto", "jit", "prebuilt")
-PREBUILT_ENV = "KIMIK3_PREBUILT"
 
-# family -> (kernel module, variant); the registry's families plus the per-head GEMV op of kernels/moe.py
+# family -> (kernel module, variant): the registry's families (kernels/registry.py, DSL-free, defines them) plus the
+# per-head GEMV op of kernels/moe.py
 FAMILY_MODULES: dict[str, tuple[str, str]] = {
-    "gemv.plain": ("gemv", "plain"), "gemv.rmsnorm": ("gemv", "rmsnorm"), "gemv.residual": ("gemv", "residual"),
-    "gemv.f32out": ("gemv", "f32out"), "gemv.lm_head": ("gemv", "lm_head"), "router": ("router", "router"),
-    "kda": ("kda", "kda"), "mla": ("mla_decode", "mla"), "moe.bf16": ("moe", "bf16"), "moe.mxfp4": ("moe", "mxfp4"),
-    "moe.heads": ("moe", "heads"), "attn_res": ("attn_res", "mix"),
-}
-
-# Positional parameter order of every compiled op (= each module's launch()). Kept here, not imported, because
-# the kernel modules import the CuTe DSL, which a GPU machine running prebuilt kernels does not have; a CPU test
-# checks these against the modules and against the compiled TVM-FFI signatures.
-_MOE_ORDER = ("x", "ids", "weights", "w1", "w3", "w2", "s1", "s3", "s2", "h", "y", "sorted", "act_e", "act_start",
-              "act_count", "n_act", "out")
-ARG_ORDER: dict[tuple[str, str], tuple[str, ...]] = {
-    **{("gemv", v): ("W", "x", "gamma", "residual", "y") for v in ("plain", "rmsnorm", "residual", "f32out")},
-    ("gemv", "lm_head"): ("W", "x", "gamma", "logits", "part_v", "part_i", "token"),
-    ("router", "router"): ("W", "x", "bias", "scores", "ids", "weights"),
-    ("kda", "kda"): ("qkv", "u", "b", "gate", "conv_w", "dt_bias", "A_log", "o_norm", "conv", "S", "out"),
-    ("mla_decode", "mla"): ("q", "kv", "lens", "part_o", "part_m", "part_l", "o", "scale"),
-    ("moe", "bf16"): _MOE_ORDER, ("moe", "mxfp4"): _MOE_ORDER,
-    ("moe", "heads"): ("W", "x", "out", "sorted", "act_e", "act_start", "act_count", "n_act"),
-    ("attn_res", "mix"): ("cand", "omega", "out"),
-}
-
-# Constants of the kernels that size the host-side buffers (replicated for the same reason; tested equal).
-GEMV_RMS_EPS = 1e-5  # gemv.RMS_EPS, attn_res.EPS, kda.NORM_EPS
-LM_ROWS_PER_CTA = 32  # gemv.WARPS * gemv.LM_ROWS_PER_WARP: one arg-max partial per 32 vocabulary rows
-SITU_BETAS = (4.0, 25.0)  # moe.SITU_BETA, moe.SITU_BETA_LIN
-MXFP4_GROUP = 32
-
-
-def mla_head_layout(nh: int) -> tuple[int, int]:
-    """``kimik3.kernels.mla_decode.head_layout``: (heads per warp, warps per CTA)."""
-    for hpw in (2, 1):
-        if nh % hpw == 0:
-            warps = max(w for w in (4, 3, 2, 1) if (nh // hpw) % w == 0)
-            return hpw, warps
-    raise AssertionError(nh)
-
-
-def mla_default_splits(B: int, nh: int, S: int) -> int:
-    """``kimik3.kernels.mla_decode.default_splits``: the split count the compiled op was built with."""
-    hpw, warps = mla_head_layout(nh)
-    ctas = B * (nh // (hpw * warps))
-    want = max(1, 264 // max(ctas, 1))
-    return int(max(1, min(want, 64, S // 64)))
-
-
-def attn_res_threads(H: int, NC: int) -> int:
-    """``kimik3.kernels.attn_res.threads_for`` without its assert (callers check <= 1024)."""
-    ch = max(1, 8 // NC) if NC <= 4 else 2
-    chunks_per_thread = -(-(H // 8) // ch)
-    return 32 * -(-chunks_per_thread // 32)
-
-
-def kda_head_dim_ok(D: int) -> bool:
-    """``kimik3.kernels.kda._layout``: one 256-thread CTA holds q/k channels and v channels of one head."""
-    if D % 32 or 2 * D > 256:
-        return False
-    JG = D // 4
-    KS = 256 // JG
-    return 256 % JG == 0 and D % KS == 0
-
-
-def head_routing(B: int, NH: int, device: Any = "cpu") -> dict[str, torch.Tensor]:
-    """``kimik3.kernels.moe.head_routing``: head h owns the rows b·NH + h of the per-head GEMV."""
-    h = torch.arange(NH, dtype=torch.int32, device=device)
-    b = torch.arange(B, dtype=torch.int32, device=device)
-    return {"sorted": (b[None, :] * NH + h[:, None]).reshape(-1).contiguous(), "act_e": h.clone(),
-            "act_start": h * B, "act_count": torch.full((NH,), B, dtype=torch.int32, device=device),
-            "n_act": torch.tensor([NH], dtype=torch.int32, device=device)}
-
-
-def _ensure_kernels_package() -> ModuleType:
-    """``kimik3.kernels`` is the top-level ``kernels/`` folder (a setuptools package-dir mapping). A bare copy of
-    the repository (the GPU machine: no install) lacks that mapping; register the folder by path so the prebuilt
-    loader and the registry import there too."""
-    try:
-        return importlib.import_module("kimik3.kernels")
-    except ModuleNotFoundError:
-        pass
-    root = _REPO / "kernels"
-    spec = importlib.util.spec_from_file_location("kimik3.kernels", root / "__init__.py",
-                                                  submodule_search_locations=[str(root)])
-    if spec is None or spec.loader is None:  # pragma: no cover - the folder is part of the repository
-        raise ModuleNotFoundError(f"kimik3.kernels: {root} not found")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kimik3.kernels"] = mod
-    spec.loader.exec_module(mod)
-    import kimik3
-
-    kimik3.kernels = mod  # type: ignore[attr-defined]
-    return mod
-
-
-def default_prebuilt_dir() -> Path | None:
-    """``$KIMIK3_PREBUILT``, else ``<repo>/prebuilt`` when it holds a manifest, else None."""
-    env = os.environ.get(PREBUILT_ENV)
-    if env:
-        return Path(env)
-    d = _REPO / "prebuilt"
-    return d if (d / "manifest.json").exists() else None
-
-
-def dsl_available() -> bool:
-    """True when the CuTe DSL compiler can be imported (the JIT path)."""
-    return importlib.util.find_spec("cutlass") is not None
+    **{name: (f.module, f.variant) for name, f in _REGISTRY_FAMILIES.items()}, "moe.heads": ("moe", "heads")}
 
 
 # ====================================================================== ops and launches
-
-
-def _norm_shapes(shapes: dict[str, Any]) -> str:
-    return json.dumps(shapes, sort_keys=True, default=str)
 
 
 @dataclass(frozen=True)
@@ -231,7 +156,7 @@ class FusedOp:
     @property
     def key(self) -> tuple[str, str, str]:
         """Identity for deduplication and prebuilt lookup: two uses of one (N, K) GEMV share a kernel."""
-        return self.module_name, self.variant, _norm_shapes(self.shapes)
+        return self.module_name, self.variant, norm_shapes(self.shapes)
 
     @property
     def name(self) -> str:
@@ -244,14 +169,12 @@ class FusedOp:
 
     @property
     def budget(self) -> Any:
-        _ensure_kernels_package()
         from kimik3.kernels.registry import FAMILIES, Budget
 
         return FAMILIES[self.family].budget if self.family in FAMILIES else Budget(max_registers=128)
 
     @property
     def module(self) -> ModuleType:
-        _ensure_kernels_package()
         return importlib.import_module(f"kimik3.kernels.{self.module_name}")
 
     def compile(self, arch: str, **kw: Any) -> Any:
@@ -367,42 +290,6 @@ def _mix_sizes(cfg: ModelConfig) -> set[int]:
     return out
 
 
-# ====================================================================== MXFP4 packing
-
-
-def mxfp4_pack(w: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kimik3.checkpoint.mxfp4_quantize`` (same rule, bit for bit) for [..., C] weights on any device, in row
-    chunks so that packing a K3 expert stack on the GPU stays within a few hundred MB of scratch.
-
-    Per 32 columns the scale is the smallest power of two fitting the block's max |w| into E2M1's range (6);
-    each weight rounds to the nearest code, ties to the smaller magnitude. Low nibble = even column.
-    """
-    lead, C = tuple(w.shape[:-1]), w.shape[-1]
-    if C % MXFP4_GROUP:
-        raise ValueError(f"MXFP4 needs the input width to be a multiple of {MXFP4_GROUP}, got {C}")
-    flat = w.reshape(-1, C)
-    R = flat.shape[0]
-    packed = torch.empty(R, C // 2, dtype=torch.uint8, device=w.device)
-    scale = torch.empty(R, C // MXFP4_GROUP, dtype=torch.uint8, device=w.device)
-    if w.device.type == "meta":
-        return packed.view(*lead, C // 2), scale.view(*lead, C // MXFP4_GROUP)
-    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=w.device)
-    for r0 in range(0, R, rows_per_chunk):
-        blocks = flat[r0:r0 + rows_per_chunk].float().reshape(-1, C // MXFP4_GROUP, MXFP4_GROUP)
-        amax = blocks.abs().amax(-1).clamp_min(2.0**-126)
-        exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-        sc = (exp + 127).to(torch.uint8)
-        e = sc.to(torch.int32)
-        s_val = torch.where(e > 0, e << 23, torch.full_like(e, 1 << 22)).view(torch.float32)  # 2^(e-127) exactly
-        x = blocks / s_val[..., None]
-        code = (x.abs()[..., None] - mags).abs().argmin(-1)  # nearest magnitude, first (smaller) on ties
-        code = code + 8 * ((x < 0) & (code > 0)).long()
-        code = code.reshape(-1, C).to(torch.uint8)
-        packed[r0:r0 + rows_per_chunk] = code[:, 0::2] | (code[:, 1::2] << 4)
-        scale[r0:r0 + rows_per_chunk] = sc
-    return packed.view(*lead, C // 2), scale.view(*lead, C // MXFP4_GROUP)
-
-
 # ====================================================================== the step program
 
 
@@ -422,6 +309,10 @@ class FusedStep:
         if errs:
             raise ValueError(f"stage 'fused' has no kernel path for {cfg.name or 'this config'} "
                              f"(batch {batch_size}): " + "; ".join(errs))
+        if model.expert_storage == "mxfp4" and expert_format != "mxfp4":
+            raise ValueError(f"stage 'fused' with expert_format={expert_format!r} reads dense experts, but this model "
+                             "holds them as MXFP4: use expert_format='mxfp4' (the held bytes, as loaded) or call "
+                             f"model.dequantize_experts() first ({model.expert_memory()})")
         self.model, self.cfg, self.B, self.S, self.expert_format = model, cfg, batch_size, cache_len, expert_format
         self.device = model.device
         self.program: list[Launch] = []
@@ -655,11 +546,12 @@ class FusedStep:
         self._gemv(f"{tag}.moe.to_latent", "plain", moe.routed_expert_down_proj.weight, xn, xl,
                    note="latent down-projection")
         ex = moe.experts
-        w1, w3, w2 = self._w(ex.w1), self._w(ex.w3), self._w(ex.w2)
         scales = None
-        if self.expert_format == "mxfp4":
-            (w1, s1), (w3, s3), (w2, s2) = mxfp4_pack(w1), mxfp4_pack(w3), mxfp4_pack(w2)
+        if self.expert_format == "mxfp4":  # experts held as MXFP4 go to the kernel as they are, else packed here
+            (w1, s1), (w3, s3), (w2, s2) = (experts_mxfp4(ex, n) for n in ("w1", "w3", "w2"))
             scales = (s1, s3, s2)
+        else:
+            w1, w3, w2 = self._w(ex.w1), self._w(ex.w3), self._w(ex.w2)
         op = _op(f"moe.{self.expert_format}", c, B, E=E, L=L, I=inner, topk=k)
         self._moe_call(f"{tag}.moe.experts", op, xl, ids, wts, w1, w3, w2, scales, acc,
                        f"selected experts only ({self.expert_format}): align + gate/up SiTU + down + combine")
@@ -752,79 +644,6 @@ class FusedStep:
         return pd.DataFrame(rows)
 
 
-# ====================================================================== bytes and FLOPs per launch
-
-
-def _nbytes(t: Any) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-def launch_bytes(ln: Launch, context: int | None = None, distinct_experts: float | None = None) -> float:
-    """Fewest bytes one launch must move through device memory, from its own tensor shapes.
-
-    Every tensor argument is read or written once, with these exceptions: in-place state (KDA ``S`` and
-    ``conv``, the in-place residual of o-proj) is read and written; MLA reads ``context`` cache rows per sequence
-    (default: the whole static cache); the routed-expert op reads only the experts actually selected (
-    ``distinct_experts``, default the expected number for uniform routing, ``kimik3.cost.expected_distinct_experts``)
-    and writes and re-reads its per-pair scratch; split-softmax partials and router scores are written and read.
-    """
-    if ln.kind == "glue":
-        return float(sum(_nbytes(t) for t in ln.args.values()))
-    op, a = ln.op, ln.args
-    fam = op.family
-    total = 0.0
-    for name, t in a.items():
-        if name in ("norm_w", "proj_w"):  # reference-only extras of the AttnRes op
-            continue
-        total += _nbytes(t)
-    if fam == "kda":
-        total += _nbytes(a["S"]) + _nbytes(a["conv"])
-    elif fam == "mla":
-        B, S, DQ = a["kv"].shape
-        n = min(context or S, S)
-        total += -_nbytes(a["kv"]) + B * n * DQ * a["kv"].element_size()
-        total += _nbytes(a["part_o"]) + _nbytes(a["part_m"]) + _nbytes(a["part_l"])
-    elif fam.startswith("moe.") and fam != "moe.heads":
-        E = op.shapes["E"]
-        if distinct_experts is None or E == 1:
-            from kimik3.cost import expected_distinct_experts
-
-            used = float(expected_distinct_experts(E, op.shapes["topk"], op.shapes["B"]))
-        else:
-            used = float(distinct_experts)
-        wb = sum(_nbytes(a[k]) for k in ("w1", "w3", "w2", "s1", "s3", "s2") if a.get(k) is not None)
-        total += -wb + wb * used / E + _nbytes(a["h"]) + _nbytes(a["y"])
-    elif fam == "router":
-        total += _nbytes(a["scores"])
-    elif fam == "gemv.lm_head":
-        total += _nbytes(a["part_v"]) + _nbytes(a["part_i"])
-    return total
-
-
-def launch_flops(ln: Launch, context: int | None = None) -> float:
-    """Multiply-adds ×2 of the main loops (analytic; elementwise epilogues ignored)."""
-    if ln.kind == "glue" or ln.op is None:
-        return 0.0
-    sh, fam = ln.op.shapes, ln.op.family
-    B = sh["B"]
-    if fam.startswith("gemv."):
-        return 2.0 * sh["N"] * sh["K"] * B
-    if fam == "router":
-        return 2.0 * sh["E"] * sh["H"] * B
-    if fam == "moe.heads":
-        return 2.0 * sh["NH"] * sh["R"] * sh["K"] * B
-    if fam.startswith("moe."):
-        return 2.0 * 3 * sh["L"] * sh["I"] * B * sh["topk"]
-    if fam == "kda":
-        return 8.0 * sh["nh"] * sh["D"] ** 2 * B
-    if fam == "mla":
-        n = min(context or sh["S"], sh["S"])
-        return 2.0 * sh["nh"] * (2 * sh["DL"] + sh["DR"]) * n * B
-    if fam == "attn_res":
-        return 4.0 * sh["NC"] * sh["H"] * B
-    return 0.0
-
-
 # ====================================================================== runners
 
 
@@ -862,47 +681,14 @@ class ReferenceRunner:
 # ====================================================================== kernel sources
 
 
-_JIT_CACHE: dict[tuple[str, tuple[str, str, str]], Any] = {}
-_PREBUILT_FNS: dict[tuple[str, str], Any] = {}
-_RUNTIME_READY: set[str] = set()
-
-
-def _load_prebuilt_fn(pb: ModuleType, directory: Path, manifest: dict[str, Any], name: str, arch: str,
-                      shapes: dict[str, Any]) -> Any:
-    """``load_prebuilt`` once per directory (it verifies and loads the DSL runtime library, which costs a
-    subprocess per call), then the same verification (``_verify``: source hash, arch, shapes, file hashes) and a
-    plain TVM-FFI module load for the other kernels; each kernel is loaded once per process."""
-    key = (str(directory.resolve()), name)
-    if key in _PREBUILT_FNS:
-        return _PREBUILT_FNS[key]
-    if key[0] not in _RUNTIME_READY:
-        fn = pb.load_prebuilt(directory, name, arch=arch, shapes=shapes).fn
-        if fn is not None:
-            _RUNTIME_READY.add(key[0])
-    else:
-        e = pb._verify(directory, manifest, name, arch, shapes, True)
-        fn = None
-        if e.get("format") == "tvm-ffi":
-            import tvm_ffi
-
-            fn = tvm_ffi.load_module(str(directory / e["files"]["so"]))[e["function_name"]]
-    _PREBUILT_FNS[key] = fn
-    return fn
-
-
 def _find_prebuilt(manifest: dict[str, Any], op: FusedOp, arch: str) -> str | None:
-    want = _norm_shapes(op.shapes)
-    for name, e in sorted(manifest.get("kernels", {}).items()):
-        if (e.get("module"), e.get("variant"), e.get("arch")) == (op.module_name, op.variant, arch) \
-                and _norm_shapes(e.get("shapes", {})) == want:
-            return name
-    return None
+    return find_prebuilt(manifest, op.module_name, op.variant, arch, op.shapes)
 
 
 def _build_hint(ops: Iterable[FusedOp]) -> str:
     presets = sorted({o.preset for o in ops})
     batches = sorted({o.batch for o in ops})
-    return (f"build them on a machine with the CuTe DSL: python -m kimik3.device_check --build-prebuilt DIR "
+    return (f"build them on a machine with the CuTe DSL: python scripts/device_check.py --build-prebuilt DIR "
             f"--presets {','.join(presets)} --batches {','.join(map(str, batches))} (then pass prebuilt=DIR or set "
             f"${PREBUILT_ENV})")
 
@@ -913,8 +699,7 @@ def load_kernels(ops: Sequence[FusedOp], arch: str, source: str = "auto",
     explicit prebuilt directory), else loaded from ``prebuilt_dir`` with every check of
     :func:`kimik3.kernels.prebuilt.load_prebuilt` (source hash, arch, shapes, file hashes). Any op without a usable
     kernel makes the whole call fail with one ``ValueError`` listing them."""
-    if source not in KERNEL_SOURCES:
-        raise ValueError(f"kernels must be one of {KERNEL_SOURCES}, got {source!r}")
+    source = resolve_source(source, prebuilt_dir)
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"stage 'fused' has kernels for {', '.join(SUPPORTED_ARCHS)}, not {arch}")
     try:
@@ -922,24 +707,18 @@ def load_kernels(ops: Sequence[FusedOp], arch: str, source: str = "auto",
     except ImportError:
         raise ValueError("stage 'fused' calls its kernels through TVM-FFI: `pip install apache-tvm-ffi` (or carry "
                          "its wheel to the GPU machine, scripts/device_check.sh)") from None
-    if source == "auto":
-        source = "prebuilt" if prebuilt_dir is not None or not dsl_available() else "jit"
     out: dict[tuple[str, str, str], Callable[..., Any]] = {}
     if source == "jit":
         if not dsl_available():
             raise ValueError("kernels='jit' needs the CuTe DSL (pip install nvidia-cutlass-dsl); or use prebuilt "
                              "kernels (kernels='prebuilt', prebuilt=DIR)")
         for op in ops:
-            k = (arch, op.key)
-            if k not in _JIT_CACHE:
-                _JIT_CACHE[k] = op.compile(arch, tvm_ffi=True)
-            out[op.key] = _JIT_CACHE[k]
+            out[op.key] = jit_compiled((arch, *op.key), lambda op=op: op.compile(arch, tvm_ffi=True))
         return out
     directory = Path(prebuilt_dir) if prebuilt_dir is not None else default_prebuilt_dir()
     if directory is None:
         raise ValueError("stage 'fused' found no kernels: the CuTe DSL is not installed and no prebuilt directory was "
                          f"given (prebuilt=DIR or ${PREBUILT_ENV}); " + _build_hint(ops))
-    _ensure_kernels_package()
     from kimik3.kernels import prebuilt as pb
 
     manifest = pb.read_manifest(directory)
@@ -950,7 +729,7 @@ def load_kernels(ops: Sequence[FusedOp], arch: str, source: str = "auto",
             problems.append(f"{op.name}: not built for {arch}")
             continue
         try:
-            fn = _load_prebuilt_fn(pb, directory, manifest, name, arch, op.shapes)
+            fn = load_prebuilt_fn(directory, manifest, name, arch, op.shapes)
         except (ValueError, ImportError) as e:
             problems.append(f"{op.name}: {e}")
             continue
@@ -983,7 +762,6 @@ def _prebuilt_cache_len(directory: Path | None, cfg: ModelConfig, B: int, arch: 
 
 def _mla_context(cfg: ModelConfig) -> int:
     """The registry's static MLA cache length for a preset (what `kernels build` compiles), else 4096."""
-    _ensure_kernels_package()
     from kimik3.kernels.registry import MLA_CONTEXT
 
     return MLA_CONTEXT.get(cfg.name, 4096)
@@ -1005,7 +783,6 @@ def build_prebuilt_kernels(arch: str, out_dir: str | os.PathLike, targets: Seque
     """Export every op the fused step needs for ``targets`` = [(preset, batch, expert_format), ...] into
     ``out_dir`` (TVM-FFI ``.so`` + cubin + PTX + manifest), skipping ops already there for the same arch, shapes
     and current kernel source. Needs the CuTe DSL, g++ and apache-tvm-ffi; no GPU."""
-    _ensure_kernels_package()
     from kimik3.kernels import _source
     from kimik3.kernels import prebuilt as pb
 
@@ -1050,7 +827,7 @@ class FusedStage(Stage):
 
     name = "fused"
     support = StageSupport(dtypes=(torch.bfloat16,), min_batch=1, max_batch=64, devices=("cuda",),
-                           archs=SUPPORTED_ARCHS)
+                           archs=SUPPORTED_ARCHS, kept_experts=("mxfp4",))
 
     def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, expert_format: str = "bf16",
                  kernels: str = "auto", prebuilt: str | os.PathLike | None = None, cache_len: int | None = None,
@@ -1067,13 +844,13 @@ class FusedStage(Stage):
                              f"(batch {batch_size}): " + "; ".join(errs))
         arch = _current_arch(model.device)
         directory = Path(prebuilt) if prebuilt is not None else None
-        use_prebuilt = kernels == "prebuilt" or (kernels == "auto" and (directory is not None or not dsl_available()))
+        use_prebuilt = resolve_source(kernels, directory) == "prebuilt"
         if use_prebuilt and directory is None:
             directory = default_prebuilt_dir()
             if directory is None:
                 raise ValueError("stage 'fused' found no kernels: the CuTe DSL is not installed here and no prebuilt "
                                  f"directory was given (prebuilt=DIR or ${PREBUILT_ENV}); build one on a machine "
-                                 "with the DSL: python -m kimik3.device_check --build-prebuilt DIR")
+                                 "with the DSL: python scripts/device_check.py --build-prebuilt DIR")
         if cache_len is None and not model.config.mla_layers:
             cache_len = max_seq_len  # no MLA cache to size
         if cache_len is None:

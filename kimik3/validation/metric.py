@@ -1,6 +1,6 @@
-"""The project's one error metric and tolerance table, transcribed from ``shared/spec/validation.md``.
+"""The project's one error metric and tolerance table, transcribed from ``docs/validation.md``.
 
-Tests, the validation suite and the benchmarks import these; none carries numbers of its own.
+Tests, the validation matrix and the benchmarks import these; none carries numbers of its own.
 """
 
 from __future__ import annotations

@@ -1,63 +1,17 @@
-"""The correctness matrix: every stage × preset × dtype × batch × context × seed against an fp64 oracle, with a report.
-
-Why a matrix and not a handful of tests: each optimisation stage claims to compute the same function as the
-reference over a *space* (dtypes, batch sizes, padded prompts, context lengths, devices) and declares that space in
-its :class:`~kimik3.stages.base.StageSupport`. A bug lives in a corner (batch 33 rows, a context longer than a
-tile, bf16), so the suite walks the whole declared space, checks every cell against one reference with the rules
-of ``shared/spec/validation.md`` and says, cell by cell, what passed, what failed and what was not run and why.
-
-What one run checks (``python -m kimik3 validate [--quick]``, or :func:`run_validation`):
-
-* **accuracy** — per cell, the stage against stage ``naive`` run in **float64** on the same weights
-  (``copy.deepcopy(model).cast_(torch.float64)``; for bf16 cells on the bf16-rounded weights). fp32: greedy,
-  ``e ≤ TOL["fp32_stage"]`` per step and identical greedy tokens; bf16: teacher-forced, ``e ≤ TOL["bf16_stage"]``
-  per step, top-1 agreement reported. Prompts are right-padded to mixed lengths (:func:`mixed_lengths`). The
-  fp64 reference run of a (preset, seed, dtype, batch, context) is computed once and shared by every stage; the
-  comparison loop is :func:`kimik3.validation.compare_to_reference`'s, applied to the stored reference, and every
-  run checks that both give bit-identical errors on one cell (harness row "reference path").
-* **poisoned state, NaN/inf** — every decode-state tensor a stage holds is filled with NaN before its prefill,
-  so state the stage reads without writing shows up as NaN; any NaN/inf in an output fails the cell
-  (``rel_error`` is inf). Harness rows check that a planted NaN and a planted inf are caught.
-* **determinism** — stages whose support says ``deterministic`` run the short-context cell twice (fresh decoders,
-  same inputs) and must agree bitwise (``torch.equal``); the others are listed as not run, with why.
-* **support** — cells outside a stage's declared support are not run; the suite *verifies* that building the
-  decoder there raises ``ValueError`` (fail closed) and reports the refusal message. A stage that accepts a
-  configuration it does not declare fails.
-* **hazards** — the megakernel hazard checker (:func:`kimik3.megakernel.check_program`) over the programs for
-  every batch size (both scheduling policies, the CPU interpreter's 8 queues and an H100/H200's 132 SMs; also
-  ``k3-shard``, the single-GPU target, at 132 SMs).
-* **expert-parallel** — :func:`kimik3.distributed.run_local` on real gloo process groups against a single
-  process, ``e ≤ TOL["expert_parallel"]`` and identical greedy tokens.
-* **bf16 drift with depth** — ``k3-deep-tiny`` (K3's 93-layer pattern): the error of every layer's output in bf16
-  against fp32 on the same bf16-rounded weights, a curve; reported, not bounded.
-
-The report (:class:`ValidationReport`) is a pandas table plus a self-contained HTML file (``report.html``, plotly.js
-inline) and ``cells.csv`` / ``summary.json`` in the run folder. The CLI exits 0 only if every cell that ran
-passed (``--report-only``: always 0).
-
-Known issue, reported as it is: on random-weight presets bf16 rounding can flip near-tied top-k expert choices, so
-bf16 cells can exceed ``TOL["bf16_stage"]``; such cells fail with the measured error, the top-1 agreement and the
-measured fraction of router top-k sets that differ from the fp64 reference (column ``router_flips``, from the
-``naive`` stage's run of the same prompts). Tolerances are not loosened here.
-"""
+"""Running the correctness matrix (:func:`run_validation`): every stage × preset × dtype × batch × context × seed
+against the fp64 oracle, plus the support, determinism, harness, hazard, expert-parallel and drift checks; the
+units of work run in this process or on a spawn-started process pool. What each check means and why a matrix:
+the :mod:`kimik3.validation` package docstring and ``docs/validation.md``."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
-import dataclasses
-import datetime as _dt
-import html
 import inspect
-import json
 import math
 import os
-import platform
-import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,279 +21,32 @@ import torch
 from kimik3.config import ModelConfig, get_preset
 from kimik3.decoder import Decoder
 from kimik3.init import build_model, from_preset
-from kimik3.model import DecodeState, KDAState, KimiForCausalLM, MLACache, Router
+from kimik3.model import KimiForCausalLM
+from kimik3.provenance import provenance
 from kimik3.stages import STAGES, get_stage
 from kimik3.stages.base import Stage
-from kimik3.tolerances import TOL, poison, rel_error
-from kimik3.validation import StageComparison, compare_to_reference, mixed_lengths
+from kimik3.validation.compare import (
+    ReferenceTrace,
+    StageComparison,
+    _Refused,
+    _run_stage,
+    compare_to_reference,
+    compare_with_trace,
+    mixed_lengths,
+    reference_trace,
+)
+from kimik3.validation.config import _DTYPES, _SHORT, ValidationConfig, default_config
+from kimik3.validation.metric import TOL, rel_error
+from kimik3.validation.report import Cell, ValidationReport, drift_figure
 
 __all__ = [
-    "CHUNK_TOKENS",
-    "CELL_COLUMNS",
-    "Cell",
-    "ReferenceTrace",
-    "ValidationConfig",
-    "ValidationReport",
-    "compare_with_trace",
-    "default_config",
-    "drift_figure",
     "drift_with_depth",
-    "error_figure",
     "hazard_table",
     "known_stages",
-    "main",
-    "poison_stage_state",
-    "quick_config",
-    "reference_trace",
     "run_validation",
     "support_refusal",
     "support_table",
 ]
-
-# The longest context tile any stage uses: the GPU MLA decode kernel splits each sequence into slices of at least
-# 64 tokens (kernels/mla_decode.py ``default_splits``), the CPU megakernel splits the cache in >= 2 parts; naive,
-# absorbed and compiled attend over the whole cache. Every context but "short" is longer than this.
-CHUNK_TOKENS = 64
-
-STATUSES = ("passed", "failed", "not-run")
-CELL_COLUMNS = ["check", "preset", "stage", "dtype", "batch", "context", "prompt_len", "steps", "seed", "status",
-                "reason", "max_error", "tolerance", "top1_agreement", "tokens_equal", "router_flips", "nonfinite",
-                "poisoned", "mode", "reference", "seconds"]
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp32": torch.float32, "bf16": torch.bfloat16}
-_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
-
-
-# ====================================================================== configuration
-
-
-@dataclass(frozen=True)
-class ValidationConfig:
-    """What one validation run covers. ``contexts``: (name, prompt tokens) — the padded prompt width; each row's
-    own length is drawn in [width/2, width] (the first row is full length). ``not_run``: (what, why) pairs the run
-    deliberately leaves out (e.g. ``("preset tiny", "tiny skipped: --quick")``), listed in the report."""
-
-    presets: tuple[str, ...] = ("micro",)
-    stages: tuple[str, ...] | None = None  # None: every registered stage
-    dtypes: tuple[str, ...] = ("float32", "bfloat16")
-    batch_sizes: tuple[int, ...] = (1, 2, 8, 33, 64)
-    contexts: tuple[tuple[str, int], ...] = (("short", 8), ("over-chunk", 72), ("long", 200))
-    steps: int = 8
-    seeds: tuple[int, ...] = (0, 1)
-    device: str = "cpu"
-    determinism: bool = True
-    hazards: bool = True
-    hazard_presets: tuple[str, ...] = ("k3-shard",)  # checked at 132 SMs in addition to ``presets``
-    hazard_sms: tuple[int, ...] = (8, 132)
-    hazard_policies: tuple[str, ...] = ("critical_path", "round_robin")
-    hazard_max_seq_len: int = 4096
-    ep_runs: tuple[tuple[int, int], ...] = ((2, 1), (2, 8), (2, 33), (4, 8))  # (world, batch), fp32
-    ep_steps: int = 8
-    ep_prompt_len: int = 8
-    drift_preset: str = "k3-deep-tiny"
-    drift_tokens: int = 16  # 0: skip the drift curve
-    drift_batch: int = 1
-    threads: int | None = 1  # torch intra-op threads during the run (small models: 1 is fastest on 2 cores)
-    quick: bool = False
-    not_run: tuple[tuple[str, str], ...] = ()
-
-    def __post_init__(self) -> None:
-        for d in self.dtypes:
-            if d not in _DTYPES:
-                raise ValueError(f"unknown dtype {d!r}; use float32 / bfloat16")
-        for b in self.batch_sizes:
-            if not isinstance(b, int) or b < 1:
-                raise ValueError(f"batch sizes must be positive ints, got {b!r}")
-        for name, n in self.contexts:
-            if n < 1:
-                raise ValueError(f"context {name!r}: prompt width must be >= 1, got {n}")
-        if self.steps < 0:
-            raise ValueError(f"steps must be >= 0, got {self.steps}")
-        for p in (*self.presets, *self.hazard_presets):
-            get_preset(p)  # unknown names raise with the list of known ones
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def default_config(presets: Sequence[str] | None = None, device: str | None = None, **overrides: Any
-                   ) -> ValidationConfig:
-    """The full matrix: two seeds, three contexts, 8 steps, every batch size; ``micro`` on a CPU (``tiny`` when
-    asked for: it takes hours there), ``micro`` and ``tiny`` on a GPU."""
-    device = device or _default_device()
-    presets = tuple(presets) if presets else (("micro",) if device == "cpu" else ("micro", "tiny"))
-    not_run = tuple((f"preset {p}", f"{p} not requested (pass --presets {','.join((*presets, p))})")
-                    for p in ("micro", "tiny") if p not in presets)
-    return dataclasses.replace(ValidationConfig(presets=presets, device=device, not_run=not_run), **overrides)
-
-
-def quick_config(device: str | None = None, **overrides: Any) -> ValidationConfig:
-    """The CI subset: ``micro`` only, one seed, 2 steps, the short and one long context (72 tokens, longer than any
-    internal chunk), still every stage × dtype × batch the device supports; fewer hazard programs, one
-    expert-parallel run and a 4-token drift curve."""
-    device = device or _default_device()
-    cfg = ValidationConfig(
-        presets=("micro",), contexts=(("short", 8), ("long", 72)), steps=2, seeds=(0,), device=device,
-        hazard_sms=(8, 132), hazard_policies=("critical_path",), ep_runs=((2, 8),), ep_steps=4, drift_tokens=4,
-        quick=True,
-        not_run=(("preset tiny", "tiny skipped: --quick"),
-                 ("context over-chunk", "over-chunk context skipped: --quick (its 'long' context, 72 tokens, is "
-                                        f"already longer than every internal chunk of {CHUNK_TOKENS} tokens)"),
-                 ("seed 1", "seed 1 skipped: --quick (one seed)"),
-                 ("hazards round_robin", "round_robin scheduling policy skipped: --quick")))
-    return dataclasses.replace(cfg, **overrides)
-
-
-# ====================================================================== cells and the report
-
-
-@dataclass
-class Cell:
-    """One row of the report: a check of one configuration, with status ``passed`` / ``failed`` / ``not-run``
-    and, unless it passed, the reason. ``"*"`` in a field means "every value of it" (e.g. a refusal that holds
-    for every context)."""
-
-    check: str
-    preset: str
-    stage: str
-    dtype: str
-    batch: int | str
-    context: str
-    status: str
-    reason: str = ""
-    prompt_len: int | str = "*"
-    steps: int | str = "*"
-    seed: int | str = "*"
-    max_error: float | None = None
-    tolerance: float | None = None
-    top1_agreement: float | None = None
-    tokens_equal: bool | None = None
-    router_flips: float | None = None
-    nonfinite: int | None = None
-    poisoned: int | None = None
-    mode: str = ""
-    reference: str = ""
-    seconds: float = 0.0
-    errors: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"cell status must be one of {STATUSES}, got {self.status!r}")
-        if self.status != "passed" and not self.reason:
-            raise ValueError(f"a {self.status} cell needs a reason ({self.check}/{self.stage})")
-
-    def row(self) -> dict[str, Any]:
-        return {c: getattr(self, c) for c in CELL_COLUMNS}
-
-
-@dataclass
-class ValidationReport:
-    """Everything a run produced. ``cells`` is the matrix; ``hazards``, ``expert_parallel`` and ``drift`` are the
-    per-section tables (the first two also contribute cells); ``files`` what was written to ``out_dir``."""
-
-    config: ValidationConfig
-    cells: list[Cell]
-    hazards: pd.DataFrame
-    expert_parallel: pd.DataFrame
-    drift: pd.DataFrame | None
-    environment: dict[str, Any]
-    seconds: float
-    drift_fig: Any = None
-    files: dict[str, Path] = field(default_factory=dict)
-
-    def table(self) -> pd.DataFrame:
-        """One row per cell, columns :data:`CELL_COLUMNS`."""
-        return pd.DataFrame([c.row() for c in self.cells], columns=CELL_COLUMNS)
-
-    def summary(self) -> pd.DataFrame:
-        """Cells per check and status (rows: checks; columns: passed / failed / not-run / total)."""
-        t = self.table()
-        s = pd.crosstab(t["check"], t["status"]).reindex(columns=list(STATUSES), fill_value=0)
-        s["total"] = s.sum(axis=1)
-        s.loc["all"] = s.sum()
-        return s
-
-    def accuracy_summary(self) -> pd.DataFrame:
-        """Accuracy cells per (preset, stage, dtype): counts by status and the worst error / lowest agreement."""
-        t = self.table()
-        t = t[t["check"] == "accuracy"]
-        if t.empty:
-            return pd.DataFrame()
-        g = t.groupby(["preset", "stage", "dtype"], sort=False)
-        out = pd.DataFrame({s: g["status"].apply(lambda x, s=s: int((x == s).sum())) for s in STATUSES})
-        out["worst_error"] = g["max_error"].max()
-        out["tolerance"] = g["tolerance"].max()
-        out["min_top1_agreement"] = g["top1_agreement"].min()
-        return out
-
-    def failures(self) -> pd.DataFrame:
-        t = self.table()
-        return t[t["status"] == "failed"].reset_index(drop=True)
-
-    def not_run(self) -> pd.DataFrame:
-        """Not-run cells grouped by (check, stage, reason), with how many cells each covers."""
-        t = self.table()
-        t = t[t["status"] == "not-run"]
-        if t.empty:
-            return pd.DataFrame(columns=["check", "stage", "reason", "cells"])
-        return (t.groupby(["check", "stage", "reason"], sort=False).size().rename("cells").reset_index())
-
-    @property
-    def passed(self) -> bool:
-        """True when no cell that ran failed."""
-        return not any(c.status == "failed" for c in self.cells)
-
-    def exit_code(self, report_only: bool = False) -> int:
-        return 0 if (report_only or self.passed) else 1
-
-    def to_html(self, path: str | Path) -> Path:
-        """Write the self-contained HTML report (no external resources; the drift figure with plotly.js inline)."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(_render_html(self), encoding="utf-8")
-        return p
-
-    def write(self, out_dir: str | Path) -> dict[str, Path]:
-        """``report.html``, ``cells.csv``, ``summary.json`` (and ``drift_with_depth.html`` / ``drift.csv``)."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        files = {"report": self.to_html(out / "report.html")}
-        t = self.table()
-        t.to_csv(out / "cells.csv", index=False)
-        files["cells"] = out / "cells.csv"
-        if self.drift is not None:
-            self.drift.to_csv(out / "drift.csv", index=False)
-            files["drift_csv"] = out / "drift.csv"
-            if self.drift_fig is not None:
-                self.drift_fig.write_html(str(out / "drift_with_depth.html"), include_plotlyjs=True, full_html=True)
-                files["drift_figure"] = out / "drift_with_depth.html"
-        summary = {"passed": self.passed, "seconds": round(self.seconds, 1), "environment": self.environment,
-                   "config": _jsonable(self.config.as_dict()),
-                   "counts": {k: {s: int(v) for s, v in row.items()} for k, row in self.summary().iterrows()},
-                   "failed": t[t["status"] == "failed"][["check", "preset", "stage", "dtype", "batch", "context",
-                                                         "seed", "reason"]].to_dict("records")}
-        (out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=1))
-        files["summary"] = out / "summary.json"
-        self.files = files
-        return files
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
-        try:
-            return x.item()
-        except (ValueError, AttributeError):
-            return str(x)
-    return x
 
 
 # ====================================================================== stages and their declared support
@@ -431,141 +138,7 @@ def support_refusal(stage: str, model: KimiForCausalLM, batch: int, max_seq_len:
     return None
 
 
-# ====================================================================== the reference and one comparison
-
-
-@dataclass
-class ReferenceTrace:
-    """The fp64 ``naive`` reference for one (model, batch, prompt, steps): its own greedy decode, teacher-forcing
-    nothing. ``logits[s]`` [B, V] is step ``s`` (0 = prefill); ``tokens[s]`` its argmax (what every stage is fed)."""
-
-    ids: torch.Tensor
-    lengths: list[int]
-    steps: int
-    logits: list[torch.Tensor]
-    reference: str
-    routes: list[torch.Tensor] | None = None
-
-    @property
-    def tokens(self) -> list[torch.Tensor]:
-        return [a.argmax(-1) for a in self.logits]
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.ids.shape[1] + self.steps + 1
-
-
-@contextlib.contextmanager
-def _record_routes(model: KimiForCausalLM) -> Iterator[list[torch.Tensor]]:
-    """Record the expert ids every router call of ``model`` returns, in call order."""
-    out: list[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda _m, _i, o: out.append(o[1].detach().sort(-1).values.cpu()))
-             for m in model.modules() if isinstance(m, Router)]
-    try:
-        yield out
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-def _prompt(vocab: int, batch: int, prompt_len: int, seed: int) -> tuple[torch.Tensor, list[int]]:
-    """Exactly :func:`compare_to_reference`'s prompt for ``seed``: mixed lengths, ids from generator ``seed + 1``."""
-    lengths = mixed_lengths(batch, prompt_len, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    return torch.randint(0, vocab, (batch, prompt_len), generator=g), lengths
-
-
-@torch.no_grad()
-def reference_trace(ref_model: KimiForCausalLM, batch: int, prompt_len: int, steps: int, seed: int,
-                    record_routes: bool = False) -> ReferenceTrace:
-    """Run stage ``naive`` on ``ref_model`` (the fp64 oracle) greedily, as :func:`compare_to_reference` does."""
-    ids, lengths = _prompt(ref_model.config.vocab_size, batch, prompt_len, seed)
-    dec = Decoder(ref_model, "naive", batch_size=batch, max_seq_len=prompt_len + steps + 1)
-    with _record_routes(ref_model) if record_routes else contextlib.nullcontext() as routes:
-        a = dec.prefill(ids.to(ref_model.device), lengths)
-        logits = [a]
-        for _ in range(steps):
-            a = dec.step(a.argmax(-1))
-            logits.append(a)
-    return ReferenceTrace(ids, lengths, steps, [x.cpu() for x in logits],
-                          f"naive {str(ref_model.dtype).replace('torch.', '')}", routes if record_routes else None)
-
-
-def poison_stage_state(stage: Stage) -> int:
-    """NaN-fill every decode-state tensor ``stage`` holds (its ``DecodeState`` attributes, and those of stages it
-    wraps). A correct stage (re)writes all state its prefill reads; one that relies on zero-initialised buffers
-    it never reset reads NaN and fails. Returns how many tensors were poisoned."""
-    seen: set[int] = set()
-    n = 0
-
-    def visit(obj: Any, depth: int) -> None:
-        nonlocal n
-        if id(obj) in seen or depth > 2:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, DecodeState):
-            for s in obj.layers:
-                for t in ((s.S, s.conv) if isinstance(s, KDAState) else (s.latent, s.k_r) if isinstance(s, MLACache)
-                          else ()):
-                    poison(t)
-                    n += 1
-        elif isinstance(obj, Stage):
-            for v in vars(obj).values():
-                if isinstance(v, (DecodeState, Stage)):
-                    visit(v, depth + 1)
-
-    visit(stage, 0)
-    return n
-
-
-class _Refused(Exception):
-    """A stage refused to build (``ValueError`` from its constructor): the cell is not run, with the message."""
-
-
-@torch.no_grad()
-def _run_stage(model: KimiForCausalLM, stage: str, trace: ReferenceTrace, stop_on_token_mismatch: bool,
-               routes: list[torch.Tensor] | None = None, **stage_options: Any
-               ) -> tuple[StageComparison, list[torch.Tensor], int]:
-    """The loop of :func:`compare_to_reference` against a stored reference; also returns the stage's logits per
-    step and how many state tensors were poisoned before its prefill."""
-    bf16 = model.dtype == torch.bfloat16
-    B = trace.ids.shape[0]
-    try:
-        dut = Decoder(model, stage, batch_size=B, max_seq_len=trace.max_seq_len, **stage_options)
-    except ValueError as e:
-        raise _Refused(str(e)) from e
-    poisoned = poison_stage_state(dut.stage)
-    res = StageComparison(stage=stage, dtype=str(model.dtype).replace("torch.", ""), batch_size=B,
-                          prompt_lengths=list(trace.lengths), steps=trace.steps,
-                          mode="teacher-forced" if bf16 else "greedy",
-                          tolerance=TOL["bf16_stage"] if bf16 else TOL["fp32_stage"], reference=trace.reference)
-    outs: list[torch.Tensor] = []
-    with _record_routes(model) if routes is not None else contextlib.nullcontext() as rec:
-        b = dut.prefill(trace.ids.to(model.device), trace.lengths)
-        agree = []
-        for s in range(trace.steps + 1):
-            a = trace.logits[s]
-            outs.append(b.detach().cpu())
-            res.errors.append(rel_error(b, a))
-            ref_tok, dut_tok = a.argmax(-1), b.float().argmax(-1).cpu()
-            agree.append((ref_tok == dut_tok).float().mean().item())
-            if not bf16 and not torch.equal(ref_tok, dut_tok):
-                res.tokens_equal = False
-                if stop_on_token_mismatch:
-                    break
-            if s < trace.steps:
-                b = dut.step(ref_tok.to(model.device))
-    if routes is not None:
-        routes.extend(rec)
-    res.top1_agreement = sum(agree) / len(agree)
-    return res, outs, poisoned
-
-
-def compare_with_trace(model: KimiForCausalLM, stage: str, trace: ReferenceTrace, **stage_options: Any
-                       ) -> StageComparison:
-    """:func:`kimik3.validation.compare_to_reference` with the reference run taken from ``trace`` (same prompt,
-    same loop, same rules): what lets one fp64 reference run serve every stage."""
-    return _run_stage(model, stage, trace, True, **stage_options)[0]
+# ====================================================================== one accuracy cell's verdict
 
 
 def _route_flips(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> float | None:
@@ -711,71 +284,6 @@ def drift_with_depth(preset: str | ModelConfig = "k3-deep-tiny", tokens: int = 1
     return df
 
 
-def drift_figure(drift: pd.DataFrame) -> Any:
-    """Error per layer (log scale), KDA and MLA layers marked, AttnRes block starts as dotted lines."""
-    import plotly.graph_objects as go
-
-    layers = drift[drift["mixer"] != "logits"]
-    fig = go.Figure()
-    fig.add_scatter(x=layers["layer"], y=layers["error"], mode="lines", name="layer output", line=dict(color="#999"),
-                    hoverinfo="skip")
-    for kind, color in (("kda", "#1f77b4"), ("mla", "#d62728")):
-        g = layers[layers["mixer"] == kind]
-        fig.add_scatter(x=g["layer"], y=g["error"], mode="markers", name=f"{kind.upper()} layer",
-                        marker=dict(color=color, size=6),
-                        hovertemplate="layer %{x}<br>e = %{y:.3e}<extra>" + kind.upper() + "</extra>")
-    last = drift[drift["mixer"] == "logits"]
-    if not last.empty:
-        fig.add_scatter(x=last["layer"], y=last["error"], mode="markers", name="logits",
-                        marker=dict(color="black", symbol="star", size=11),
-                        hovertemplate="logits<br>e = %{y:.3e}<extra></extra>")
-    for x in layers.loc[layers["block_start"], "layer"]:
-        fig.add_vline(x=x, line=dict(color="#bbb", dash="dot", width=1))
-    fig.add_hline(y=TOL["bf16_stage"], line=dict(color="#2ca02c", dash="dash", width=1),
-                  annotation_text="TOL bf16_stage (micro/tiny logits; not a bound here)",
-                  annotation_position="top left")
-    a = drift.attrs
-    fig.update_yaxes(type="log", title="e(bf16, fp32) of the layer output")
-    fig.update_xaxes(title="layer (dotted: AttnRes block starts)")
-    fig.update_layout(template="plotly_white", height=440,
-                      title=f"bf16 drift with depth: {a.get('preset', '')}, {a.get('tokens', '?')} tokens × batch "
-                            f"{a.get('batch', '?')}, seed {a.get('seed', '?')} (reported, not bounded)")
-    return fig
-
-
-def error_figure(report: ValidationReport) -> Any:
-    """Heatmap of the accuracy cells: worst ``e`` over seeds divided by the cell's tolerance (log colour, 1 =
-    the bound), rows stage × dtype, columns batch × context; hover shows status and top-1 agreement."""
-    import numpy as np
-    import plotly.graph_objects as go
-
-    t = report.table()
-    t = t[(t["check"] == "accuracy") & (t["status"] != "not-run")].copy()
-    fig = go.Figure()
-    if t.empty:
-        return fig.update_layout(title="no accuracy cells ran")
-    t["ratio"] = t["max_error"].astype(float) / t["tolerance"].astype(float)
-    t["row"] = t["preset"] + " · " + t["stage"] + " · " + t["dtype"].map(lambda d: _SHORT.get(d, d))
-    t["col"] = "B=" + t["batch"].astype(str) + " " + t["context"]
-    t["failed"] = t["status"] == "failed"
-    g = t.groupby(["row", "col"], sort=False).agg(ratio=("ratio", "max"), failed=("failed", "sum"),
-                                                   top1=("top1_agreement", "min")).reset_index()
-    rows, cols = list(dict.fromkeys(t["row"])), list(dict.fromkeys(t["col"]))
-    z = np.full((len(rows), len(cols)), np.nan)
-    text = [["" for _ in cols] for _ in rows]
-    for r in g.to_dict("records"):
-        i, j = rows.index(r["row"]), cols.index(r["col"])
-        z[i, j] = np.log10(max(r["ratio"], 1e-6)) if math.isfinite(r["ratio"]) else 3.0
-        text[i][j] = f"e/tol {r['ratio']:.2g}<br>top-1 {r['top1']:.0%}" + ("<br><b>FAILED</b>" if r["failed"] else "")
-    fig.add_heatmap(z=z, x=cols, y=rows, text=text, hovertemplate="%{y}<br>%{x}<br>%{text}<extra></extra>",
-                    colorscale=[[0, "#2166ac"], [0.5, "#f7f7f7"], [0.75, "#fdae61"], [1, "#b2182b"]], zmin=-3, zmax=1,
-                    colorbar=dict(title="log10 e/tol", tickvals=[-3, -2, -1, 0, 1],
-                                  ticktext=["1e-3", "1e-2", "0.1", "1 (bound)", "10"]))
-    fig.update_layout(template="plotly_white", height=120 + 28 * len(rows),
-                      title="Worst per-step error over the tolerance, every accuracy cell (red ≥ 1: failed)")
-    return fig
-
-
 # ====================================================================== the run
 
 
@@ -790,24 +298,9 @@ def _threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
-def _git_commit() -> str:
-    try:
-        root = Path(__file__).resolve().parents[1]
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                             text=True, timeout=5)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True,
-                               timeout=5)
-        return out.stdout.strip() + (" (dirty)" if dirty.stdout.strip() else "") if out.returncode == 0 else "?"
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-
-
 def _environment(device: str) -> dict[str, Any]:
-    env = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "commit": _git_commit(),
-           "torch": torch.__version__, "python": platform.python_version(), "device": device,
-           "cpu_count": os.cpu_count(), "threads": torch.get_num_threads()}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
+    env = provenance(device)
+    env["threads"] = torch.get_num_threads()
     return env
 
 
@@ -1215,7 +708,7 @@ def _determinism_cell(model: KimiForCausalLM, stage: str, trace: ReferenceTrace,
     if not cls.support.deterministic:
         return Cell(**base, status="not-run", reason=f"{stage}: declares itself nondeterministic (atomics / "
                                                      "unordered reductions): held to the tolerance only")
-    # a stage with an interleaving / scheduling seed (megakernel-cpu) runs the second time under another one:
+    # a stage with an interleaving / scheduling seed (megakernel-interp) runs the second time under another one:
     # its determinism claim is "whatever the interleaving"
     other = {"seed": 1} if "seed" in inspect.signature(cls.__init__).parameters else {}
     if other:
@@ -1237,157 +730,3 @@ def _determinism_cell(model: KimiForCausalLM, stage: str, trace: ReferenceTrace,
                                                         f"step {s} (max |Δ| = {worst:.3e})",
                         seconds=time.perf_counter() - t0)
     return Cell(**base, status="passed", seconds=time.perf_counter() - t0)
-
-
-# ====================================================================== HTML
-
-
-_CSS = """
-body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1400px}
-h1{font-size:22px}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}
-table{border-collapse:collapse;font-size:12px;margin:8px 0}
-th,td{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top}
-th{background:#f4f4f4;position:sticky;top:0}
-tr.passed td.status{background:#dff0d8}tr.failed td.status{background:#f2dede;font-weight:bold}
-tr.not-run td.status{background:#eee;color:#666}
-.badge{display:inline-block;padding:2px 8px;border-radius:4px;color:#fff;font-weight:bold}
-.ok{background:#3c763d}.bad{background:#a94442}.note{background:#fcf8e3;padding:8px;border:1px solid #faebcc}
-code{background:#f4f4f4;padding:0 3px}
-"""
-
-
-def _fmt(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return ""
-    if isinstance(v, float):
-        if v == 0:
-            return "0"
-        return f"{v:.3e}" if (abs(v) < 1e-2 or abs(v) >= 1e4 or math.isinf(v)) else f"{v:.4g}"
-    return str(v)
-
-
-def _table_html(df: pd.DataFrame, status_col: str | None = "status") -> str:
-    if df is None or df.empty:
-        return "<p><i>none</i></p>"
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
-    rows = []
-    for rec in df.to_dict("records"):
-        cls = html.escape(str(rec.get(status_col, ""))) if status_col else ""
-        tds = "".join(f"<td class='{html.escape(str(c))}'>{html.escape(_fmt(rec[c]))}</td>" for c in df.columns)
-        rows.append(f"<tr class='{cls}'>{tds}</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
-
-
-def _render_html(r: ValidationReport) -> str:
-    t = r.table()
-    cfg = r.config
-    ok = r.passed
-    env_txt = html.escape("; ".join(f"{k}: {v}" for k, v in r.environment.items()))
-    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kimik3 validation report</title>"
-             f"<style>{_CSS}</style></head><body>",
-             "<h1>kimik3 validation report "
-             f"<span class='badge {'ok' if ok else 'bad'}'>{'ALL RUN CELLS PASSED' if ok else 'FAILURES'}</span></h1>",
-             f"<p>{env_txt}<br>mode: {'--quick' if cfg.quick else 'full'}; presets "
-             f"{', '.join(cfg.presets)}; dtypes {', '.join(cfg.dtypes)}; batch sizes {list(cfg.batch_sizes)}; "
-             f"contexts {', '.join(f'{n} ({w} prompt tokens)' for n, w in cfg.contexts)}; {cfg.steps} decode "
-             f"steps; seeds {list(cfg.seeds)}; run time {r.seconds:.0f} s. Reference: stage <code>naive</code> in "
-             f"float64 on the same (for bf16: bf16-rounded) weights. Tolerances (validation.md): fp32 "
-             f"e ≤ {TOL['fp32_stage']:.0e} per step + identical greedy tokens; bf16 teacher-forced "
-             f"e ≤ {TOL['bf16_stage']:.0e} per step; expert-parallel e ≤ {TOL['expert_parallel']:.0e}. Internal "
-             f"chunk: {CHUNK_TOKENS} tokens.</p>",
-             "<h2>Summary</h2>", _table_html(r.summary().reset_index(), None)]
-    acc = r.accuracy_summary()
-    js_done = False
-    if not acc.empty:
-        parts += ["<h3>Accuracy by stage and dtype</h3>", _table_html(acc.reset_index(), None),
-                  error_figure(r).to_html(include_plotlyjs=True, full_html=False)]
-        js_done = True
-    parts += ["<div class='note'>Known issue: on random-weight presets bf16 rounding can flip near-tied top-k expert "
-              "choices, so bf16 cells can exceed the bf16 tolerance. Such cells are reported as failed with their "
-              "error, top-1 agreement and <code>router_flips</code> (share of router calls whose top-k set "
-              "differs from the fp64 reference in the naive stage's run of the same prompts). Tolerances are not "
-              "loosened.</div>",
-              "<h2>Failed</h2>", _table_html(r.failures()),
-              "<h2>Not run, and why</h2>", _table_html(r.not_run(), None)]
-    if r.drift is not None:
-        parts.append("<h2>bf16 drift with depth (reported, not bounded)</h2>")
-        if r.drift_fig is not None:
-            parts.append(r.drift_fig.to_html(include_plotlyjs=not js_done, full_html=False))
-        parts.append(_table_html(r.drift, None))
-    parts += ["<h2>Megakernel hazard checker</h2>", _table_html(r.hazards),
-              "<h2>Expert parallelism (gloo processes vs one process)</h2>", _table_html(r.expert_parallel, None),
-              "<h2>Every cell</h2>", _table_html(t), "</body></html>"]
-    return "\n".join(parts)
-
-
-# ====================================================================== CLI
-
-
-def _ints(s: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in s.split(",") if x.strip())
-
-
-def _names(s: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in s.split(",") if x.strip())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kimik3 validate``: run the matrix, write the report, exit 0 only if every run cell passed."""
-    ap = argparse.ArgumentParser(prog="python -m kimik3 validate", description=main.__doc__)
-    ap.add_argument("--quick", action="store_true", help="the CI subset: micro, one seed, 2 steps, short+long context")
-    ap.add_argument("--presets", type=_names, default=None, help="comma-separated, e.g. micro,tiny")
-    ap.add_argument("--stages", type=_names, default=None, help="comma-separated (default: every stage)")
-    ap.add_argument("--dtypes", type=_names, default=None, help="float32,bfloat16")
-    ap.add_argument("--batch-sizes", type=_ints, default=None)
-    ap.add_argument("--seeds", type=_ints, default=None)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads during the run (default 1)")
-    ap.add_argument("--no-determinism", action="store_true")
-    ap.add_argument("--no-hazards", action="store_true")
-    ap.add_argument("--no-ep", action="store_true", help="skip the expert-parallel processes")
-    ap.add_argument("--drift-tokens", type=int, default=None, help="0 skips the bf16 drift curve")
-    ap.add_argument("--out", default="runs/validate", help="run folder for report.html, cells.csv, summary.json")
-    ap.add_argument("--report-only", action="store_true", help="exit 0 whatever failed")
-    ap.add_argument("--no-progress", action="store_true")
-    a = ap.parse_args(argv)
-    over: dict[str, Any] = {}
-    for key, val in (("stages", a.stages), ("dtypes", a.dtypes), ("batch_sizes", a.batch_sizes), ("seeds", a.seeds),
-                     ("steps", a.steps), ("drift_tokens", a.drift_tokens)):
-        if val is not None:
-            over[key] = val
-    if a.threads is not None:
-        over["threads"] = a.threads
-    if a.no_determinism:
-        over["determinism"] = False
-    if a.no_hazards:
-        over["hazards"] = False
-    if a.no_ep:
-        over["ep_runs"] = ()
-    if a.quick:
-        cfg = quick_config(a.device, **over)
-        if a.presets:
-            extra = tuple(w for w in cfg.not_run if not any(w[0] == f"preset {p}" for p in a.presets))
-            cfg = dataclasses.replace(cfg, presets=a.presets, not_run=extra)
-    else:
-        cfg = default_config(a.presets, a.device, **over)
-    report = run_validation(cfg, a.out, progress=not a.no_progress)
-    s = report.summary()
-    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_colwidth", 160):
-        print(s.to_string())
-        acc = report.accuracy_summary()
-        if not acc.empty:
-            print(acc.to_string())
-        f = report.failures()
-        if not f.empty:
-            print("\nFAILED:")
-            print(f[["check", "preset", "stage", "dtype", "batch", "context", "seed", "reason"]].to_string())
-        nr = report.not_run()
-        if not nr.empty:
-            print("\nNOT RUN:")
-            print(nr.to_string())
-    print(f"\nreport: {report.files.get('report')}  ({report.seconds:.0f} s)")
-    code = report.exit_code(a.report_only)
-    if not report.passed:
-        print("some cells failed" + (" (--report-only: exit 0)" if a.report_only else ""))
-    return code

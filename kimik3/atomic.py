@@ -1,0 +1,138 @@
+"""Atomic writes: every file the package writes appears whole or not at all.
+
+A file is written to a temporary sibling, flushed to disk and renamed over the target (``os.replace`` is atomic
+on POSIX and replaces a symlink itself rather than writing through it). A directory (a checkpoint export) is
+built in a temporary sibling folder and swapped in, so a reader never sees files of two exports mixed and an
+interrupted export leaves the previous one intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+__all__ = ["atomic_write_text", "atomic_write_bytes", "atomic_path", "staged_directory", "check_writable"]
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable (the directory entry, not only the file's data)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems do not support fsync on directories; the rename itself is still atomic
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; when the block succeeds it is synced and renamed onto ``path``.
+    On any exception the temporary file is removed and ``path`` is left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        _public(tmp_path)
+        yield tmp_path
+        _fsync_file(tmp_path)
+        os.replace(tmp_path, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def _public(tmp: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; the result gets the usual permissions
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding=encoding)
+    return Path(path)
+
+
+def check_writable(path: str | Path, is_dir: bool = False) -> Path:
+    """Fail now, with the reason, if ``path`` (a file, or a folder when ``is_dir``) cannot be written — before a
+    long run whose results would otherwise be lost at the end. Creates missing parent folders."""
+    path = Path(path)
+    folder = path if is_dir else path.parent
+    if not is_dir and path.is_dir():
+        raise ValueError(f"output {path} is a directory; expected a file path")
+    if is_dir and path.exists() and not path.is_dir():
+        raise ValueError(f"output {path} exists and is not a directory")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".kimik3-write-probe.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"cannot write to {path}: {e.strerror or e}") from None
+    return path
+
+
+@contextlib.contextmanager
+def staged_directory(path: str | Path, overwrite: bool = False,
+                     replaceable: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+    """Yield an empty staging folder beside ``path``; when the block succeeds its files are synced and the folder
+    takes ``path``'s place (an earlier folder there is removed only after the new one is complete).
+
+    An existing non-empty ``path`` is replaced only when ``replaceable(path)`` says it is one of ours or
+    ``overwrite`` is true; otherwise ``ValueError`` before anything is written. ``path`` itself may be a symlink
+    to a folder (the user's choice of location); nothing inside the old folder is ever written through."""
+    path = Path(os.path.abspath(path))  # "out/." or "." have no usable name for the sibling folders
+    if path.is_symlink() and path.is_dir():
+        path = path.resolve()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"output {path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not overwrite and not (replaceable and replaceable(path)):
+        raise ValueError(f"output folder {path} is not empty and does not hold a kimik3 export; choose an empty "
+                         "or new folder, or pass overwrite=True (--overwrite) to replace its contents")
+    check_writable(path.parent, is_dir=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".staging", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes it private; the export gets the usual permissions
+    old: Path | None = None
+    try:
+        yield stage
+        for f in stage.rglob("*"):
+            if f.is_file():
+                _fsync_file(f)
+        _fsync_dir(stage)
+        if path.exists():
+            # two renames: the old folder moves aside, the new one takes its name; a crash in between leaves the
+            # complete old export in the hidden sibling and no folder at `path`, never a mixture
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.rmdir(old)
+            os.replace(path, old)
+        os.replace(stage, path)
+        _fsync_dir(path.parent)
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)
+        if old is not None and old.exists():
+            shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,48 @@
+"""The (preset, batch) pairs that are built ahead of time for a GPU machine without the CuTe DSL compiler.
+
+One definition, read by everything that must agree on it: the prebuilt export (``scripts/device_check.py
+--build-prebuilt``), the GPU tests (which may use only what was exported: the loader refuses any other static
+shape) and the device check's plan. Adding a pair here adds it to the export, the tests and the plan together.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FUSED_TARGETS", "MEGAKERNEL_TARGETS", "fused_cases", "megakernel_cases", "select"]
+
+# (preset, batch, expert format) of every fused decode step that is exported
+FUSED_TARGETS: tuple[tuple[str, int, str], ...] = (
+    ("tiny", 1, "bf16"), ("tiny", 8, "bf16"), ("tiny", 64, "bf16"), ("tiny", 8, "mxfp4"),
+    ("k3-shard", 1, "bf16"), ("k3-shard", 8, "bf16"), ("k3-shard", 64, "bf16"), ("k3-shard", 1, "mxfp4"),
+    ("k3-shard", 8, "mxfp4"),
+)
+# (preset, batch) of every persistent-megakernel variant that is exported (the registry names them
+# ``megakernel/<preset>/b<batch>``)
+MEGAKERNEL_TARGETS: tuple[tuple[str, int], ...] = (("tiny", 1), ("k3-shard", 1), ("k3-shard", 8), ("k3-shard", 64))
+
+
+def fused_cases(expert_format: str = "bf16") -> list[tuple[str, int]]:
+    """The (preset, batch) pairs of the fused step exported with ``expert_format``."""
+    if expert_format not in ("bf16", "mxfp4"):
+        raise ValueError(f"expert_format must be 'bf16' or 'mxfp4', got {expert_format!r}")
+    return [(p, b) for p, b, f in FUSED_TARGETS if f == expert_format]
+
+
+def megakernel_cases(preset: str | None = None) -> list[tuple[str, int]]:
+    """The exported megakernel (preset, batch) pairs, all or those of one preset."""
+    return [(p, b) for p, b in MEGAKERNEL_TARGETS if preset is None or p == preset]
+
+
+def select(presets: str = "", batches: str = "") -> tuple[list[tuple[str, int, str]], list[tuple[str, int]]]:
+    """The fused and megakernel targets restricted to comma-separated ``presets`` / ``batches`` ("" = all)."""
+    ps = [p for p in presets.split(",") if p]
+    try:
+        bs = [int(b) for b in batches.split(",") if b]
+    except ValueError:
+        raise ValueError(f"batches must be comma-separated integers, got {batches!r}") from None
+    known = {p for p, _, _ in FUSED_TARGETS} | {p for p, _ in MEGAKERNEL_TARGETS}
+    unknown = [p for p in ps if p not in known]
+    if unknown:
+        raise ValueError(f"no prebuilt targets for preset(s) {unknown}; known: {sorted(known)}")
+    fused = [t for t in FUSED_TARGETS if (not ps or t[0] in ps) and (not bs or t[1] in bs)]
+    mk = [t for t in MEGAKERNEL_TARGETS if (not ps or t[0] in ps) and (not bs or t[1] in bs)]
+    return fused, mk

@@ -1,0 +1,539 @@
+"""Stage ``"megakernel-cpu"``: the megakernel's int32 program executed by native worker threads, one per core.
+
+Why a native executor as well as the interpreter (stage ``"megakernel-interp"``): the interpreter proves the
+program's logic one instruction at a time under random interleavings; this runs the same program — built by the
+same scheduler, for ``num_sms`` = worker threads — under real concurrency and at memory speed. Each worker walks
+its own queue once per decode step, waits on ``std::atomic`` counters (acquire loads, release adds, monotonic
+targets ``step·total + t`` exactly as the GPU kernel's), and a bounded spin turns a hang into
+:class:`MegakernelCPUError` with a per-worker dump. One call per decode step; per-instruction start/end stamps land
+in the GPU kernel's timing-buffer format (``[N, 3]`` int64: start ns, end ns, worker), so
+:func:`kimik3.megakernel.timeline.from_timings` draws a measured Gantt chart.
+
+The executor is C++ (``cpu_executor.cpp`` beside this file), compiled at first use with the C++ compiler PyTorch's
+CPU backend (Inductor) already requires — ``$CXX`` or ``g++`` — into a cache directory (``$KIMIK3_CACHE`` or
+``~/.cache/kimik3``), keyed by the source, the generated encoding header, the flags, the compiler and the host
+CPU. It has a plain C ABI loaded with :mod:`ctypes` (no PyTorch headers: the build takes seconds, and the same
+source compiles unchanged into the standalone ThreadSanitizer driver of :mod:`kimik3.megakernel.cpu_tsan`). With
+no compiler on the machine the stage refuses with a ``ValueError`` that says so.
+
+One definition of the encoding: opcodes, word offsets, dtype codes and FFN flags are not written in C++ — the
+header ``mk_encoding.h`` is generated here from :mod:`kimik3.megakernel.instructions` at build time, and the C++
+side's reading of a program header is tested against :func:`~kimik3.megakernel.instructions.decode_program`.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from kimik3.megakernel import instructions as enc
+from kimik3.megakernel.hazards import check_program, format_violations
+from kimik3.megakernel.instructions import FFN_LATENT_NORM, FFN_MLP, FFN_ROUTED, Kind, Program, encode_program
+from kimik3.megakernel.layout import check_supported, pack_weights, state_views, weight_view
+from kimik3.megakernel.scheduler import POLICIES, build_program
+from kimik3.megakernel.step import Tiling
+from kimik3.megakernel.timeline import from_timings
+from kimik3.model import DecodeState, KDAState, KimiForCausalLM
+from kimik3.stages import register_stage
+from kimik3.stages.base import Stage, StageSupport
+from kimik3.stages.naive import NaiveStage
+from kimik3.validation.metric import poison
+
+__all__ = [
+    "EXPERT_FORMATS",
+    "HEADER_FIELDS",
+    "PARAMS",
+    "MegakernelCPUError",
+    "CPUMegakernel",
+    "MegakernelCPUStage",
+    "encoding_header",
+    "find_compiler",
+    "build_library",
+    "default_workers",
+    "model_params",
+]
+
+SOURCE = Path(__file__).with_name("cpu_executor.cpp")
+MAX_BATCH = 64  # the executor's capacity (cpu_executor.cpp MAX_BATCH)
+ABI_VERSION = 2
+DEFAULT_TIMEOUT_S = 10.0  # a wait that spins this long is a hang: the step fails with a per-worker dump
+# "dense": the routed experts stream in the model's dtype; "mxfp4": as MXFP4 (E2M1 codes + an E8M0 scale per 32
+# weights, 4.25 bits per weight, the K3 release's expert format), packed once by kimik3.quant.mxfp4_quantize
+EXPERT_FORMATS = ("dense", "mxfp4")
+_EXPERT_SUFFIXES = ("experts.w1", "experts.w2", "experts.w3")
+
+# The program header, word by word, in the order encode_program writes it.
+HEADER_FIELDS = ("magic", "version", "header_words", "n", "instr_words", "s", "q", "c", "nb", "batch",
+                 "max_seq_len", "layers", "policy", "off_buf", "off_ctr", "off_ins", "off_q", "off_str", "nstr",
+                 "total", "max_waits", "max_operands")
+# Model constants handed to the executor at run time (one build serves every model); LORA_EPS is followed by
+# two values per layer (q_a / kv_a layernorm eps).
+PARAMS = ("act_bf16", "eps", "situ", "situ_beta", "situ_lin", "dk", "conv", "kda_lb", "nope", "rope", "kvl", "dv",
+          "mla_scale", "e", "topk", "renorm", "route_scale", "lora_eps")
+_DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "i64": "int64", "i32": "int32",
+                "bool": "bool", "f64": "float64"}
+
+
+class MegakernelCPUError(RuntimeError):
+    """A step's watchdog tripped: some worker spun past the deadline on a wait. ``dump``: one dict per worker
+    (state, queue position, instruction, counter, target, value seen); the message renders it."""
+
+    def __init__(self, message: str, dump: list[dict]) -> None:
+        super().__init__(message)
+        self.dump = dump
+
+
+# ================================================================================================ building
+
+
+_SCHEDULER_FLAGS = {"FFN_ROUTED": FFN_ROUTED, "FFN_MLP": FFN_MLP, "FFN_LATENT_NORM": FFN_LATENT_NORM}
+
+
+def _contract():
+    """The module holding the encoding constants: the pure-Python ISA beside the device code when present
+    (``kimik3.kernels.isa``, registered by importing :mod:`~kimik3.megakernel.instructions`), else the
+    instructions module itself."""
+    try:
+        from kimik3.kernels import isa
+
+        return isa
+    except ImportError:
+        return enc
+
+
+def encoding_header() -> str:
+    """``mk_encoding.h``: the encoding constants the C++ executor compiles against, from the Python definition."""
+    src = _contract()
+    lines = ["// Generated by kimik3/megakernel/cpu.py from the Python encoding definition. Do not edit.",
+             "#pragma once", f"#define MK_ABI_VERSION {ABI_VERSION}"]
+    for name in ("MAGIC", "VERSION", "HEADER_WORDS", "INSTR_WORDS", "BUFFER_WORDS", "COUNTER_WORDS",
+                 "OPERAND_WORDS", "MAX_OPERANDS", "MAX_WAITS", "W_OP", "W_LAYER", "W_SM", "W_QPOS", "W_ARGS",
+                 "W_SIGNAL", "W_AMOUNT", "W_NWAITS", "W_WAITS", "W_NOPS", "W_OPS", "FFN_ROUTED", "FFN_MLP",
+                 "FFN_LATENT_NORM"):
+        value = getattr(src, name) if hasattr(src, name) else _SCHEDULER_FLAGS[name]
+        lines.append(f"#define {name} {int(value)}")
+    for i, f in enumerate(HEADER_FIELDS):  # header word indices: the contract's H_* where it names them
+        lines.append(f"#define H_{f.upper()} {int(getattr(src, 'H_' + f.upper(), i))}")
+    codes = getattr(src, "DTYPE_CODES", None) or {str(dt).replace("torch.", ""): c for dt, c in enc._DTYPES.items()}
+    for short, long in _DTYPE_NAMES.items():
+        lines.append(f"#define DT_{short.upper()} {int(codes[long])}")
+    for op in src.Op:
+        lines.append(f"#define OP_{op.name} {int(op)}")
+    for kind in src.Kind:
+        lines.append(f"#define KIND_{kind.name} {int(kind)}")
+    for mode in (src.Mode.READ, src.Mode.WRITE, src.Mode.PREFETCH):
+        lines.append(f"#define MODE_{mode.name} {int(mode)}")
+    for i, p in enumerate(PARAMS):
+        lines.append(f"#define P_{p.upper()} {i}")
+    lines.append(f"#define P_COUNT {len(PARAMS)}")
+    return "\n".join(lines) + "\n"
+
+
+def find_compiler() -> str:
+    """The C++ compiler: ``$CXX``, else ``g++`` / ``c++`` on the PATH (what PyTorch's Inductor CPU backend uses)."""
+    for cand in ([os.environ["CXX"]] if os.environ.get("CXX") else []) + ["g++", "c++"]:
+        path = shutil.which(cand)
+        if path:
+            return path
+    raise ValueError("stage 'megakernel-cpu' compiles its native executor at first use and needs a C++ compiler "
+                     "(g++, the one PyTorch's CPU backend already requires); none was found: install g++ or set "
+                     "$CXX to one")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KIMIK3_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kimik3")
+    return Path(root) / "megakernel-cpu"
+
+
+def _host_cpu() -> str:
+    """What -march=native depends on: the machine and its CPU flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features", "model name")):
+                    flags += line
+                    if line.startswith(("flags", "Features")):
+                        break
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+OPT_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-pthread", "-fno-math-errno")
+TSAN_FLAGS = ("-O1", "-g", "-fsanitize=thread", "-fopenmp-simd", "-std=c++17", "-pthread", "-fno-math-errno")
+
+
+def _build(kind: str, flags: tuple[str, ...], sources: list[Path], out_name: str, shared: bool) -> Path:
+    """Compile ``sources`` (plus the generated header) into the cache, atomically; reuse a cached build."""
+    cxx = find_compiler()
+    header = encoding_header()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ValueError(f"C++ compiler {cxx} does not run: {e}") from None
+    h = hashlib.sha256()
+    for part in [header, version, _host_cpu(), kind, " ".join(flags), str(shared)] + \
+            [s.read_text() for s in sources]:
+        h.update(part.encode())
+    target = cache_dir() / h.hexdigest()[:20] / out_name
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        (Path(tmp) / "mk_encoding.h").write_text(header)
+        for s in sources:
+            shutil.copy(s, Path(tmp) / s.name)
+        out = Path(tmp) / out_name
+        cmd = [cxx, *flags, *(["-shared", "-fPIC"] if shared else []), "-I", tmp,
+               *[str(Path(tmp) / s.name) for s in sources[:1]], "-o", str(out)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0 and "-march=native" in flags:  # a compiler that does not know the host CPU
+            cmd = [c for c in cmd if c != "-march=native"]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"building the megakernel CPU executor failed ({' '.join(cmd)}):\n"
+                               f"{res.stderr[-4000:]}")
+        os.replace(out, target)  # atomic: a concurrent build of the same key leaves one complete file
+    return target
+
+
+def build_library() -> Path:
+    """The executor as a shared library (cached)."""
+    return _build("lib", OPT_FLAGS, [SOURCE], "libmk_cpu.so", shared=True)
+
+
+_LIB: ctypes.CDLL | None = None
+
+
+def load_library() -> ctypes.CDLL:
+    global _LIB
+    if _LIB is None:
+        lib = ctypes.CDLL(str(build_library()))
+        P, I64, I32, D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+        lib.mk_last_error.restype = ctypes.c_char_p
+        lib.mk_abi_version.restype = I64
+        lib.mk_header.argtypes = [P, I64, P]
+        lib.mk_header.restype = I32
+        lib.mk_create.argtypes = [P, I64, P, P, P, I64, I32, P, I32, P]
+        lib.mk_create.restype = P
+        lib.mk_set_addrs.argtypes = [P, P]
+        lib.mk_reset_counters.argtypes = [P]
+        lib.mk_counters.argtypes = [P, P]
+        lib.mk_run_step.argtypes = [P, I64, D]
+        lib.mk_run_step.restype = I32
+        lib.mk_dump.argtypes = [P, P]
+        lib.mk_destroy.argtypes = [P]
+        if lib.mk_abi_version() != ABI_VERSION:
+            raise RuntimeError("stale megakernel CPU executor in the cache (ABI version mismatch)")
+        _LIB = lib
+    return _LIB
+
+
+def header_as_read(encoded: torch.Tensor) -> dict[str, int]:
+    """The program header as the C++ executor reads it (for the test against the Python decoder)."""
+    lib = load_library()
+    out = torch.zeros(11, dtype=torch.int64)
+    t = encoded.contiguous()
+    if lib.mk_header(t.data_ptr(), t.numel(), out.data_ptr()) != 0:
+        raise ValueError("the executor rejected the program header")
+    keys = ("n", "s", "q", "c", "nb", "batch", "off_buf", "off_ctr", "off_ins", "off_q", "total")
+    return dict(zip(keys, out.tolist()))
+
+
+# ================================================================================================ the runner
+
+
+def default_workers() -> int:
+    """Worker threads by default: the cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def model_params(model: KimiForCausalLM) -> list[float]:
+    """The model constants the opcodes need, in :data:`PARAMS` order."""
+    cfg = model.config
+    nan = float("nan")
+    p = dict(act_bf16=float(model.dtype == torch.bfloat16), eps=cfg.rms_norm_eps,
+             situ=float(cfg.hidden_act == "situ"), situ_beta=float(cfg.situ_beta),
+             situ_lin=nan if cfg.situ_linear_beta is None else float(cfg.situ_linear_beta),
+             dk=cfg.kda_head_dim if cfg.kda_layers else 0, conv=cfg.kda_conv_size,
+             kda_lb=nan if cfg.kda_gate_lower_bound is None else float(cfg.kda_gate_lower_bound),
+             nope=cfg.qk_nope_head_dim, rope=cfg.qk_rope_head_dim, kvl=cfg.kv_lora_rank, dv=cfg.v_head_dim,
+             mla_scale=float(cfg.mla_softmax_scale) if cfg.mla_layers else 1.0, e=cfg.n_routed_experts,
+             topk=cfg.num_experts_per_tok, renorm=float(bool(cfg.norm_topk_prob)),
+             route_scale=float(cfg.routed_scaling_factor), lora_eps=0.0)
+    vals = [float(p[k]) for k in PARAMS[:-1]]
+    for layer in model.model.layers:
+        a = layer.self_attn
+        if layer.kind == "mla":
+            vals += [float(a.q_a_layernorm.eps), float(a.kv_a_layernorm.eps)]
+        else:
+            vals += [0.0, 0.0]
+    return vals
+
+
+class CPUMegakernel:
+    """Owns the program, the buffers and a native executor (its worker threads) for one model and batch size.
+
+    ``program``: run this one instead of building it (tests plant broken programs; ``check`` decides whether the
+    hazard checker may refuse it). ``pin``: pin worker ``w`` to the ``w``-th core this process may use."""
+
+    def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, num_workers: int | None = None,
+                 policy: str = "critical_path", tiling: Tiling | None = None, check: bool = True,
+                 program: Program | None = None, pin: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 experts: str = "dense") -> None:
+        if model.device.type != "cpu":
+            raise ValueError(f"the CPU megakernel runs on the CPU, not on {model.device.type}")
+        if model.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the CPU megakernel implements float32 and bfloat16 weights, got {model.dtype}")
+        if not 1 <= batch_size <= MAX_BATCH:
+            raise ValueError(f"the CPU megakernel supports batch sizes 1..{MAX_BATCH}, got {batch_size}")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+        if experts not in EXPERT_FORMATS:
+            raise ValueError(f"experts must be one of {', '.join(EXPERT_FORMATS)}, got {experts!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        cfg = model.config
+        check_supported(cfg)
+        if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+            raise ValueError("grouped routing (n_group > 1) is not implemented in the CPU megakernel's ROUTER")
+        self.num_workers = int(num_workers or default_workers())
+        if self.num_workers < 1:
+            raise ValueError(f"num_sms (worker threads) must be >= 1, got {self.num_workers}")
+        self.model, self.cfg, self.batch = model, cfg, batch_size
+        self.program = program if program is not None else build_program(
+            cfg, batch_size, self.num_workers, policy, max_seq_len, tiling, act_dtype=model.dtype)
+        if program is not None:
+            self.num_workers = program.num_sms
+        if check:
+            bad = check_program(self.program)
+            if bad:
+                raise ValueError("megakernel program failed the hazard check:\n" + format_violations(bad))
+        self.encoded = encode_program(self.program)
+        self.timeout_s = float(timeout_s)
+        with torch.no_grad():
+            weights = {n: t.detach() for n, t in model.named_parameters()}
+            weights.update(pack_weights(model))
+        self.tensors: dict[str, torch.Tensor] = {}
+        for spec in self.program.buffers:
+            if spec.kind == Kind.WEIGHT:
+                if spec.name not in weights:
+                    raise ValueError(f"program needs weight {spec.name!r}, which the model does not have")
+                t = weight_view(weights[spec.name]).contiguous()
+            elif spec.kind == Kind.STATE:
+                continue  # bound to a DecodeState by bind_state
+            else:
+                t = torch.zeros(spec.shape, dtype=spec.dtype)
+            self._check_buffer(spec.name, t, spec.shape, spec.dtype)
+            self.tensors[spec.name] = t
+        self._scratch = [self.tensors[s.name] for s in self.program.buffers if s.kind in (Kind.ACT, Kind.OUTPUT)]
+        # routed experts as MXFP4: packed codes and scales the executor streams instead of the dense buffers
+        self.experts = experts
+        self._mx: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._mx_addr = torch.zeros(2 * max(1, len(self.program.buffers)), dtype=torch.int64)
+        if experts == "mxfp4":
+            from kimik3.quant import mxfp4_quantize
+
+            for k, spec in enumerate(self.program.buffers):
+                if spec.kind == Kind.WEIGHT and spec.name.endswith(_EXPERT_SUFFIXES):
+                    packed, scale = mxfp4_quantize(self.tensors[spec.name])  # ValueError: width not a multiple of 32
+                    self._mx[spec.name] = (packed.contiguous(), scale.contiguous())
+                    self._mx_addr[2 * k], self._mx_addr[2 * k + 1] = packed.data_ptr(), scale.data_ptr()
+            if not self._mx:
+                raise ValueError("experts='mxfp4': the program has no routed-expert weights")
+        self.params = torch.tensor(model_params(model), dtype=torch.float64)
+        self.n = len(self.program.instructions)
+        self._timings = torch.zeros(max(1, self.n), 3, dtype=torch.int64)
+        self._addr = torch.zeros(max(1, len(self.program.buffers)), dtype=torch.int64)
+        self.steps_done = 0
+        self.broken: str | None = None
+        self._handle = None
+        self._lib = load_library()
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self._cpus = torch.tensor(cpus or [0], dtype=torch.int32)
+        self._pin = bool(pin and cpus)
+        self._bound = False
+
+    # ------------------------------------------------------------------ buffers
+    @staticmethod
+    def _check_buffer(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise ValueError(f"buffer {name}: program declares {list(shape)} {dtype}, got {list(t.shape)} {t.dtype}")
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"buffer {name} must be a contiguous CPU tensor")
+
+    def bind_state(self, state: DecodeState) -> None:
+        """Point the state buffers at ``state`` (updated in place by every step)."""
+        for st in state.layers:
+            if isinstance(st, KDAState):
+                st.conv, st.S = st.conv.contiguous(), st.S.contiguous()
+        self.tensors.update(state_views(self.cfg, state))
+        for k, spec in enumerate(self.program.buffers):
+            t = self.tensors.get(spec.name)
+            if t is None:
+                raise ValueError(f"state buffer {spec.name} is not bound")
+            self._check_buffer(spec.name, t, spec.shape, spec.dtype)
+            self._addr[k] = t.data_ptr()
+        if self._handle is None:
+            p = self.encoded
+            h = self._lib.mk_create(p.data_ptr(), p.numel(), self._addr.data_ptr(), self._mx_addr.data_ptr(),
+                                    self.params.data_ptr(),
+                                    self.params.numel(), int(self._pin), self._cpus.data_ptr(), self._cpus.numel(),
+                                    self._timings.data_ptr())
+            if not h:
+                raise ValueError("the CPU megakernel refused the program: " + self._lib.mk_last_error().decode())
+            self._handle = h
+        else:
+            self._lib.mk_set_addrs(self._handle, self._addr.data_ptr())
+        self._bound = True
+
+    def reset_counters(self) -> None:
+        """Counters back to zero and the step number to 0 (after a reset of the decode state, or a watchdog)."""
+        if self._handle is not None:
+            self._lib.mk_reset_counters(self._handle)
+        self.steps_done = 0
+        self.broken = None
+
+    def counters(self) -> list[int]:
+        out = torch.zeros(max(1, len(self.program.counters)), dtype=torch.int64)
+        self._lib.mk_counters(self._handle, out.data_ptr())
+        return out[: len(self.program.counters)].tolist()
+
+    def close(self) -> None:
+        """Stop the worker threads (also on garbage collection)."""
+        if self._handle is not None:
+            self._lib.mk_destroy(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (interpreter shutdown: the library may be gone already)
+            pass
+
+    # ------------------------------------------------------------------ running
+    def poison_scratch(self) -> None:
+        """NaN-fill activations and outputs (max int / True for integer and bool buffers): reading anything not
+        written in this step then shows up in the logits."""
+        for t in self._scratch:
+            t.fill_(True) if t.dtype == torch.bool else poison(t)
+
+    @torch.no_grad()
+    def run_step(self, ids: torch.Tensor, positions: torch.Tensor, poison_scratch: bool = False) -> torch.Tensor:
+        """One decode step: tokens ``ids`` [B] at ``positions`` [B] → fp32 logits [B, V] (the logits buffer)."""
+        if self.broken:
+            raise RuntimeError(f"megakernel-cpu is unusable after: {self.broken}; call reset()")
+        if not self._bound:
+            raise RuntimeError("bind_state() first: the program's state buffers point nowhere")
+        self.tensors["ids"][:, 0, 0] = ids
+        self.tensors["pos"][:, 0, 0] = positions
+        if poison_scratch:
+            self.poison_scratch()
+        rc = self._lib.mk_run_step(self._handle, self.steps_done, self.timeout_s)
+        if rc != 0:
+            raise self._watchdog()
+        self.steps_done += 1
+        return self.tensors["logits"][:, 0, :]
+
+    def _watchdog(self) -> MegakernelCPUError:
+        p = self.program
+        raw = torch.zeros(self.num_workers * 7, dtype=torch.int64)
+        self._lib.mk_dump(self._handle, raw.data_ptr())
+        rows = raw.view(self.num_workers, 7).tolist()
+        states = {0: "finished", 1: "gave up", 2: "abandoned its wait"}
+        dump, lines = [], [f"megakernel-cpu watchdog in step {self.steps_done}: a wait spun past {self.timeout_s} s"]
+        for w, (state, qpos, qlen, v, c, target, seen) in enumerate(rows):
+            d = {"worker": w, "state": states.get(state, str(state)), "position": qpos, "length": qlen,
+                 "instruction": v if v >= 0 else None, "counter": c if c >= 0 else None, "target": target,
+                 "seen": seen}
+            if v >= 0:
+                d["label"] = p.instructions[v].label()
+            if c >= 0:
+                d["counter_name"] = p.counters[c].name
+            dump.append(d)
+            if state == 0:
+                lines.append(f"  worker {w}: finished all {qlen} instructions")
+            else:
+                lines.append(f"  worker {w}: {states.get(state, state)} at {qpos}/{qlen} on #{v} {d.get('label')}: "
+                             f"counter {c} '{d.get('counter_name')}' needs {target}, saw {seen}")
+        self.broken = lines[0]
+        return MegakernelCPUError("\n".join(lines), dump)
+
+    def timings(self) -> torch.Tensor:
+        """The last step's timing buffer ``[N, 3]`` int64 (start ns, end ns, worker id), the GPU kernel's format."""
+        return self._timings[: self.n].clone()
+
+    def timeline(self) -> pd.DataFrame:
+        """The last step as a measured timeline table (:func:`kimik3.megakernel.timeline.from_timings`)."""
+        return from_timings(self.program, self.timings())
+
+
+# ================================================================================================ the stage
+
+
+@register_stage
+class MegakernelCPUStage(Stage):
+    """Stage "megakernel-cpu": every decode step is one call into the native executor.
+
+    Options (``Decoder(..., stage="megakernel-cpu", **options)``): ``num_sms`` (worker threads = queues; default
+    the cores this process may use), ``policy`` ("critical_path" or "round_robin"), ``tiling``, ``check``
+    (hazard-check the program once), ``pin`` (pin workers to cores), ``timeout_s`` (watchdog), ``poison``
+    (NaN-fill scratch before each step, for tests), ``experts`` ("dense", or "mxfp4": the routed experts stream
+    as MXFP4 — exact for a model whose experts came from an MXFP4 checkpoint, a quantisation otherwise). Prefill
+    runs through the naive path token by token; the decode state is then shared with the executor, which updates
+    it in place. Deterministic: every element is computed by one instruction in a fixed order, whatever the
+    timing."""
+
+    name = "megakernel-cpu"
+    support = StageSupport(dtypes=(torch.float32, torch.bfloat16), max_batch=MAX_BATCH, devices=("cpu",))
+
+    def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, num_sms: int | None = None,
+                 policy: str = "critical_path", tiling: Tiling | None = None, check: bool = True, pin: bool = True,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, poison: bool = False, experts: str = "dense") -> None:
+        super().__init__(model, batch_size, max_seq_len)
+        self.runner = CPUMegakernel(model, batch_size, max_seq_len, num_sms, policy, tiling, check, pin=pin,
+                                    timeout_s=timeout_s, experts=experts)
+        self.program = self.runner.program
+        self.naive = NaiveStage(model, batch_size, max_seq_len)
+        self.poison = poison
+
+    def reset(self) -> None:
+        self.naive.reset()
+        self.runner.bind_state(self.naive.state)
+        self.runner.reset_counters()
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        logits = self.naive.prefill(input_ids, lengths)  # token by token through the reference path
+        self.runner.bind_state(self.naive.state)  # prefill re-allocates the state: new addresses
+        self.runner.reset_counters()
+        return logits
+
+    def snapshot(self) -> DecodeState:
+        return copy.deepcopy(self.naive.state)
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.runner.run_step(ids, positions, poison_scratch=self.poison).clone()
+
+    @property
+    def timings(self) -> torch.Tensor:
+        """The last step's ``[N, 3]`` timing buffer (start ns, end ns, worker id)."""
+        return self.runner.timings()
+
+    def timeline(self) -> pd.DataFrame:
+        return self.runner.timeline()

@@ -1,0 +1,227 @@
+"""A calibrated performance model of the GPU stages (``fused``, ``megakernel``) — a model, not a measurement.
+
+Until a GPU measures them, this is the yardstick, so it must not flatter: it charges what the device code
+actually does (bytes in flight per SM and Little's law, the shared-memory stage actually allocated, the global
+round trips counted per instruction, serial loops at the latency each trip waits on) against the real ceiling
+(achievable HBM read bandwidth, not the datasheet peak). Three inputs, all data:
+
+* **constants** — ``data/perf/constants.json``: latencies, bandwidths, SM count, each with its source;
+* **a design** — ``data/perf/designs/<name>.json``: per opcode / kernel threads, loads in flight and width,
+  staging, prefetch-ahead, serial loop structure, round trips (``v1`` = today's kernels);
+* **bytes and FLOPs** — never invented here: the megakernel's per-instruction costs from
+  :func:`kimik3.megakernel.scheduler.instruction_costs` (calibrated by :func:`kimik3.cost.decode_cost`), the fused
+  stage's per-launch counts from :func:`kimik3.launch_cost.launch_bytes`.
+
+:func:`predict` scores a design; :func:`compare_opcodes` / :func:`compare_kernels` set a measured run against it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kimik3.perfmodel.data import PERF_DIR, Constants, design_names, field, load_constants, load_design
+from kimik3.perfmodel.fused import fused_times
+from kimik3.perfmodel.megakernel import instruction_times, simulate_model, stream_ns
+
+__all__ = ["STAGES", "PERF_DIR", "Constants", "load_constants", "load_design", "design_names", "model_program",
+           "megakernel_model", "predict", "roofline_ms", "compare_opcodes", "compare_kernels", "opcode_report",
+           "model_columns",
+           "stream_ns", "instruction_times", "simulate_model", "fused_times"]
+
+STAGES = ("megakernel", "fused")
+
+
+@lru_cache(maxsize=8)
+def model_program(preset: str, batch: int, num_sms: int = 132, max_seq_len: int = 4096,
+                  context_len: int | None = None) -> Any:
+    """The megakernel program the GPU stage would run (critical-path policy), carrying its config and costs."""
+    from kimik3.config import get_preset
+    from kimik3.megakernel import build_program
+
+    prog = build_program(preset, batch, num_sms, "critical_path", max_seq_len, context_len=context_len)
+    prog.cfg = get_preset(preset)
+    return prog
+
+
+def megakernel_model(preset: str, batch: int, design: str | dict[str, Any] = "v1",
+                     constants: Constants | None = None, context_len: int = 4096,
+                     program: Any = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(per-instruction times, simulated timeline) of one megakernel step under a design."""
+    d = load_design(design) if isinstance(design, str) else design
+    c = constants or load_constants()
+    prog = program if program is not None else model_program(preset, batch, int(c.sm_count), 4096, context_len)
+    if getattr(prog, "cfg", None) is None:
+        from kimik3.config import get_preset
+
+        prog.cfg = get_preset(preset)
+    times = instruction_times(prog, d, c, context_len)
+    mk = d["megakernel"]
+    ahead = bool(field(mk["prefetch_ahead"]))
+    if ahead and int(field(mk.get("stage_buffers", {"value": 1}))) < 2:
+        raise ValueError(f"design {d['name']}: prefetch_ahead needs at least two stage buffers (the next "
+                         "instruction's weights cannot land in the stage the current one still reads)")
+    if field(mk["stage_wait"]) not in ("all", "rows"):
+        raise ValueError(f"design {d['name']}: stage_wait must be 'all' (every thread waits for the whole stage) or "
+                         f"'rows' (a warp waits only for its own rows), got {field(mk['stage_wait'])!r}")
+    tl = simulate_model(prog, times, prefetch_ahead=ahead, stage_wait_all=field(mk["stage_wait"]) == "all")
+    return times, tl
+
+
+def roofline_ms(preset: str, batch: int, context_len: int = 4096, constants: Constants | None = None) -> float:
+    """Bytes the step must move (``kimik3.cost.decode_cost``) over the achievable HBM read bandwidth."""
+    from kimik3.cost import decode_cost
+
+    c = constants or load_constants()
+    return decode_cost(preset, batch, context_len).total_bytes / c.achievable_Bps * 1e3
+
+
+def _check(preset: str, stage: str, batch: int, context_len: int) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r} for the performance model; expected one of {', '.join(STAGES)}")
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive integer, got {batch!r}")
+    if not isinstance(context_len, int) or not 1 <= context_len <= 4096:
+        raise ValueError(f"context must be between 1 and 4096 (the modelled cache capacity), got {context_len!r}")
+    from kimik3.config import get_preset
+
+    get_preset(preset)  # a clear ValueError for an unknown preset
+
+
+def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1, design: str = "v1",
+            context_len: int = 4096, constants: Constants | None = None) -> dict[str, Any]:
+    """``{"predicted_ms", "roofline_ms", "fraction_of_roofline", "by_opcode", ...}`` for one step.
+
+    ``by_opcode``: megakernel — per opcode the instruction count, mean and summed modelled time (start stamp to
+    end stamp, the span the kernel's timing buffer records) and what limits most of them; fused — the same per
+    kernel family."""
+    _check(preset, stage, batch, context_len)
+    c = constants or load_constants()
+    d = load_design(design)
+    roof = roofline_ms(preset, batch, context_len, c)
+    if stage == "megakernel":
+        times, tl = megakernel_model(preset, batch, d, c, context_len)
+        span = float(tl["end_ns"].max())
+        predicted = (span + c.kernel_boundary_ns) / 1e6
+        dur = tl["end_ns"] - tl["start_ns"]
+        t = times.assign(model_us=dur / 1e3)
+        by = {}
+        for op, g in t.groupby("op", sort=False):
+            by[op] = {"count": int(len(g)), "mean_us": round(float(g["model_us"].mean()), 3),
+                      "total_us": round(float(g["model_us"].sum()), 3),
+                      "limited_by": str(g["limited_by"].mode().iloc[0])}
+        extra = {"makespan_ms": span / 1e6, "instructions": int(len(tl))}
+    else:
+        ft = fused_times(preset, batch, d, c, context_len)
+        predicted = float(ft["ns"].sum()) / 1e6
+        by = {}
+        for fam, g in ft.groupby("family", sort=False):
+            by[fam] = {"count": int(len(g)), "mean_us": round(float(g["ns"].mean() / 1e3), 3),
+                       "total_us": round(float(g["ns"].sum() / 1e3), 3),
+                       "limited_by": str(g["limited_by"].mode().iloc[0])}
+        extra = {"kernels": int(len(ft))}
+    return {"preset": preset, "stage": stage, "batch": batch, "context": context_len, "design": d["name"],
+            "predicted_ms": round(predicted, 6), "roofline_ms": round(roof, 6),
+            "fraction_of_roofline": round(roof / predicted, 4), "by_opcode": by,
+            "ceiling_Bps": c.achievable_Bps, "label": "model (not a measurement)", **extra}
+
+
+def model_columns(preset: str, stage: str, batch: int, context_len: int) -> dict[str, Any]:
+    """Bench columns for a modelled stage: ``model_ms`` (design v1 on an H200, a model, not a measurement) and
+    ``model_roofline_ms``; empty for stages the model does not cover, ``model_note`` when the preset is not
+    modelled (say why, do not guess)."""
+    if stage not in STAGES:
+        return {}
+    try:
+        r = predict(preset, stage, batch, "v1", max(1, min(int(context_len), 4096)))
+    except (ValueError, AssertionError) as e:
+        return {"model_note": f"not modelled: {e}"}
+    return {"model_ms": r["predicted_ms"], "model_roofline_ms": r["roofline_ms"]}
+
+
+def compare_opcodes(times: pd.DataFrame | None, model_timeline: pd.DataFrame, measured: pd.DataFrame
+                    ) -> pd.DataFrame:
+    """Model vs measured per opcode. ``model_timeline`` from :func:`megakernel_model`, ``measured`` from
+    :func:`kimik3.megakernel.timeline.from_timings` of the same program (one row per instruction, same ids).
+    Columns: count, model/measured mean and total µs (start stamp to end stamp), measured ÷ model, and the
+    modelled limit."""
+    if len(model_timeline) != len(measured):
+        raise ValueError(f"model has {len(model_timeline)} instructions, the measurement {len(measured)}: "
+                         "not the same program")
+    if list(model_timeline["op"]) != list(measured["op"]):
+        raise ValueError("model and measurement disagree on the opcodes: not the same program")
+    m = (model_timeline["end_ns"] - model_timeline["start_ns"]) / 1e3
+    x = (measured["end_ns"] - measured["start_ns"]) / 1e3
+    df = pd.DataFrame({"op": model_timeline["op"], "model_us": m.to_numpy(), "measured_us": x.to_numpy()})
+    if times is not None:
+        df["limited_by"] = times["limited_by"].to_numpy()
+    g = df.groupby("op", sort=False)
+    out = pd.DataFrame({"count": g.size(), "model_mean_us": g["model_us"].mean(),
+                        "measured_mean_us": g["measured_us"].mean(), "model_total_us": g["model_us"].sum(),
+                        "measured_total_us": g["measured_us"].sum()})
+    out["measured_over_model"] = out["measured_total_us"] / out["model_total_us"].where(out["model_total_us"] > 0)
+    if "limited_by" in df:
+        out["model_limited_by"] = g["limited_by"].agg(lambda s: s.mode().iloc[0])
+    out.attrs["model_makespan_us"] = float(model_timeline["end_ns"].max()) / 1e3
+    out.attrs["measured_makespan_us"] = float(measured["end_ns"].max() - measured["start_ns"].min()) / 1e3
+    return out.sort_values("model_total_us", ascending=False)
+
+
+def opcode_report(program: Any, timings: Any, preset: str, context_len: int = 4096, design: str = "v1"
+                  ) -> dict[str, Any]:
+    """JSON-ready model vs measured per opcode for one measured megakernel step: ``program`` is the one the GPU
+    ran (``stage.program``), ``timings`` its ``[N, 3]`` timing buffer (``stage.timings()``)."""
+    from kimik3.megakernel.timeline import from_timings
+
+    times, tl = megakernel_model(preset, program.batch, design, None, context_len, program=program)
+    cmp = compare_opcodes(times, tl, from_timings(program, timings))
+    return {"design": design, "label": "model vs measured", "context": context_len,
+            "model_makespan_us": cmp.attrs["model_makespan_us"],
+            "measured_makespan_us": cmp.attrs["measured_makespan_us"],
+            "by_opcode": json.loads(cmp.to_json(orient="index"))}
+
+
+def compare_kernels(model: pd.DataFrame, measured: Mapping[str, float]) -> pd.DataFrame:
+    """Model vs measured per fused kernel family. ``model`` from :func:`kimik3.perfmodel.fused_times`;
+    ``measured`` maps a family name (as in the model's ``family`` column) to measured µs per step, summed."""
+    bad = {k: v for k, v in measured.items() if not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0}
+    if bad:
+        raise ValueError(f"measured kernel times must be finite, non-negative µs: {bad}")
+    g = model.groupby("family", sort=False)["ns"].sum() / 1e3
+    fams = list(dict.fromkeys(list(g.index) + list(measured)))
+    out = pd.DataFrame({"model_us": [float(g.get(f, np.nan)) for f in fams],
+                        "measured_us": [float(measured[f]) if f in measured else np.nan for f in fams]},
+                       index=pd.Index(fams, name="family"))
+    out["measured_over_model"] = out["measured_us"] / out["model_us"]
+    return out
+
+
+def scores(design: str = "v1", preset: str = "k3-shard", batches: tuple[int, ...] = (1, 8, 64),
+           context_len: int = 4096) -> dict[str, Any]:
+    """The committed score table of a design (``data/perf/scores-<design>.json``)."""
+    c = load_constants()
+    out: dict[str, Any] = {"design": design, "preset": preset, "context": context_len,
+                           "constants": str((PERF_DIR / "constants.json").relative_to(PERF_DIR.parents[1])),
+                           "label": "model (not a measurement)", "results": []}
+    for stage in STAGES:
+        for b in batches:
+            out["results"].append(predict(preset, stage, b, design, context_len, c))
+    return out
+
+
+def write_scores(design: str = "v1", path: str | Path | None = None) -> Path:
+    """Write :func:`scores` atomically (temp file + rename)."""
+    import json
+    import os
+
+    p = Path(path) if path is not None else PERF_DIR / f"scores-{design}.json"
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(scores(design), indent=1) + "\n")
+    os.replace(tmp, p)
+    return p

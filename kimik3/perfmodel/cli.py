@@ -1,0 +1,52 @@
+"""``python -m kimik3 predict``: the performance model's step time for a stage, batch and design (a model, not a
+measurement)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main"]
+
+
+def _batch(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return v
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kimik3.perfmodel import STAGES, design_names, predict
+
+    ap = argparse.ArgumentParser(prog="python -m kimik3 predict", description=__doc__)
+    ap.add_argument("--preset", default="k3-shard")
+    ap.add_argument("--stage", required=True, choices=STAGES)
+    ap.add_argument("--batch", type=_batch, default=1)
+    ap.add_argument("--design", default="v1", help=f"a design in data/perf/designs ({', '.join(design_names())})")
+    ap.add_argument("--context", type=_batch, default=4096, help="cached tokens per sequence (<= 4096)")
+    ap.add_argument("--json", action="store_true", help="print the full result as JSON")
+    a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        r = predict(a.preset, a.stage, a.batch, a.design, a.context)
+    except ValueError as e:
+        print(f"predict: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(r, indent=1))
+    else:
+        print(f"{a.preset} {a.stage} batch {a.batch} design {r['design']} (model, not a measurement): "
+              f"{r['predicted_ms']:.3f} ms vs roofline {r['roofline_ms']:.3f} ms "
+              f"({100 * r['fraction_of_roofline']:.1f}% of the achievable-bandwidth roofline)")
+        for op, v in sorted(r["by_opcode"].items(), key=lambda kv: -kv[1]["total_us"]):
+            print(f"  {op:18s} {v['count']:5d} x {v['mean_us']:10.2f} us = {v['total_us']:12.1f} us  "
+                  f"({v['limited_by']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

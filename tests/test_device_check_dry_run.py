@@ -1,0 +1,102 @@
+"""The device check's dry run executes its whole plan on a CPU, only the GPU launches left out: the kernels of the
+``tiny`` batch-1 targets exported (fused ops and the megakernel, the DSL runtime compressed), every artefact
+verified and loaded, the carried size measured against 64 MiB, the tests phase's files and recorder checked, the
+benchmark rows measured on the CPU and compared with naive — and it exits 0 only when all of that holds.
+
+Only the ``tiny`` batch-1 targets, because the kernel export dominates the run time; the full target set (every
+preset and batch the GPU run uses) is under ``slow``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_script():
+    """scripts/device_check.py is a script of the repository, not part of the library: loaded by path."""
+    if "device_check" in sys.modules:
+        return sys.modules["device_check"]
+    spec = importlib.util.spec_from_file_location("device_check", REPO / "scripts" / "device_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["device_check"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+dc = _load_script()
+
+
+def _build(out: Path, *select: str) -> Path:
+    pytest.importorskip("cutlass")  # exporting compiles: needs the CuTe DSL (the CPU machines of CI have it)
+    pytest.importorskip("tvm_ffi")
+    assert dc.main(["--build-prebuilt", str(out), *select]) == 0
+    return out
+
+
+def _dry_run(out: Path, prebuilt: Path, *select: str) -> tuple[int, dict]:
+    code = dc.main(["--out", str(out), "--dry-run", "--prebuilt", str(prebuilt), *select])
+    read = {k: json.loads((out / f).read_text()) for k, f in dc.FILES.items() if (out / f).exists()}
+    return code, read
+
+
+@pytest.fixture(scope="module")
+def tiny_prebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(tmp_path_factory.mktemp("prebuilt"), "--presets", "tiny", "--batches", "1")
+
+
+def test_dry_run_executes_the_plan_for_tiny(tiny_prebuilt: Path, tmp_path: Path) -> None:
+    code, r = _dry_run(tmp_path / "out", tiny_prebuilt, "--presets", "tiny", "--batches", "1")
+    summary, plan = r["summary"], r["plan"]
+    assert code == 0 and summary["exit_status"] == 0 and summary["failures"] == [], summary["failures"]
+    # every phase ran or says it was left out for its GPU launches
+    assert [p["phase"] for p in summary["phases"]] == ["copy_bandwidth", "tests", "kernels", "bench"]
+    assert summary["phases"][0]["status"].startswith("left out in the dry run")
+    assert all(p["status"] == "ok" for p in summary["phases"][1:])
+    assert all(p["estimate_s"] for p in summary["phases"])
+    # the artefacts the run loads: all of the targets', each verified and loaded here
+    pb = plan["prebuilt"]
+    assert pb["ready"] and not pb["missing"] and not pb["stale"] and pb["runtime_shipped"]
+    assert len(plan["verified"]) == pb["distinct_ops"] > 20
+    assert {v["status"] for v in plan["verified"]} == {"loaded"}
+    assert "megakernel/tiny/b1" in {v["name"] for v in plan["verified"]}
+    assert not (tiny_prebuilt / dc.RUNTIME_LIB).exists()  # the unpacked runtime is not left to be carried
+    # the carried size, the runtime compressed
+    carry = plan["carry"]
+    assert carry["fits"] and carry["prebuilt_bytes"] > 5 * 2**20 and carry["total_bytes"] <= 64 * 2**20
+    # phase estimates: the whole fits in 5 minutes on an H200
+    assert sum(plan["phase_estimates_s"].values()) < 300
+    # the tests phase: the planned files exist and the outcome recorder is there
+    assert r["tests"]["dry_run"] and not r["tests"]["missing_files"] and r["tests"]["outcome_recorder"]
+    # the benchmark rows: measured on the CPU, each compared with naive
+    rows = {(x["stage"], x["batch"]): x for x in r["bench"]["rows"]}
+    assert set(rows) == {("absorbed", 1), ("naive", 1)}
+    assert all(x["status"] == "ok" and x["rel_err_vs_naive"] <= 3e-2 for x in rows.values())
+    assert r["provenance"]["commit_source"] and r["provenance"]["kernel_source_hashes"]
+
+
+@pytest.mark.slow
+def test_dry_run_tampered_artefact_fails_and_is_named(tiny_prebuilt: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "prebuilt"
+    shutil.copytree(tiny_prebuilt, bad)
+    victim = next(p for p in sorted(bad.glob("fused__*.so")))
+    victim.write_bytes(victim.read_bytes()[:-1] + b"\0")
+    code, r = _dry_run(tmp_path / "out", bad, "--presets", "tiny", "--batches", "1")
+    assert code == 1
+    assert any("does not match its sha256" in f for f in r["summary"]["failures"]), r["summary"]["failures"]
+
+
+@pytest.mark.slow
+def test_dry_run_full_target_set(tmp_path: Path) -> None:
+    """Every target the GPU run uses (kimik3.gpu_targets): exported, verified, loaded, carried under 64 MiB."""
+    prebuilt = _build(tmp_path / "prebuilt")
+    code, r = _dry_run(tmp_path / "out", prebuilt)
+    assert code == 0 and r["summary"]["failures"] == [], r["summary"]["failures"]
+    assert r["plan"]["prebuilt"]["distinct_ops"] == len(r["plan"]["verified"]) > 100
+    assert r["plan"]["carry"]["fits"]

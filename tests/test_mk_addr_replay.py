@@ -1,0 +1,223 @@
+"""The megakernel's address replay: every instruction of a decoded int32 program, its opcode's address arithmetic
+replayed on the host (``kimik3.kernels.mk_addr``), checked against the instruction's declared operand boxes.
+
+The arithmetic that decides which rows, columns and elements an opcode touches (``elem_offset``, ``tile_rows``,
+``expert_row_offset``) is defined once in ``kernels/mk_addr.py`` and called by the device opcodes
+(``kernels/mk_gemv.py``, ``mk_moe.py``, ``mk_operands.py``); the replay calls the same functions on Python ints, and
+one test executes them as traced DSL integers on the host. Planted mutants of those functions (loaded from a
+modified copy of the file, as ``tests/test_host_exec.py`` does) must be reported, and so must a program whose
+declarations disagree with the device code.
+
+Whole ``micro`` and ``tiny`` programs at batch 1, 8 and 64 under both policies; ``k3-shard`` at batch 1 with the
+write count and at batch 64 every instruction's access corners (bounds and prefetch); the other ``k3-shard`` batches
+with the write count are marked slow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+from pathlib import Path
+
+import pytest
+from kimik3.kernels import mk_addr
+from kimik3.kernels.host_exec import load_mutant
+from kimik3.kernels.isa import Kind, Mode, Op
+
+from kimik3.config import get_preset
+from kimik3.megakernel import POLICIES, build_program, decode_program, encode_program
+
+pytestmark = pytest.mark.host
+
+ROOT = Path(__file__).resolve().parents[1]
+SMS = {"micro": 8, "tiny": 8, "k3-shard": 132}
+
+
+@cache
+def _program(preset: str, batch: int, policy: str = "critical_path"):
+    """The int32 program as the device reads it: built, encoded, decoded."""
+    return decode_program(encode_program(build_program(preset, batch, SMS[preset], policy=policy)))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("preset", ["micro", "tiny"])
+def test_whole_program_replays_clean(preset: str, batch: int, policy: str) -> None:
+    p = _program(preset, batch, policy)
+    rep = mk_addr.replay(p, get_preset(preset))
+    assert rep.ok, rep.summary()
+    assert rep.instructions == len(p.instructions)
+    # every opcode was replayed, and the write count covered the step's activations
+    assert {ins.op for ins in p.instructions} == set(Op) - {Op.NOP}
+    assert rep.elements_counted > 0 and rep.runs > len(p.instructions)
+
+
+def test_k3_shard_batch1_whole_program() -> None:
+    rep = mk_addr.replay(_program("k3-shard", 1), get_preset("k3-shard"))
+    assert rep.ok, rep.summary()
+
+
+def test_k3_shard_batch64_every_instruction_corners() -> None:
+    """Every instruction, every access group's first and last run (tile corners and edges); the write count over
+    a batch-64 k3-shard step (370 M elements) is the slow test's."""
+    p = _program("k3-shard", 64)
+    rep = mk_addr.replay(p, get_preset("k3-shard"), check_writes=False)
+    assert rep.ok, rep.summary()
+    assert rep.instructions == len(p.instructions)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_k3_shard_whole_program_slow(batch: int, policy: str) -> None:
+    rep = mk_addr.replay(_program("k3-shard", batch, policy), get_preset("k3-shard"))
+    assert rep.ok, rep.summary()
+
+
+# ---------------------------------------------------------------------------------------------- planted mutants
+MUTANTS = {
+    # a GEMV tile one row too long: reads the row past the weight box, writes the column past its output box
+    # (the next tile's first column, stored twice)
+    "tile-row-off-by-one": ([("    return r1 - r0\n", "    return r1 - r0 + 1\n")], {"bounds", "write_once"},
+                            ("micro", 8)),
+    # the expert stride dropped to one row (d2 instead of d1·d2): expert e's rows land in expert 0's
+    "expert-stride": ([("return elem_offset(d1, d2, e, r, 0, wide)", "return elem_offset(1, d2, e, r, 0, wide)")],
+                      {"bounds"}, ("micro", 8)),
+    # the [b, r, c] offset with the row and batch strides swapped: caught wherever d1 > 1
+    "elem-offset-stride": ([("(wide(b) * wide(d1) + wide(r)) * wide(d2)", "(wide(b) + wide(r) * wide(d1)) * wide(d2)")],
+                           {"bounds"}, ("tiny", 8)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_planted_mutant_is_caught(name: str) -> None:
+    reps, rules, (preset, batch) = MUTANTS[name]
+    mutant = load_mutant("mk_addr", reps)
+    rep = mk_addr.replay(_program(preset, batch), get_preset(preset), helpers=mutant)
+    assert not rep.ok, f"planted mutant {name} not reported"
+    assert rules <= {f.rule for f in rep.findings}, rep.summary()
+
+
+def test_mutated_lines_are_the_ones_the_device_code_calls() -> None:
+    """The mutants above change the functions the opcodes call: the device code must keep calling them."""
+    k = ROOT / "kernels"
+    gemv, moe, operands = ((k / f"{m}.py").read_text() for m in ("mk_gemv", "mk_moe", "mk_operands"))
+    assert "from .mk_addr import tile_rows" in gemv and "from .mk_addr import expert_row_offset" in moe
+    assert gemv.count("tile_rows(") == 5  # NORM_PROJ, MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD
+    assert moe.count("expert_row_offset(") == 3  # EXPERT_GATE_UP (w1, w3), EXPERT_DOWN (w2)
+    assert "return elem_offset(d1, d2, b, r, c, Int64)" in operands  # _eoff: every other [b, r, c] offset
+
+
+# ---------------------------------------------------------------------------------------------- planted programs
+def _with_operand(p, i: int, j: int, **change):
+    ins = p.instructions[i]
+    ops = list(ins.operands)
+    ops[j] = dataclasses.replace(ops[j], **change)
+    instrs = list(p.instructions)
+    instrs[i] = dataclasses.replace(ins, operands=tuple(ops))
+    return dataclasses.replace(p, instructions=instrs)
+
+
+def _first(p, op: Op) -> int:
+    return next(i for i, ins in enumerate(p.instructions) if ins.op == op)
+
+
+def test_declared_box_narrower_than_the_device_access_is_reported() -> None:
+    p = _program("micro", 8)
+    i = _first(p, Op.NORM_PROJ)
+    b0, b1, r0, r1, c0, c1 = p.instructions[i].operands[3].box
+    rep = mk_addr.replay(_with_operand(p, i, 3, box=(b0, b1, r0, r1, c0, c1 - 1)), get_preset("micro"))
+    assert {"bounds", "write_once"} <= {f.rule for f in rep.findings}, rep.summary()
+
+
+# FFN_OUT takes its column count from its output box itself (the walk shrinks with the box); its write edge is
+# what the tile-row mutant above moves
+EDGES = [(o, side) for o in Op if o != Op.NOP for side in ("read", "write") if (o, side) != (Op.FFN_OUT, "write")]
+
+
+@pytest.mark.parametrize(("op", "side"), EDGES, ids=[f"{o.name}-{s}" for o, s in EDGES])
+def test_every_opcode_reaches_the_edge_of_its_boxes(op: Op, side: str) -> None:
+    """Per opcode, the first operand it reads (and the last it writes), declared one column narrower: the replayed
+    accesses reach the last declared column, so the narrower box is reported for that instruction (the replay's
+    model of each opcode is not looser than its declarations)."""
+    p = _program("micro", 8)
+    i = _first(p, op)
+    ops = p.instructions[i].operands
+    js = [j for j, o in enumerate(ops) if (o.mode & int(Mode.WRITE)) == (int(Mode.WRITE) if side == "write" else 0)]
+    j = js[-1] if side == "write" else js[0]
+    b0, b1, r0, r1, c0, c1 = ops[j].box
+    rep = mk_addr.replay(_with_operand(p, i, j, box=(b0, b1, r0, r1, c0, c1 - 1)), get_preset("micro"),
+                         instructions=[i], check_writes=False)
+    assert any(f.rule == "bounds" and f.instruction == i for f in rep.findings), (op.name, j, rep.summary())
+
+
+def test_activation_marked_prefetch_is_reported() -> None:
+    p = _program("micro", 8)
+    i = _first(p, Op.NORM_PROJ)
+    x = p.instructions[i].operands[0]
+    assert p.buffers[x.buf].kind == Kind.ACT
+    rep = mk_addr.replay(_with_operand(p, i, 0, mode=int(Mode.READ | Mode.PREFETCH)), get_preset("micro"))
+    assert any(f.rule == "prefetch" and f.instruction == i for f in rep.findings), rep.summary()
+
+
+def test_a_dropped_instruction_leaves_its_outputs_unwritten() -> None:
+    """Write-once across instructions: the declared writes of the other instructions do not cover a removed one's
+    (its output elements are then stored fewer times than the step declares)."""
+    p = _program("micro", 8)
+    i = _first(p, Op.O_PROJ_RESIDUAL)
+    keep = [k for k in range(len(p.instructions)) if k != i]
+    full = mk_addr.replay(p, get_preset("micro"))
+    assert full.ok
+    # the declared writes of every instruction, the device stores of all but one
+    rep = mk_addr.replay(p, get_preset("micro"), instructions=keep, declared_from_all=True)
+    assert any(f.rule == "write_once" for f in rep.findings), rep.summary()
+
+
+def test_bad_helpers_module_is_refused() -> None:
+    with pytest.raises(ValueError, match="helpers"):
+        mk_addr.replay(_program("micro", 1), get_preset("micro"), helpers=object())
+
+
+# ---------------------------------------------------------------------------------------------- DSL host execution
+_DSL_SCRIPT = r"""
+import json, sys, torch
+from kimik3.megakernel import build_program, decode_program, encode_program
+from kimik3.kernels import host_exec, mk_addr
+rows = set()
+for preset, batch, sms in (("tiny", 8, 8), ("k3-shard", 64, 132)):
+    p = decode_program(encode_program(build_program(preset, batch, sms)))
+    for ins in p.instructions:
+        for o in ins.operands:
+            _, d1, d2 = p.buffers[o.buf].shape
+            b0, b1, r0, r1, c0, c1 = o.box
+            rows |= {(d1, d2, b0, r0, c0, r1), (d1, d2, b1 - 1, r1 - 1, c1 - 1, r1)}  # first / last element
+rows.add((2048, 7168, 383, 2047, 7167, 2048))  # the last row of expert 383 at k3 widths: past 2^31 elements
+rows = torch.tensor(sorted(rows), dtype=torch.int32)
+want = torch.tensor([[mk_addr.elem_offset(*r[:5]), mk_addr.tile_rows(r[3], r[5]), mk_addr.expert_row_offset(*r[:4])]
+                     for r in rows.tolist()], dtype=torch.int64)
+got = host_exec.run_mk_addr(rows)
+mut = host_exec.load_mutant("mk_addr", [("    return r1 - r0\n", "    return r1 - r0 + 1\n")])
+got_mut = host_exec.run_mk_addr(rows, module=mut)
+print(json.dumps({"n": len(rows), "equal": bool(torch.equal(got, want)), "max": int(want.max()),
+                  "mutant_tile_rows_differs": bool((got_mut[:, 1] != want[:, 1]).all()),
+                  "mutant_rest_equal": bool(torch.equal(got_mut[:, [0, 2]], want[:, [0, 2]]))}))
+"""
+
+
+def test_shared_address_functions_execute_as_dsl_integers_on_the_host() -> None:
+    """The functions the device opcodes call, traced by the CuTe DSL with the device's types (Int32 instruction
+    words, 64-bit offsets) and executed on the host, give the replay's numbers for every operand box corner of a
+    tiny and a k3-shard program; a mutated copy is what runs (subprocess: device-only code aborts the process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUTE_DSL_ARCH": os.environ.get("CUTE_DSL_ARCH", "sm_90a")}
+    r = subprocess.run([sys.executable, "-c", _DSL_SCRIPT], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["equal"], out
+    assert out["max"] > 2**31 and out["n"] > 1000, out
+    assert out["mutant_tile_rows_differs"] and out["mutant_rest_equal"], out
