@@ -231,7 +231,8 @@ def _provenance(dev: torch.device) -> dict:
     from kimik3.provenance import provenance
 
     # the one provenance record, plus what a bandwidth figure depends on: the device's name and the thread count
-    return {**provenance(dev), "device_name": _device_name(dev), "threads": torch.get_num_threads()}
+    return {**provenance(dev), "device_name": _device_name(dev), "torch_version": torch.__version__,
+            "threads": torch.get_num_threads()}
 
 
 def measure_local(device: str | torch.device = "auto", quick: bool = True, repeats: int | None = None,
@@ -301,7 +302,7 @@ def local_hardware(measured: dict | None = None) -> HardwareSpec:
     return HardwareSpec(key="local", name=f"local: {m['device_name']} (measured {m['date'][:10]}, {kind} BW)",
                         hbm_bandwidth=read_ceiling_Bps(m), hbm_capacity=None,
                         dense_flops={m["matmul_dtype"]: m["matmul_flops_per_s"]},
-                        source=(f"kimik3.hardware.measure_local, torch {m['torch']}",),
+                        source=(f"kimik3.hardware.measure_local, torch {m['torch_version']}",),
                         note=f"measured {kind} bandwidth (decode's ceiling) and matmul rate, not datasheet peaks",
                         measured=True, provenance=m)
 
