@@ -248,8 +248,10 @@ fig.show()
 # On the CPU, tiny at batch 1 is bound by reading ~117 MB of fp32 weights per step: `absorbed` removes the per-step
 # re-expansion of the cache and the expert loop, but on a CPU the hundreds of small operators per step cost about as
 # much as it saves; compiling the step (fused element-wise work, pre-packed GEMMs, no Python between kernels) is
-# what moves it. The GPU rows of this ladder (`k3-shard`, bf16, batch 1 and 8) are not yet measured: no GPU has been
-# lent to this project so far (`data/measurements/gpu_outstanding.json`).
+# what moves it. `megakernel-cpu` runs the megakernel's program on native worker threads; the table says where it
+# stands against `compiled` at batch 1 and 8 on the recorded machine. The GPU rows of this ladder (`k3-shard`,
+# bf16, batch 1 and 8) are not yet measured: no GPU has been lent to this project so far
+# (`data/measurements/gpu_outstanding.json`).
 
 # %%
 rec = load_recorded()
@@ -263,9 +265,10 @@ else:
     shown = bench_rec[[c for c in show if c in bench_rec]].round(3)
     shown["rel_err_vs_naive"] = bench_rec["rel_err_vs_naive"].map(lambda e: f"{e:.1e}" if e == e else "")
     display(shown)
-    fig = px.bar(bench_rec, x="stage", y="ms_per_token", color="model", barmode="group",
+    fig = px.bar(bench_rec, x="stage", y="ms_per_token", color="model", barmode="group", facet_col="batch_size",
                  error_y=bench_rec["ms_max"] - bench_rec["ms_per_token"],
                  error_y_minus=bench_rec["ms_per_token"] - bench_rec["ms_min"],
-                 title="recorded: ms per decode step (CPU, batch 1, context 512)", hover_data=["label"])
+                 title="recorded: ms per decode step (CPU, context 512)", hover_data=["label", "pct_read_bw"])
+    fig.update_yaxes(matches=None)
     save_html(fig, out / "recorded_bench.html")
     fig.show()
