@@ -3,15 +3,14 @@ CUDA, the on-device model initialiser, the budget, and the measurement file it w
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import stat
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from device_check_script import load_script
 
 import kimik3
 from kimik3.init import device_model
@@ -20,18 +19,7 @@ from kimik3.provenance import commit_info
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load_script():
-    """scripts/device_check.py is a script of the repository, not part of the library: loaded by path."""
-    if "device_check" in sys.modules:
-        return sys.modules["device_check"]
-    spec = importlib.util.spec_from_file_location("device_check", REPO / "scripts" / "device_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["device_check"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-dc = _load_script()
+dc = load_script()
 
 
 def test_dry_run_writes_provenance_and_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,30 +6,18 @@ can also succeed."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+from device_check_script import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load_script():
-    """scripts/device_check.py is a script of the repository, not part of the library: loaded by path."""
-    if "device_check" in sys.modules:
-        return sys.modules["device_check"]
-    spec = importlib.util.spec_from_file_location("device_check", REPO / "scripts" / "device_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["device_check"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-dc = _load_script()
+dc = load_script()
 
 PASSING = """
 def test_fine():

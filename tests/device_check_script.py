@@ -1,0 +1,20 @@
+"""scripts/device_check.py is a script of the repository, not part of the library: the tests load it by path, once."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
+
+
+def load_script() -> ModuleType:
+    if "device_check" in sys.modules:
+        return sys.modules["device_check"]
+    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["device_check"] = mod
+    spec.loader.exec_module(mod)
+    return mod
