@@ -39,7 +39,7 @@ import torch
 from kimik3.megakernel import instructions as enc
 from kimik3.megakernel.hazards import check_program, format_violations
 from kimik3.megakernel.instructions import FFN_LATENT_NORM, FFN_MLP, FFN_ROUTED, Kind, Program, encode_program
-from kimik3.megakernel.layout import check_supported, pack_weights, state_views, weight_view
+from kimik3.megakernel.layout import check_supported, program_tensors, state_views
 from kimik3.megakernel.scheduler import POLICIES, build_program
 from kimik3.megakernel.step import Tiling
 from kimik3.megakernel.timeline import from_timings
@@ -325,21 +325,10 @@ class CPUMegakernel:
                 raise ValueError("megakernel program failed the hazard check:\n" + format_violations(bad))
         self.encoded = encode_program(self.program)
         self.timeout_s = float(timeout_s)
-        with torch.no_grad():
-            weights = {n: t.detach() for n, t in model.named_parameters()}
-            weights.update(pack_weights(model))
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensors: dict[str, torch.Tensor] = program_tensors(self.program.buffers, model)
         for spec in self.program.buffers:
-            if spec.kind == Kind.WEIGHT:
-                if spec.name not in weights:
-                    raise ValueError(f"program needs weight {spec.name!r}, which the model does not have")
-                t = weight_view(weights[spec.name]).contiguous()
-            elif spec.kind == Kind.STATE:
-                continue  # bound to a DecodeState by bind_state
-            else:
-                t = torch.zeros(spec.shape, dtype=spec.dtype)
-            self._check_buffer(spec.name, t, spec.shape, spec.dtype)
-            self.tensors[spec.name] = t
+            if spec.name in self.tensors:
+                self._check_buffer(spec.name, self.tensors[spec.name], spec.shape, spec.dtype)
         self._scratch = [self.tensors[s.name] for s in self.program.buffers if s.kind in (Kind.ACT, Kind.OUTPUT)]
         # routed experts as MXFP4: packed codes and scales the executor streams instead of the dense buffers
         self.experts = experts

@@ -52,12 +52,11 @@ from kimik3.megakernel.instructions import (
     FFN_LATENT_NORM,
     FFN_MLP,
     FFN_ROUTED,
-    Kind,
     Op,
     Program,
     encode_program,
 )
-from kimik3.megakernel.layout import check_supported, pack_weights, state_views, weight_view
+from kimik3.megakernel.layout import check_supported, program_tensors, state_views
 from kimik3.megakernel.scheduler import POLICIES, build_program
 from kimik3.megakernel.step import Tiling
 from kimik3.megakernel.timeline import from_timings
@@ -320,21 +319,10 @@ class MegakernelRunner:
             prog_words=PROG_WORDS, max_instr=MAX_INSTR, max_bufs=MAX_BUFS, max_ctrs=MAX_CTRS) else None, self.name)
         self.max_spins, self.sleep_ns = int(max_spins), int(sleep_ns)
         # ---- tensors: weights (views of the model's parameters + packed copies), scratch, the address table
-        with torch.no_grad():
-            weights = {n: t.detach() for n, t in model.named_parameters()}
-            weights.update(pack_weights(model))
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensors: dict[str, torch.Tensor] = program_tensors(self.program.buffers, model, dev)
         for spec in self.program.buffers:
-            if spec.kind == Kind.WEIGHT:
-                if spec.name not in weights:
-                    raise ValueError(f"program needs weight {spec.name!r}, which the model does not have")
-                t = weight_view(weights[spec.name]).contiguous()
-            elif spec.kind == Kind.STATE:
-                continue  # bound to a DecodeState by bind_state
-            else:
-                t = torch.zeros(spec.shape, dtype=spec.dtype, device=dev)
-            self._check_buffer(spec.name, t, spec.shape, spec.dtype)
-            self.tensors[spec.name] = t
+            if spec.name in self.tensors:
+                self._check_buffer(spec.name, self.tensors[spec.name], spec.shape, spec.dtype)
         n = len(self.program.instructions)
         prog = torch.zeros(self.shapes["prog_words"], dtype=torch.int32)
         prog[: encoded.numel()] = encoded

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from kimik3.config import ModelConfig
+from kimik3.megakernel.instructions import Kind
 from kimik3.model import DecodeState, KDAState, KimiForCausalLM, MLACache
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "state_name",
     "weight_view",
     "pack_weights",
+    "program_tensors",
     "check_supported",
 ]
 
@@ -131,4 +133,23 @@ def pack_weights(model: KimiForCausalLM) -> dict[str, torch.Tensor]:
             kvb = a.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
             out[packed_name(i, "mla_wuk")] = kvb[:, : cfg.qk_nope_head_dim].reshape(-1, kvb.shape[-1]).contiguous()
             out[packed_name(i, "mla_wuv")] = kvb[:, cfg.qk_nope_head_dim :].reshape(-1, kvb.shape[-1]).contiguous()
+    return out
+
+
+@torch.no_grad()
+def program_tensors(buffers, model: KimiForCausalLM, device: torch.device | str | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """The tensors a runner binds to a program's buffers (``Program.buffers``): weights as 3-D views of the model's
+    parameters or of the packed copies, activations and scratch zeroed on ``device``. State buffers are left out:
+    they belong to a ``DecodeState`` and are bound per call (:func:`state_views`)."""
+    weights = {n: t.detach() for n, t in model.named_parameters()}
+    weights.update(pack_weights(model))
+    out: dict[str, torch.Tensor] = {}
+    for spec in buffers:
+        if spec.kind == Kind.WEIGHT:
+            if spec.name not in weights:
+                raise ValueError(f"program needs weight {spec.name!r}, which the model does not have")
+            out[spec.name] = weight_view(weights[spec.name]).contiguous()
+        elif spec.kind != Kind.STATE:
+            out[spec.name] = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
     return out
