@@ -12,9 +12,10 @@ from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent
 # device code pulled in from other kernel modules (router launches gemv.gemv_kernel; the megakernel inlines the
-# device functions of device_fns.py; gemv and moe take their trace-time host switch from _trace.py)
+# device functions of device_fns.py; gemv, moe, mla_decode and kda take their trace-time host switch from _trace.py)
 DEPENDENCIES: dict[str, tuple[str, ...]] = {"router": ("gemv", "_trace"), "megakernel": ("device_fns",),
-                                           "gemv": ("_trace",), "moe": ("_trace",)}
+                                           "gemv": ("_trace",), "moe": ("_trace",), "mla_decode": ("_trace",),
+                                           "kda": ("_trace",)}
 # The megakernel's opcode families, one module each (the VM in megakernel.py dispatches to them): hashed with the
 # megakernel (through CONTRACTS below, which every kernel's hash and the hash-coverage test read)
 OPCODE_MODULES: tuple[str, ...] = ("mk_operands", "mk_gemv", "mk_kda", "mk_mla", "mk_moe", "mk_misc")
@@ -22,8 +23,9 @@ OPCODE_MODULES: tuple[str, ...] = ("mk_operands", "mk_gemv", "mk_kda", "mk_mla",
 # layouts, eps values and parameter order): they decide what the kernel compiles to, so its hash covers them
 CONTRACTS: dict[str, tuple[str, ...]] = {
     # meta through _common (the supported architectures); mk_addr: the address arithmetic the opcodes share with
-    # the host's address replay; then the VM's opcode modules (device code the megakernel inlines)
-    "megakernel": ("isa", "meta", "mk_addr", *OPCODE_MODULES),
+    # the host's address replay; then the VM's opcode modules (device code the megakernel inlines) and the trace-time
+    # host switch some of them take from _trace.py
+    "megakernel": ("isa", "meta", "mk_addr", *OPCODE_MODULES, "_trace"),
     **{m: ("meta",) for m in ("gemv", "router", "kda", "mla_decode", "moe", "attn_res")},
 }
 

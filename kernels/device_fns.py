@@ -56,8 +56,10 @@ __all__ = [
 
 NT = CTA_THREADS  # threads per CTA (isa.py: the host checks programs against it)
 NW = NT // 32
-UNROLL = 4  # 16-byte weight loads in flight per lane per GEMV loop step (callers pass 2 when 4 batch rows share
-# each weight chunk: the FMAs per byte quadruple, and 4 x 4 x-chunks in flight would crowd the registers)
+UNROLL = 4  # default 16-byte weight loads in flight per lane per row_dot step (the GEMV opcodes pass
+# mk_addr.GEMV_UNROLL, the MLA opcodes MKConfig.unroll)
+ROW_LOOP_FROM = 3  # batch rows per GEMV pass from which _dot_step loops over the rows (see there)
+RSTD_UNROLL = 8  # 16-byte x loads in flight per lane in the RMSNorm prologue (rstd_rows)
 VEC = 8  # bf16 per 16-byte chunk
 BIG = 2**31 - 1  # extent of the flat views (offsets are not bounds-checked: the program's boxes are)
 
@@ -81,11 +83,20 @@ def gchunks(addr: Int64) -> Any:
 @cute.jit
 def _dot_step(wv: Any, w0: Int32, W_SMEM: cutlass.Constexpr, xv: Any, x0: Int32, xs: Int32,
               X_SMEM: cutlass.Constexpr, gv: Any, c: Int32, acc: cute.Tensor, n: cutlass.Constexpr,
-              BT: cutlass.Constexpr) -> None:
+              BT: cutlass.Constexpr, lim: Any = None) -> None:
     """``n`` chunks (c, c+32, ...) of one weight row (times gamma when ``gv`` is given) against BT x rows.
 
-    All ``n`` weight (and gamma) loads are issued before the first FMA; each weight chunk is converted to fp32
-    just before use (not all ``n`` at once), which keeps BT = 8 under the 128-register cap of a 512-thread CTA."""
+    All ``n`` weight loads are issued before the first FMA (n x 16 bytes in flight per lane). With ``lim`` (the
+    tail step) chunk ``c + 32u`` counts only while below ``lim``: a chunk past it is read at ``lim - 1`` (a real
+    chunk of the row, so every load stays in bounds and unconditional) and weighted 0. The last, partial step is
+    thus one step with every remaining load in flight, not a serial loop of single chunks; and it stays
+    straight-line code (loads under per-chunk branches made ptxas spill the whole megakernel).
+
+    Up to 2 batch rows, every x load of the step is unrolled next to the weight loads. From 3 rows on, the
+    batch rows are a real loop (``ROW_LOOP_FROM``): ptxas hoists every independent load of an unrolled body to
+    its top, and BT rows x n chunks of x (4 registers each) would not fit next to the weights in flight. The
+    weights are converted to fp32 once (times gamma) and reused by every row; row ``b`` accumulates into
+    ``acc[0]`` and the accumulators rotate by one after each row (BT moves), so register indices stay static."""
     if const_expr(W_SMEM):
         ld_w = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
     else:
@@ -94,36 +105,75 @@ def _dot_step(wv: Any, w0: Int32, W_SMEM: cutlass.Constexpr, xv: Any, x0: Int32,
         ld_x = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
     else:  # activations: written by other CTAs during the launch, so never through the .nc path
         ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)
+    ld_g = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
     rw = cute.make_rmem_tensor((VEC, n), BFloat16)
     for u in cutlass.range_constexpr(n):
-        cute.copy(ld_w, wv[(w0 + c + 32 * u, None)], rw[None, u])
+        if const_expr(lim is None):
+            cute.copy(ld_w, wv[(w0 + c + 32 * u, None)], rw[None, u])
+        else:
+            cute.copy(ld_w, wv[(w0 + cutlass.min(c + 32 * u, lim - 1), None)], rw[None, u])
+    # the chunk index each u reads (x and gamma follow the weight chunk), and its weight: 1, or 0 past lim
+    cc = [c + 32 * u if const_expr(lim is None) else cutlass.min(c + 32 * u, lim - 1) for u in range(n)]
     rg = None
     if const_expr(gv is not None):
-        ld_g = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
         rg = cute.make_rmem_tensor((VEC, n), BFloat16)
         for u in cutlass.range_constexpr(n):
-            cute.copy(ld_g, gv[(c + 32 * u, None)], rg[None, u])
-    rx = cute.make_rmem_tensor((VEC, BT), BFloat16)
-    for u in cutlass.range_constexpr(n):
-        for b in cutlass.range_constexpr(BT):
-            cute.copy(ld_x, xv[(x0 + b * xs + c + 32 * u, None)], rx[None, b])
-        w = rw[None, u].load().to(Float32)
-        if const_expr(gv is not None):
-            w = w * rg[None, u].load().to(Float32)
-        for b in cutlass.range_constexpr(BT):
-            acc[b] += (w * rx[None, b].load().to(Float32)).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)
+            cute.copy(ld_g, gv[(cc[u], None)], rg[None, u])
+    if const_expr(BT < ROW_LOOP_FROM):
+        rx = cute.make_rmem_tensor((VEC, BT), BFloat16)
+        for u in cutlass.range_constexpr(n):
+            for b in cutlass.range_constexpr(BT):
+                cute.copy(ld_x, xv[(x0 + b * xs + cc[u], None)], rx[None, b])
+            w = _weight_f32(rw, rg, u, c, lim)
+            for b in cutlass.range_constexpr(BT):
+                x = rx[None, b].load().to(Float32)
+                a = acc[b]
+                for k in cutlass.range_constexpr(VEC):  # a plain FMA chain: 8 fma.rn.f32, no reduction tree
+                    a = a + w[k] * x[k]
+                acc[b] = a
+    else:
+        wf = cute.make_rmem_tensor((VEC, n), Float32)
+        for u in cutlass.range_constexpr(n):
+            wf[None, u].store(_weight_f32(rw, rg, u, c, lim))
+        rx = cute.make_rmem_tensor((VEC, n), BFloat16)
+        for b in cutlass.range(BT, unroll=1):
+            xb = x0 + b * xs  # row b of the pass
+            for u in cutlass.range_constexpr(n):
+                cute.copy(ld_x, xv[(xb + cc[u], None)], rx[None, u])
+            a = acc[0]
+            for u in cutlass.range_constexpr(n):
+                x = rx[None, u].load().to(Float32)
+                for k in cutlass.range_constexpr(VEC):
+                    a = a + wf[k, u] * x[k]
+            for r in cutlass.range_constexpr(BT - 1):  # rotate: row b + 1's accumulator comes to acc[0]
+                acc[r] = acc[r + 1]
+            acc[BT - 1] = a
+
+
+@cute.jit
+def _weight_f32(rw: cute.Tensor, rg: Any, u: cutlass.Constexpr, c: Int32, lim: Any) -> Any:
+    """Weight chunk ``u`` of a step in fp32, times its gamma chunk (``rg``), times 0 when past ``lim``."""
+    w = rw[None, u].load().to(Float32)
+    if const_expr(rg is not None):
+        w = w * rg[None, u].load().to(Float32)
+    if const_expr(lim is not None):
+        w = w * (Float32(1.0) if c + 32 * u < lim else Float32(0.0))
+    return w
 
 
 @cute.jit
 def row_dot(wv: Any, w0: Int32, W_SMEM: cutlass.Constexpr, xv: Any, x0: Int32, xs: Int32, X_SMEM: cutlass.Constexpr,
             gv: Any, nch: Int32, acc: cute.Tensor, BT: cutlass.Constexpr, U: cutlass.Constexpr = UNROLL,
-            lane: Any = None) -> None:
+            lane: Any = None, wide_tail: cutlass.Constexpr = False) -> None:
     """Per-lane partial dots of one weight row (``nch`` chunks from chunk ``w0`` of ``wv``) with BT x rows
     (row ``b`` starts at chunk ``x0 + b·xs`` of ``xv``), accumulated into ``acc[0:BT]``.
 
-    Full steps of 32 lanes x U chunks run in a real loop; the rest (leftover lane rounds and the partial last
-    round) one chunk per lane per iteration, the loop bound predicating the lanes past the end (no shuffles
-    inside, so the divergence is harmless). Two instantiations per call site keep the compile small.
+    Full steps of 32 lanes x U chunks run in a real loop. What is left (fewer than 32·U chunks: leftover lane
+    rounds and the partial last round) is, with ``wide_tail``, one clamped step of U chunks per lane (every load in
+    flight at once: the GEMV opcodes, whose rows end in up to 7 lane rounds at U = 8), else one chunk per lane per
+    iteration, the loop bound predicating the lanes past the end (no shuffles inside, so the divergence is
+    harmless). The wide tail is the GEMV opcodes' choice: in the MoE / MLA opcodes' register context it made
+    ptxas spill at k3-shard batch 1. Two instantiations per call site keep the compile small.
 
     ``lane`` is the lane's index (the host execution passes it; on the GPU, None reads the lane register)."""
     if const_expr(lane is None):
@@ -131,23 +181,28 @@ def row_dot(wv: Any, w0: Int32, W_SMEM: cutlass.Constexpr, xv: Any, x0: Int32, x
     steps = nch // (32 * U)
     for it in cutlass.range(steps, unroll=1):
         _dot_step(wv, w0, W_SMEM, xv, x0, xs, X_SMEM, gv, it * (32 * U) + lane, acc, U, BT)
-    for c in cutlass.range(steps * (32 * U) + lane, nch, 32, unroll=1):
-        _dot_step(wv, w0, W_SMEM, xv, x0, xs, X_SMEM, gv, c, acc, 1, BT)
+    if const_expr(wide_tail):
+        if steps * (32 * U) < nch:
+            _dot_step(wv, w0, W_SMEM, xv, x0, xs, X_SMEM, gv, steps * (32 * U) + lane, acc, U, BT, nch)
+    else:
+        for c in cutlass.range(steps * (32 * U) + lane, nch, 32, unroll=1):
+            _dot_step(wv, w0, W_SMEM, xv, x0, xs, X_SMEM, gv, c, acc, 1, BT)
 
 
 @cute.jit
 def weight_row_dot(stage: Any, staged_rows: Int32, wrow0: Int64, j: Int32, nch: Int32, xv: Any, x0: Int32,
                    xs: Int32, X_SMEM: cutlass.Constexpr, gv: Any, acc: cute.Tensor, BT: cutlass.Constexpr,
-                   U: cutlass.Constexpr = UNROLL, lane: Any = None) -> None:
+                   U: cutlass.Constexpr = UNROLL, lane: Any = None, wide_tail: cutlass.Constexpr = False) -> None:
     """``acc[b] = Σ_k W[j, k] (γ_k) x_b[k]`` (per lane, before the warp sum) for row ``j`` of a weight box whose
     row 0 is at byte address ``wrow0``; rows ``< staged_rows`` are read from the shared-memory stage the
-    prefetch filled (row ``j`` at chunk ``j·nch``), the others from global memory. The branch is warp-uniform."""
+    prefetch filled (row ``j`` at chunk ``j·nch``), the others from global memory. The branch is warp-uniform.
+    ``wide_tail``: see :func:`row_dot`."""
     acc.fill(0.0)
     if j < staged_rows:
-        row_dot(stage, j * nch, True, xv, x0, xs, X_SMEM, gv, nch, acc, BT, U, lane)
+        row_dot(stage, j * nch, True, xv, x0, xs, X_SMEM, gv, nch, acc, BT, U, lane, wide_tail)
     else:
         row_dot(gchunks(wrow0 + Int64(j) * Int64(nch) * 16), Int32(0), False, xv, x0, xs, X_SMEM, gv, nch, acc, BT,
-                U, lane)
+                U, lane, wide_tail)
 
 
 # ---------------------------------------------------------------------------------------------- reductions
@@ -178,18 +233,28 @@ def rstd_rows(xaddr: Int64, xs: Int32, nrows: Int32, nch: Int32, eps: cutlass.Co
     """``s_rstd[b] = rsqrt(mean(x_b²) + eps)`` for ``nrows`` bf16 rows of ``nch`` chunks (row ``b`` at chunk
     ``b·xs`` from ``xaddr``), one warp per row; ends with a barrier so every thread can read the result.
 
+    Each lane issues RSTD_UNROLL 16-byte loads before it adds any: the prologue sits between the waits and the
+    weight stream, so its L2 round trips are serial time (a 7168-wide row is 28 lane rounds: 4 round trips, not
+    28). A chunk past the row's end is read at its last chunk and counted 0 times (straight-line code, as
+    ``_dot_step``'s tail).
+
     The GEMVs apply rstd once per output after the dot product (guide §3.1), so the normalised x is never
     materialised: the result differs from the reference's bf16(γ·bf16(x·rstd)) at bf16-rounding level."""
     warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
     xv = gchunks(xaddr)
     ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)
-    rx = cute.make_rmem_tensor((VEC,), BFloat16)
     for b in cutlass.range(warp, nrows, NW, unroll=1):
         part = Float32(0.0)
-        for c in cutlass.range(lane, nch, 32, unroll=1):
-            cute.copy(ld_x, xv[(b * xs + c, None)], rx)
-            x = rx.load().to(Float32)
-            part = part + (x * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)
+        for c in cutlass.range(lane, nch, 32 * RSTD_UNROLL, unroll=1):
+            rx = cute.make_rmem_tensor((VEC, RSTD_UNROLL), BFloat16)
+            for u in cutlass.range_constexpr(RSTD_UNROLL):
+                cute.copy(ld_x, xv[(b * xs + cutlass.min(c + 32 * u, nch - 1), None)], rx[None, u])
+            for u in cutlass.range_constexpr(RSTD_UNROLL):
+                x = rx[None, u].load().to(Float32)
+                s = Float32(0.0)
+                for k in cutlass.range_constexpr(VEC):
+                    s = s + x[k] * x[k]
+                part = part + (s if c + 32 * u < nch else Float32(0.0))
         tot = warp_sum(part)
         if lane == 0:
             s_rstd[b] = cute.math.rsqrt(tot / Float32(nch * VEC) + eps, fastmath=True)

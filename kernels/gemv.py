@@ -3,7 +3,9 @@
 Design (guide §2/§3): one warp per output row, ``WARPS`` rows per CTA. A row of W is read as
 16-byte chunks, lane ``l`` owning chunks ``l, l+32, l+64, ...``, so one warp-wide load covers 512
 contiguous bytes; each loop step issues ``UNROLL`` such ``ld.global.nc.v4`` loads per lane before
-the first FMA (64 bytes in flight per lane, 8 KiB per CTA; several CTAs per SM cover the latency).
+the first FMA (112 bytes in flight per lane, 14 KiB per CTA; several CTAs per SM cover the latency);
+they stay packed in registers and one 16-byte chunk at a time is widened to fp32 and applied to the
+batch rows, so the loads in flight cost 4 registers each.
 x is read through L1 (``evict_last``): every warp of the CTA reads the same rows. Accumulation is
 fp32; the batch rows are never padded: each token is one accumulator register per warp.
 Batches above 16 rows are split into tiles of at most 16 rows on grid x (fastest-varying), so the
@@ -33,15 +35,30 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 from . import _common as C
 from ._source import kernel_source_hash
 from ._trace import evict_last
-from .meta import ARG_ORDER, GEMV_WARPS, LM_ROWS_PER_WARP, RMS_EPS
+from .meta import ARG_ORDER, GEMV_UNROLL, GEMV_WARPS, LM_ROWS_PER_WARP, RMS_EPS
 
 # hash of the source as imported: the build cache and prebuilt manifests key on the code that runs
 SOURCE_HASH = kernel_source_hash(__name__.rsplit(".", 1)[-1])
 VEC = C.VEC  # bf16 per 16-byte load
 WARPS = GEMV_WARPS  # rows per CTA (one warp each); with LM_ROWS_PER_WARP and RMS_EPS defined in meta.py
-UNROLL = 4  # 16-byte W loads in flight per lane per loop step
+# 16-byte W loads in flight per lane per loop step (112 bytes; K = 7168 is 28 lane rounds = 4 steps). They stay
+# packed until used (one chunk widened at a time), so the unroll costs 4 registers per load.
+UNROLL = GEMV_UNROLL  # defined in meta.py (the workshop exercise reads it too)
+# CTAs per SM the kernels are compiled for (.minnctapersm: ptxas keeps registers <= 65536 / (128 n)). Without it
+# ptxas spilled a few accumulators at 56-72 registers (B = 8 / 64); with .minnctapersm 1 it hoisted every x load of
+# a step (235 registers).
+CTAS_PER_SM = 4  # gemv: 4 x 128 threads x 112 bytes = 56 KiB in flight per SM
+LM_CTAS_PER_SM = 3  # lm_head at B = 64 keeps 4 x 16 values per batch row (acc, rstd, best value / index): 42 KiB
 ARGMAX_THREADS = 128
 VARIANTS = ("plain", "rmsnorm", "residual", "f32out", "lm_head")
+
+
+
+def resident_ctas(n: int) -> dict[str, int]:
+    """Launch options compiling a kernel for ``n`` resident CTAs per SM (``.minnctapersm n``). The shared-memory
+    carveout is given explicitly (-1: the driver's default): without it the DSL asks the current device for its
+    shared memory per SM, and kernels are compiled on machines without a GPU."""
+    return {"min_blocks_per_mp": n, "preferred_smem_carveout": -1}
 
 
 # ---------------------------------------------------------------------------------------------- device code
@@ -49,27 +66,27 @@ VARIANTS = ("plain", "rmsnorm", "residual", "f32out", "lm_head")
 def _dot_step(gW: cute.Tensor, gG: Any, mX: cute.Tensor, x0: Int32, c0: Int32, acc: cute.Tensor, ssq: Any,
               n: cutlass.Constexpr, BT: cutlass.Constexpr):
     """Accumulate ``n`` chunks (c0, c0+32, ...) of one W row (times gamma if given) against BT rows
-    of x; also Σ x² per row into ``ssq`` unless it is None."""
+    of x; also Σ x² per row into ``ssq`` unless it is None. All n weight loads are issued first and
+    stay packed (4 registers per 16 bytes in flight); one chunk at a time is widened to fp32."""
     ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
     ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, **evict_last())
     rw = cute.make_rmem_tensor((VEC, n), BFloat16)
     for u in cutlass.range_constexpr(n):  # all n weight loads issued back to back
         cute.copy(ld_w, gW[(None, c0 + 32 * u)], rw[None, u])
-    w = rw.load().to(Float32)
-    if const_expr(gG is not None):
-        rg = cute.make_rmem_tensor((VEC, n), BFloat16)
-        for u in cutlass.range_constexpr(n):
-            cute.copy(ld_x, gG[(None, c0 + 32 * u)], rg[None, u])
-        w = w * rg.load().to(Float32)
-    rx = cute.make_rmem_tensor((VEC, n), BFloat16)
-    for b in cutlass.range_constexpr(BT):
-        gX = cute.zipped_divide(mX[x0 + b, None], (VEC,))
-        for u in cutlass.range_constexpr(n):
-            cute.copy(ld_x, gX[(None, c0 + 32 * u)], rx[None, u])
-        x = rx.load().to(Float32)
-        acc[b] += (w * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)
-        if const_expr(ssq is not None):
-            ssq[b] += (x * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)
+    rg = cute.make_rmem_tensor((VEC,), BFloat16)
+    rx = cute.make_rmem_tensor((VEC,), BFloat16)
+    for u in cutlass.range_constexpr(n):
+        w = rw[None, u].load().to(Float32)
+        if const_expr(gG is not None):
+            cute.copy(ld_x, gG[(None, c0 + 32 * u)], rg)
+            w = w * rg.load().to(Float32)
+        for b in cutlass.range_constexpr(BT):
+            gX = cute.zipped_divide(mX[x0 + b, None], (VEC,))
+            cute.copy(ld_x, gX[(None, c0 + 32 * u)], rx)
+            x = rx.load().to(Float32)
+            acc[b] = (w * x).reduce(cute.ReductionOp.ADD, acc[b], reduction_profile=0)
+            if const_expr(ssq is not None):
+                ssq[b] = (x * x).reduce(cute.ReductionOp.ADD, ssq[b], reduction_profile=0)
 
 
 @cute.jit
@@ -248,7 +265,7 @@ def gemv(mW: cute.Tensor, mX: cute.Tensor, mG: Any, mR: Any, mY: cute.Tensor, st
     assert K % VEC == 0, "K must be a multiple of 8 (16-byte chunks)"
     BT = C.batch_tile(B)
     gemv_kernel(mW, mX, mG, mR, mY, BT, ACT).launch(
-        grid=[B // BT, C.ceil_div(N, WARPS), 1], block=[WARPS * 32, 1, 1], stream=stream)
+        grid=[B // BT, C.ceil_div(N, WARPS), 1], block=[WARPS * 32, 1, 1], stream=stream, **resident_ctas(CTAS_PER_SM))
 
 
 @cute.jit
@@ -261,7 +278,7 @@ def lm_head_argmax(mW: cute.Tensor, mX: cute.Tensor, mG: Any, mLogits: Any, mPar
     assert cute.size(mPartV, mode=[1]) == V // rows_per_cta
     BT = C.batch_tile(B)
     lm_head_kernel(mW, mX, mG, mLogits, mPartV, mPartI, BT).launch(
-        grid=[B // BT, V // rows_per_cta, 1], block=[WARPS * 32, 1, 1], stream=stream)
+        grid=[B // BT, V // rows_per_cta, 1], block=[WARPS * 32, 1, 1], stream=stream, **resident_ctas(LM_CTAS_PER_SM))
     argmax_kernel(mPartV, mPartI, mTok).launch(grid=[B, 1, 1], block=[ARGMAX_THREADS, 1, 1], stream=stream)
 
 

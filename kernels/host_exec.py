@@ -58,9 +58,10 @@ def warp_sum(p: torch.Tensor, dim: int) -> torch.Tensor:
     p = p.movedim(dim, -1)
     if p.shape[-1] != LANES:
         raise ValueError(f"warp_sum: axis {dim} must be the {LANES} lanes, got shape {list(p.shape)}")
-    lane = torch.arange(LANES)
+    # lane 0's total only depends on lanes l < off at each step, whose partner l ^ off is l + off: the same adds in
+    # the same order as the full butterfly, on half the lanes per step
     for off in (16, 8, 4, 2, 1):
-        p = p + p[..., lane ^ off]
+        p = p[..., :off] + p[..., off:2 * off]
     return p[..., 0]
 
 
@@ -397,7 +398,8 @@ def run_moe(variant: str, t: dict[str, torch.Tensor], *, module: ModuleType = _m
     _expert_gemv(module, run, "h", t["w1"], t["w3"], t.get("s1") if fp4 else None, t.get("s3") if fp4 else None,
                  x, h, al, L, topk, BT, topk)
     y = t["y"]
-    _expert_gemv(module, run, "y", t["w2"], None, t.get("s2") if fp4 else None, None, h, y, al, I, 1, BT, topk)
+    _expert_gemv(module, run, "y", t["w2"], None, t.get("s2") if fp4 else None, None, h, y, al, I, 1,
+                 module.down_tile(BT, fp4), topk)
     out = t["out"].fill_(float("nan"))
     with host_trace():
         _combine_host(module)(_t(y), _t(wts), _t(out))
@@ -488,7 +490,8 @@ def _mk_gemv_host(F: ModuleType) -> Any:
         for j in cutlass.range(nrows):
             for t in cutlass.range(nbt):
                 for lane in cutlass.range(LANES):
-                    weight_row_dot(stage, staged, w_addr, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U, lane)
+                    weight_row_dot(stage, staged, w_addr, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U, lane,
+                                   True)  # the GEMV opcodes' wide tail
                     for b in cutlass.range_constexpr(BT):
                         mPart[j, t, lane, b] = acc[b]
 
@@ -499,9 +502,10 @@ def _mk_gemv_host(F: ModuleType) -> Any:
 def run_mk_tile_gemv(*, B: int, N: int, K: int, staged: int, gamma: bool, seed: int = 0,
                      module: ModuleType | None = None) -> tuple[HostRun, torch.Tensor]:
     """The megakernel's tile GEMV ``y[b, j] = Σ_k W[j, k] (γ_k) x[b, k]`` for a weight box of N rows with the first
-    ``staged`` rows in the prefetch stage, batch tiles as the opcodes walk them (``MKConfig.bt``, unroll 4 while
-    at most 2 batch rows share a chunk, else 2). Returns the run (output ``y``, fp32) and the fp32 reference."""
-    from . import device_fns
+    ``staged`` rows in the prefetch stage, batch tiles and unroll as the GEMV opcodes walk them
+    (``mk_addr.gemv_batch_tile``, ``mk_addr.GEMV_UNROLL``). Returns the run (output ``y``, fp32) and the fp32
+    reference."""
+    from . import device_fns, mk_addr
 
     F = device_fns if module is None else module
     if K % F.VEC or not 0 <= staged <= N:
@@ -515,8 +519,7 @@ def run_mk_tile_gemv(*, B: int, N: int, K: int, staged: int, gamma: bool, seed: 
     # every row, the unfilled part poisoned (a row read from the stage that the prefetch did not fill is NaN)
     stage = torch.full((N * nch, F.VEC), float("nan"), dtype=torch.bfloat16)
     stage[:staged * nch] = W[:staged].reshape(-1, F.VEC)
-    BT = max(d for d in range(1, min(B, 8) + 1) if B % d == 0)
-    U = 4 if BT <= 2 else 2
+    BT, U = mk_addr.gemv_batch_tile(B), mk_addr.GEMV_UNROLL  # as the GEMV opcodes (kernels/mk_gemv.py)
     part = torch.full((N, B // BT, LANES, BT), float("nan"))
     with host_trace():
         _mk_gemv_host(F)(_t(stage), staged, W.data_ptr(), x.data_ptr(), g.data_ptr(), N, nch, nch, B // BT,
@@ -680,19 +683,25 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
             "lanes": run.lanes_run, "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kimik3.kernels.host_exec CASES.json``: run each case, one JSON line per case on stdout."""
+def cases_main(run: Any, module: str, argv: list[str] | None = None) -> int:
+    """``python -m <module> CASES.json``: ``run`` each case of the JSON list, one JSON line per case on stdout (the
+    command line every host-execution module shares; the tests run it in a subprocess)."""
     import json
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        raise SystemExit("usage: python -m kimik3.kernels.host_exec CASES.json")
+        raise SystemExit(f"usage: python -m {module} CASES.json")
     with open(args[0]) as f:
         cases = json.load(f)
     for case in cases:
-        print(json.dumps(run_case(case)), flush=True)
+        print(json.dumps(run(case)), flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kimik3.kernels.host_exec CASES.json``: run each case, one JSON line per case on stdout."""
+    return cases_main(run_case, "kimik3.kernels.host_exec", argv)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ __all__ = [
     "BUFFER_WORDS", "COUNTER_WORDS", "POLICIES", "DTYPE_CODES",
     "FFN_ROUTED", "FFN_MLP", "FFN_LATENT_NORM",
     "ERROR_WORDS", "CTL_WORDS", "ERR_WATCHDOG", "ERR_BAD_PROGRAM", "CTA_THREADS", "BT_MAX",
+    "STAGE_BYTES", "STAGE_BUFFERS", "CHUNK_BYTES", "W_STAGE_OP", "W_STAGE_ROWS", "W_STAGE_CHUNKS", "W_NEXT_BUF",
+    "W_NEXT_ELEM_LO", "W_NEXT_ELEM_HI", "W_NEXT_CHUNKS",
 ]
 
 
@@ -95,7 +97,7 @@ class Site(enum.IntEnum):
 
 # ---------------------------------------------------------------------------------------------------- sizes
 MAGIC = 0x4B334D4B  # "K3MK"
-VERSION = 1
+VERSION = 2  # 2: the weight stage is chosen on the host (W_STAGE_*) and streamed across instructions (W_NEXT_*)
 HEADER_WORDS = 32
 MAX_WAITS = 4
 MAX_OPERANDS = 12
@@ -125,8 +127,27 @@ W_ARGS = 4  # 4 words: opcode arguments a0..a3
 W_SIGNAL, W_AMOUNT, W_NWAITS = 8, 9, 10
 W_WAITS = 11  # MAX_WAITS x (counter, target)
 W_NOPS = W_WAITS + 2 * MAX_WAITS  # 19
-W_OPS = W_NOPS + 1  # 20 .. 20 + 12*8 = 116; words 116..127 reserved (zero)
+W_OPS = W_NOPS + 1  # 20 .. 20 + 12*8 = 116
 assert W_OPS + MAX_OPERANDS * OPERAND_WORDS <= INSTR_WORDS
+# The weight stage (words 116..122; 123..127 reserved, zero). Each CTA holds STAGE_BUFFERS shared-memory stage
+# buffers of STAGE_BYTES, used in turn by queue position parity. The host decides what is staged, so the device
+# can copy it with no choice loop and, for the next instruction, before it has even waited for the current one:
+# * W_STAGE_OP / _ROWS / _CHUNKS: operand j of THIS instruction whose leading whole rows (from its box's r0) sit in
+#   this instruction's stage buffer (-1, 0, 0: nothing staged). Only a bf16 WEIGHT operand with Mode.PREFETCH and
+#   a one-slice, full-width box (b1 - b0 == 1, c0 == 0, c1 == d2, d2 % 8 == 0) qualifies, rows <= r1 - r0 and
+#   rows * d2 * 2 <= STAGE_BYTES; chunks = rows * d2 / 8 (16-byte chunks). EMBED never stages (its rows are data).
+# * W_NEXT_BUF / _ELEM_LO / _ELEM_HI / _CHUNKS: the stage of the NEXT instruction of the same queue, as the device
+#   copies it while this one starts (before this one's waits): buffer index, element offset of the first staged
+#   element (b0*d1 + r0)*d2 as an int64 split in two words (low word: the unsigned low 32 bits stored as int32),
+#   16-byte chunks. (-1, 0, 0, 0): the next instruction stages nothing, or this is the last one of its queue.
+#   Issued before this instruction's waits, so it is legal only for WEIGHT buffers (static for the run); the host
+#   fills it from the next instruction's own W_STAGE_* and the hazard checker proves the two agree.
+W_STAGE_OP, W_STAGE_ROWS, W_STAGE_CHUNKS = 116, 117, 118
+W_NEXT_BUF, W_NEXT_ELEM_LO, W_NEXT_ELEM_HI, W_NEXT_CHUNKS = 119, 120, 121, 122
+assert W_OPS + MAX_OPERANDS * OPERAND_WORDS <= W_STAGE_OP and W_NEXT_CHUNKS < INSTR_WORDS
+STAGE_BYTES = 48 * 1024  # bytes per shared-memory stage buffer
+STAGE_BUFFERS = 2  # ping-pong: this instruction reads one while the next one's weights land in the other
+CHUNK_BYTES = 16  # one cp.async copy (8 bf16 elements): the unit of W_STAGE_CHUNKS / W_NEXT_CHUNKS
 # word offsets inside one operand (OPERAND_WORDS each, from W_OPS); the box is [b0:b1, r0:r1, c0:c1]
 OW_BUF, OW_MODE, OW_BOX = 0, 1, 2
 B0, B1, R0, R1, C0, C1 = range(6)  # box fields, relative to OW_BOX

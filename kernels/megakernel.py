@@ -6,23 +6,39 @@ what the data needs — counters in global memory — and an SM that waits for i
 weights of its next instruction. The program (``kimik3.megakernel.instructions``: opcodes, operand boxes, waits,
 signals, per-SM queues) is built once on the host by the scheduler; this kernel is its interpreter.
 
-The loop, per CTA (``block_idx.x`` = queue number), per queue entry ``v``:
+The loop, per CTA (``block_idx.x`` = queue number), per queue position ``q`` holding instruction ``v`` (design v2:
+the weight stage is chosen on the host and streamed one instruction ahead, ``isa.W_STAGE_*`` / ``isa.W_NEXT_*``):
 
-1. **fetch**: the 128-word instruction row goes to shared memory; per operand the buffer's base address (from the
-   buffer table ``bufs``) and its dims (from the program's buffer section) are cached in smem;
-2. **prefetch**: the largest row-contiguous bf16 *static weight* operand the instruction declares with the
-   PREFETCH flag (the only kind the hazard checker allows before the waits) is copied, whole rows, up to
-   ``STAGE_BYTES``, into the shared-memory stage with ``cp.async.cg`` (which also leaves it in L2) — issued
-   *before* the waits, so the copy overlaps the spin;
-3. **wait**: thread 0 spins on each wait ``counter[c] ≥ step·total[c] + target`` with ``ld.acquire.gpu`` and
+1. **fetch**: warp 0 moves ``v``'s 128-word row into ``s_ins``; the previous position already copied it into smem
+   with ``cp.async`` (its wait is warp 0's ``cp.async.wait_group 0``: warp 0's groups hold only rows), so the row
+   costs no global round trip here (the first position, or one after a gap in the queue, copies its own). Then
+   ``bar.sync``, and warp 1 caches per operand (one lane each, all in flight) the buffer's base address (from the
+   buffer table ``bufs``) and its dims (from the program's buffer section) in smem;
+2. **stage** (warps 1..11, ``cp.async.cg`` 16-byte copies, which also leave the lines in L2): two stage buffers
+   of ``STAGE_BYTES``, used by queue position parity. Position ``q`` reads ``stage[q % 2]``, filled while ``q-1``
+   ran; it now copies the NEXT position's rows (``W_NEXT_BUF`` / ``_ELEM`` / ``_CHUNKS``: a buffer of the table,
+   an element offset and a chunk count the host wrote) into ``stage[(q+1) % 2]`` — the buffer ``q-1`` finished
+   reading before its end barrier — and commits the group (an empty one when nothing is staged, so every
+   position commits exactly one). The first position (or one after a gap) also copies its own rows from
+   ``W_STAGE_OP`` / ``_ROWS`` / ``_CHUNKS`` first. All this precedes the waits: it is legal only because the host
+   stages nothing but static WEIGHT rows (the hazard checker and the address replay prove it);
+3. **wait**: lane ``w`` of warp 0 spins on wait ``w`` (all waits at once: one round trip for the counter total
+   and the ``ld.acquire.gpu`` counter load together) until ``counter[c] ≥ step·total[c] + target``, with
    ``nanosleep`` back-off; a bounded-spin **watchdog** (``ctl[1]`` spins) then sets the error word (CAS 0 → 1,
-   first CTA wins) with the instruction, counter, target and value seen, and the CTA leaves; a CTA that sees the
-   error word set while spinning leaves too, so a broken program ends the launch instead of hanging it;
-4. **execute**: ``bar.sync`` (broadcasts the acquire to the CTA), ``%globaltimer`` start stamp, dispatch on the
-   opcode to the device function below;
+   first thread of the launch wins) with the instruction, counter, target and value seen, and the CTA leaves; a
+   CTA that sees the error word set while spinning leaves too, so a broken program ends the launch instead of
+   hanging it. Each waiting lane stamps ``%globaltimer`` when its wait holds; warp 0 then reads the next queue
+   entry and copies its row (``cp.async``, one 16-byte chunk per lane) for step 1 of the next position;
+4. **execute**: ``cp.async.wait_group 1`` (this position's stage has landed, the next one's copy stays in
+   flight), ``bar.sync`` (broadcasts the acquires, the operand table and the stage), dispatch on the opcode to
+   its device function; the opcodes read ``ctx.s_stage`` = ``stage[q % 2]`` through ``_staged_rows``;
 5. **signal**: ``bar.sync`` (every thread's writes done), then thread 0 ``red.release.gpu.add`` on the
    instruction's counter (release is cumulative over the barrier), end stamp, and the row
-   ``timings[v] = (start ns, end ns, %smid)`` that ``kimik3.megakernel.timeline.from_timings`` reads.
+   ``timings[v] = (start ns, end ns, %smid)`` that ``kimik3.megakernel.timeline.from_timings`` reads (start: the
+   latest of the waits' stamps, i.e. when the instruction could start).
+
+Three CTA barriers per instruction; global round trips on the critical path: the operand table (one, in parallel
+over operands and overlapping the waits) and the waits (one, in parallel over waits, plus the spin).
 
 Counters are monotonic across launches (the host zeroes them once and passes the step number in ``ctl[0]``).
 Every parameter is a statically laid-out tensor, i.e. one 8-byte pointer (guide §1.3), so the op can be exported
@@ -32,19 +48,21 @@ buffer), counters ``[MAX_CTRS] i32``, timings ``[MAX_INSTR, 3] i64``, error ``[8
 
 The CTA is 384 threads (12 warps): 512 threads cap ptxas at 128 registers and the widest opcodes spilled there;
 at 384 the cap is 168 and every preset x batch (micro, tiny, k3-shard x 1, 8, 64) compiles with 126-160 registers,
-0 spills, 0 stack, ~100-112 KiB of dynamic shared memory (64 KiB of it the weight stage). Every opcode is one branch
-of ``_dispatch``; values live across the dispatch are kept in shared memory (``s_run``, ``s_t0``) because ptxas
-allocates registers for the widest branch and anything live across all of them counts against every one.
+0 spills, 0 stack, ~129-142 KiB of dynamic shared memory (96 KiB of it the two weight stage buffers). Every opcode is
+one branch of ``_dispatch``; values live across the dispatch are kept in shared memory (``s_run``, the waits'
+``s_wok`` / ``s_tw``) because ptxas allocates registers for the widest branch and anything live across all of them
+counts against every one.
 
 Opcodes (first version: simple, correct-by-construction device code; see ``OPCODE_NOTES`` for each one's
 performance limits). Compiled for sm_90a / sm_100a without a GPU (``tests/test_megakernel_compile.py``); the launch
 is checked on a GPU by ``tests/test_megakernel_gpu.py``.
 
-This file is the VM (fetch, prefetch, wait with its watchdog, dispatch, signal, timing) and the compile-time config;
-the opcodes live in one module per family, on the operand access of ``mk_operands.py``: ``mk_gemv.py`` (the tiled
-GEMV opcodes, sharing ``device_fns.weight_row_dot``), ``mk_kda.py``, ``mk_mla.py``, ``mk_moe.py`` and ``mk_misc.py``
-(EMBED, ATTN_RES_MIX, ARGMAX). Which elements an opcode touches comes from ``mk_addr.py``, the arithmetic the
-host's address replay runs too. The source hash covers every one of them (``_source.OPCODE_MODULES``).
+This file is the VM (fetch, the stage pipeline, wait with its watchdog, dispatch, signal, timing) and the
+compile-time config; the opcodes live in one module per family, on the operand access of ``mk_operands.py``:
+``mk_gemv.py`` (the tiled GEMV opcodes, sharing ``device_fns.weight_row_dot``), ``mk_kda.py``, ``mk_mla.py``,
+``mk_moe.py`` and ``mk_misc.py`` (EMBED, ATTN_RES_MIX, ARGMAX). Which elements an opcode touches comes from
+``mk_addr.py``, the arithmetic the host's address replay runs too. The source hash covers every one of them
+(``_source.OPCODE_MODULES``).
 """
 
 from __future__ import annotations
@@ -66,19 +84,14 @@ from .device_fns import (
     gchunks,
 )
 from .isa import (
-    B0,
-    B1,
     BT_MAX,
     BUFFER_WORDS,
     BW_D1,
     BW_D2,
-    BW_DTYPE,
-    C0,
-    C1,
+    CHUNK_BYTES,
     COUNTER_WORDS,
     CTL_WORDS,
     CW_TOTAL,
-    DTYPE_BF16,
     ERR_BAD_PROGRAM,
     ERR_WATCHDOG,
     ERROR_WORDS,
@@ -90,23 +103,29 @@ from .isa import (
     H_OFF_Q,
     H_Q,
     H_S,
+    H_VERSION,
     INSTR_WORDS,
     MAGIC,
     MAX_OPERANDS,
+    MAX_WAITS,
     OPERAND_WORDS,
-    OW_BOX,
     OW_BUF,
-    OW_MODE,
-    R0,
-    R1,
+    STAGE_BUFFERS,
+    STAGE_BYTES,
+    VERSION,
     W_AMOUNT,
+    W_NEXT_BUF,
+    W_NEXT_CHUNKS,
+    W_NEXT_ELEM_HI,
+    W_NEXT_ELEM_LO,
     W_NOPS,
     W_NWAITS,
     W_OP,
     W_OPS,
     W_SIGNAL,
+    W_STAGE_CHUNKS,
+    W_STAGE_OP,
     W_WAITS,
-    Mode,
     Op,
 )
 from .mk_gemv import op_ffn_out, op_lm_head, op_mlp_gate_up, op_norm_proj, op_o_proj_residual
@@ -118,17 +137,19 @@ from .mk_operands import F32_RED, F32_VEC, F32_WORDS, I32_WORDS, _Ctx, _kda_grou
 
 SOURCE_HASH = kernel_source_hash(__name__.rsplit(".", 1)[-1])
 
-__all__ = ["MKConfig", "OPCODE_NOTES", "STAGE_BYTES", "ERROR_WORDS", "CTL_WORDS", "ERR_WATCHDOG", "ERR_BAD_PROGRAM",
-           "megakernel", "compile_for", "launch", "SOURCE_HASH", "VARIANTS"]
+__all__ = ["MKConfig", "OPCODE_NOTES", "STAGE_BYTES", "STAGE_BUFFERS", "ERROR_WORDS", "CTL_WORDS", "ERR_WATCHDOG",
+           "ERR_BAD_PROGRAM", "megakernel", "compile_for", "launch", "SOURCE_HASH", "VARIANTS"]
 
 VARIANTS = ("megakernel",)
 # The int32 program layout, the opcode numbers and the launch's error / control words come from kernels/isa.py,
 # the one definition the host program (kimik3.megakernel.instructions) encodes with; it imports no torch.
-MODE_PREFETCH = int(Mode.PREFETCH)
-STAGE_BYTES = 64 * 1024  # shared-memory weight stage (whole rows of the prefetched operand)
-STAGE_CHUNKS = STAGE_BYTES // 16
-# s_run slots (launch invariants kept in shared memory)
-RUN_Q, RUN_QLEN, RUN_OFF_BUF, RUN_OFF_CTR, RUN_OFF_INS, RUN_OFF_Q, RUN_STEP, RUN_SPINS, RUN_SLEEP = range(9)
+# The weight stage: STAGE_BUFFERS buffers of STAGE_BYTES (isa.py: the host sizes the staged rows with them)
+STAGE_CHUNKS = STAGE_BYTES // CHUNK_BYTES
+WORDS_PER_CHUNK = CHUNK_BYTES // 4
+ROW_CHUNKS = INSTR_WORDS // WORDS_PER_CHUNK  # one 16-byte copy per lane of warp 0 moves an instruction row
+assert ROW_CHUNKS == 32 and CHUNK_BYTES == 2 * VEC
+# s_run slots (launch invariants kept in shared memory; RUN_V: the queue entry of the position about to run)
+RUN_Q, RUN_QLEN, RUN_OFF_BUF, RUN_OFF_CTR, RUN_OFF_INS, RUN_OFF_Q, RUN_STEP, RUN_SPINS, RUN_SLEEP, RUN_V = range(10)
 # opcode numbers as plain ints (the dispatch compares them with traced Int32 values)
 OP_EMBED, OP_ATTN_RES_MIX, OP_NORM_PROJ, OP_MLP_GATE_UP = int(Op.EMBED), int(Op.ATTN_RES_MIX), int(Op.NORM_PROJ), \
     int(Op.MLP_GATE_UP)
@@ -147,14 +168,14 @@ OPCODE_NOTES: dict[str, tuple[str, str]] = {
                      "fp32), one CTA reduction, softmax over depth in every thread, second pass mixes the raw "
                      "candidates in fp32 and stores bf16", "rows of a tile run one after another (2 barriers each); "
                                                            "the second pass re-reads the candidates from L1/L2"),
-    "NORM_PROJ": ("rstd of every batch row (one warp per row), then one warp per weight row: 16-byte weight loads "
-                  "(4 per lane in flight, 2 when 4 batch rows share them; from the smem stage for staged rows) "
-                  "times γ, fp32 dot with up to 4 batch rows per pass, rstd applied after the dot (guide §3.1); fp32 "
-                  "or bf16 out",
-                  "CUDA-core FMAs, one CTA per SM: 12 warps keep ~24 KiB of weights in flight per SM (below what "
-                  "HBM latency asks for; the smem prefetch covers the first rows only); at B = 64 the weight row "
-                  "is re-read 16 times (L1) and x comes from L1/L2 for every row — FMA/L1-bound, a tensor-core "
-                  "(mma) path for B ≥ 16 is future work"),
+    "NORM_PROJ": ("rstd of every batch row (one warp per row, 8 independent 16-byte loads per lane per round trip), "
+                  "then one warp per weight row: 8 16-byte weight loads per lane in flight (from the smem stage for "
+                  "staged rows) times γ, fp32 dot with up to 8 batch rows per pass (the rows walked in a loop, one "
+                  "accumulator live at a time), rstd applied after the dot (guide §3.1); fp32 or bf16 out",
+                  "CUDA-core FMAs, one CTA per SM: 12 warps keep 48 KiB of weights in flight per SM; the smem stage, "
+                  "copied while the previous instruction ran, covers the first 48 KiB of rows; up to batch 8 each "
+                  "weight row is read once, at B = 64 once per pass of 8 (L1) and x comes from L1/L2 for every row — "
+                  "FMA/L1-bound, a tensor-core (mma) path for B ≥ 16 is future work"),
     "MLP_GATE_UP": ("as NORM_PROJ for the gate and the up row of each channel, then SiTU-GLU (or SwiGLU) in fp32",
                     "as NORM_PROJ; x is read twice per channel (once per weight)"),
     "KDA_STEP": ("per (head, sequence): threads < dk do the width-4 conv + SiLU for q/k/v (shifting the conv "
@@ -166,37 +187,58 @@ OPCODE_NOTES: dict[str, tuple[str, str]] = {
                  "(head, sequence) pairs run one after another with ~8 barriers each; the state is read twice "
                  "(the second time from L1) to keep it out of registers; the f_a·f_b dot is a serial dk-long loop "
                  "per thread"),
-    "MLA_Q": ("per batch tile: q_a rows staged in smem, their rstd, one warp per q_b row (rstd applied after the "
-              "dot; the rope part goes straight to mla_q), then W_UK absorption one thread per latent column",
-              "the absorption walks nope rows serially per thread (128 dependent FMAs per latent column)"),
-    "MLA_KV_APPEND": ("one warp per sequence: latent RMSNorm exactly as the reference, latent and shared key "
-                      "written at the sequence's position", "none worth noting"),
-    "MLA_PARTIAL": ("one warp per (sequence, head): the lane holds 16 latent + 2 rope query dims (k3-shard), walks "
-                    "the split's cache rows up to the sequence's position with an online softmax (exp2), writes "
-                    "(o, max, sum)", "serial over positions with two warp sums per position: latency-bound for "
-                                     "long contexts; a head-batched mma version is future work"),
-    "MLA_REDUCE": ("per (head, batch tile): merge the splits (log-sum-exp weights) into o_lat in smem, one warp per "
-                   "W_UV row, output gate σ(g) in bf16", "splits re-read per latent column"),
+    "MLA_Q": ("per batch tile: q_a rows staged in smem (4 loads in flight per thread), their rstd, the rows "
+              "normalised in place exactly as the reference (bf16(x·rstd)·γ), one warp per q_b row (16-byte weight "
+              "loads, smem stage first); the rope part goes straight to mla_q; then the W_UK absorption as a GEMV "
+              "over W_UK's rows: a warp task owns mk_addr.absorb_cw(kvl) 16-byte column chunks (8 at k3-shard), "
+              "its 32/CW lane groups split the nope rows, each lane keeps 8 (bt <= 2) or 4 16-byte W_UK loads in "
+              "flight and 8 columns x bt fp32 accumulators; the row groups meet in a partial butterfly "
+              "(mk_mla.absorb_lane / absorb_coords)",
+              "kvl/(8·CW) absorption tasks per head (8 at k3-shard) leave 4 of 12 warps idle during the "
+              "absorption; the q_b rows and W_UK are re-read per batch tile (B > 4)"),
+    "MLA_KV_APPEND": ("one warp per sequence: each lane loads all its latent / weight / rope elements at once "
+                      "(kvl/32 + rope/32 independent loads), latent RMSNorm exactly as the reference, latent and "
+                      "shared key written at the sequence's position (mk_mla.kv_append_load / norm_value)",
+                      "none worth noting (scalar 2-byte loads, but all of a lane's in one round trip)"),
+    "MLA_PARTIAL": ("heads spread over the 12 warps, PART_HB = 2 heads per warp pass (their queries in fp32 "
+                    "registers; the lane owns 16-byte latent chunks lane + 32m and rope elements lane + 32m); the "
+                    "split's cache rows up to the sequence's position are walked PART_PU = 2 rows per step with "
+                    "every load of the step in flight, each row loaded once for the warp's heads (the other warps "
+                    "hit L1); per (row, head) one 6-step shuffle chain sums the latent and the rope partials (the "
+                    "reference's two bf16 einsums, bit-identical to two warp sums: mk_mla._score_sum), the online "
+                    "softmax rescales once per step and only when the max grows (exp2); writes (o, max, sum) "
+                    "(mk_mla.partial_load_q / partial_load_rows / partial_dots / partial_out_block)",
+                    "CUDA-core FMAs: per (head, row) and lane 34 FMAs, 6 shuffles, ~9 converts: issue-bound at "
+                    "~2x the FMA floor (96 heads x 256 rows of one split: ~0.25 ms on one SM); a tensor-core (mma) "
+                    "version, or fewer heads per instruction, is what would cut it"),
+    "MLA_REDUCE": ("per (head, batch tile): one warp per batch row takes the splits' common max and denominator "
+                   "(lanes over splits), every thread merges two latent columns over the splits with 8 splits' "
+                   "loads per step in flight (mk_mla.merge_max_lane / merge_den_lane / merge_lane) into o_lat in "
+                   "smem (bf16), the tile's gate factors bf16(σ(g)) staged in smem alongside; one warp per W_UV row "
+                   "(16-byte weight loads), output gate applied from smem",
+                   "each merging thread re-reads the splits' max (L1 hits) and evaluates its own exp per split"),
     "O_PROJ_RESIDUAL": ("one warp per o_proj row (column of the stream): dot over the mixer output, bf16, added "
                         "into (or starting) the block's partial sum", "as NORM_PROJ"),
     "ROUTER": ("one warp per token: sigmoid scores (+ bias to choose), k rounds of butterfly arg-max (ties to the "
                "lower id), renormalise; warp 0 compacts the chosen experts in ascending order with ballots into "
                "slots; one thread per (token, slot) writes the slot weight and use flag",
                "grouped routing (n_group > 1) is not implemented (refused on the host)"),
-    "EXPERT_GATE_UP": ("per slot's expert, one warp per hidden channel: for every token that uses the slot, w1 and "
-                       "w3 row dots over the latent input and SiTU-GLU", "one token at a time: the two weight rows "
-                                                                         "are re-read (L1) per token; no "
-                                                                         "prefetch (the expert is data-dependent)"),
-    "EXPERT_DOWN": ("one warp per latent row: for every chosen expert and every token using it, the w2 row dot, "
-                    "bf16, times the router weight, accumulated in fp32 per token (lane b mod 32), one bf16 cast",
-                    "one token at a time, rows re-read per token; no prefetch"),
+    "EXPERT_GATE_UP": ("slot lists (expert id, ascending token list) read once per instruction into shared memory; "
+                       "one warp per hidden channel streams its w1 and w3 rows (4 + 4 16-byte loads per lane in "
+                       "flight), each chunk dotted with every token of the pass (4 tokens, 2 above batch 8), "
+                       "SiTU-GLU", "the expert is data-dependent, so the host cannot name its rows: no stage; a slot "
+                                   "with more tokens than a pass re-reads its rows (L1/L2)"),
+    "EXPERT_DOWN": ("slot lists with the tokens' router weights once per instruction; one warp per latent row streams "
+                    "each used expert's w2 row (6 16-byte loads per lane in flight), dotted with the slot's tokens "
+                    "per pass, bf16 times the router weight, accumulated in fp32 per token (lane b mod 32), one bf16 "
+                    "cast", "no stage (data-dependent expert); rows re-read per extra pass of an expert's tokens"),
     "FFN_OUT": ("one warp per hidden column: routed part (latent RMSNorm applied after the dot) and/or the "
                 "shared/dense down row, each rounded to bf16 as the reference does, added into the stream",
                 "as NORM_PROJ"),
     "LM_HEAD": ("final RMSNorm + one warp per vocabulary row: bf16-rounded fp32 logits, per-warp running arg-max "
                 "per token, merged across warps through smem (ties to the lowest id)", "as NORM_PROJ"),
-    "ARGMAX": ("one thread per token walks the tiles' (max, arg-max) pairs, first maximum wins",
-               "serial over tiles (a few hundred at most)"),
+    "ARGMAX": ("one thread per token walks the tiles' (max, arg-max) pairs, 4 independent loads per iteration, "
+               "first maximum wins", "serial over tiles (a few hundred at most)"),
 }
 
 
@@ -317,6 +359,45 @@ def _dispatch(ctx: _Ctx, op: Int32) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the kernel
+@cute.jit
+def _row_chunks(mProg: cute.Tensor, off_ins: Int32, v: Int32) -> Any:
+    """Instruction row ``v`` of the program in global memory as ``[chunk, 4]`` int32 (16-byte chunks)."""
+    addr = mProg.iterator.toint() + (Int64(off_ins) + Int64(v) * INSTR_WORDS) * 4
+    ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=16)
+    return cute.make_tensor(ptr, cute.make_layout((ROW_CHUNKS, WORDS_PER_CHUNK), stride=(WORDS_PER_CHUNK, 1)))
+
+
+@cute.jit
+def _spin(mCtr: cute.Tensor, mErr: cute.Tensor, c: Int32, target: Int32, v: Int32, bidx: Int32, step: Int32,
+          max_spins: Int32, sleep_ns: Int32) -> Int32:
+    """Spin until ``counter[c] >= target`` (``ld.acquire.gpu``, ``nanosleep`` back-off). Returns 1 when it holds,
+    0 when the watchdog tripped (this thread sets the error word if it is the first in the launch: CAS 0 -> 1, then
+    the instruction, counter, target, value seen, CTA, SM and step) or another CTA's error word was seen."""
+    ok = Int32(1)
+    seen = cute.arch.load(mCtr.iterator + c, Int32, sem="acquire", scope="gpu")
+    spins = Int32(0)
+    while (seen < target) & (ok == 1):
+        nanosleep(sleep_ns)
+        spins = spins + 1
+        if cute.arch.load(mErr.iterator, Int32, sem="relaxed", scope="gpu") != 0:
+            ok = Int32(0)  # another CTA tripped: leave instead of waiting for it
+        elif spins >= max_spins:
+            ok = Int32(0)
+            old = cute.arch.atomic_cas(mErr.iterator, cmp=Int32(0), val=Int32(ERR_WATCHDOG), sem="relaxed",
+                                       scope="gpu")
+            if old == 0:  # first to trip: record where
+                mErr[1] = v
+                mErr[2] = c
+                mErr[3] = target
+                mErr[4] = seen
+                mErr[5] = bidx
+                mErr[6] = Int32(cute.arch.smid())
+                mErr[7] = step
+        if ok == 1:
+            seen = cute.arch.load(mCtr.iterator + c, Int32, sem="acquire", scope="gpu")
+    return ok
+
+
 @cute.kernel
 def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor, mTime: cute.Tensor,
                       mErr: cute.Tensor, mCtl: cute.Tensor, cfg: cutlass.Constexpr):
@@ -325,123 +406,146 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
     warp, lane = tidx // 32, tidx % 32
     alloc = cutlass.memory.SmemAllocator()
     s_ins = C.smem_tensor(alloc, Int32, (INSTR_WORDS,), "megakernel")
+    # the next instruction's row lands here (cp.async, warp 0) while this one runs; warp 0 moves it into s_ins
+    s_nxt = C.smem_tensor(alloc, Int32, (INSTR_WORDS,), "megakernel")
+    s_nxt4 = cute.make_tensor(s_nxt.iterator, cute.make_layout((ROW_CHUNKS, WORDS_PER_CHUNK),
+                                                               stride=(WORDS_PER_CHUNK, 1)))
     s_addr = C.smem_tensor(alloc, Int64, (MAX_OPERANDS,), "megakernel")
     s_d1 = C.smem_tensor(alloc, Int32, (MAX_OPERANDS,), "megakernel")
     s_d2 = C.smem_tensor(alloc, Int32, (MAX_OPERANDS,), "megakernel")
-    s_pf = C.smem_tensor(alloc, Int32, (8,), "megakernel")
-    stage = C.smem_tensor(alloc, BFloat16, (STAGE_CHUNKS * VEC,), "megakernel", align=128)
-    s_stage = cute.make_tensor(stage.iterator, cute.make_layout((STAGE_CHUNKS, VEC), stride=(VEC, 1)))
+    s_wok = C.smem_tensor(alloc, Int32, (MAX_WAITS,), "megakernel")  # per wait: 1 = satisfied, 0 = watchdog/error
+    s_tw = C.smem_tensor(alloc, Int64, (MAX_WAITS,), "megakernel")  # per wait: %globaltimer when it was satisfied
+    stage = C.smem_tensor(alloc, BFloat16, (STAGE_BUFFERS * STAGE_CHUNKS * VEC,), "megakernel", align=128)
+    stages = cute.make_tensor(stage.iterator, cute.make_layout((STAGE_CHUNKS, VEC, STAGE_BUFFERS),
+                                                               stride=(VEC, 1, STAGE_CHUNKS * VEC)))
     s_f32 = C.smem_tensor(alloc, Float32, (F32_WORDS,), "megakernel")
     s_i32 = C.smem_tensor(alloc, Int32, (I32_WORDS,), "megakernel")
     xb_chunks = -(-cfg.xb_elems // VEC)
     s_xbf = C.smem_tensor(alloc, BFloat16, (xb_chunks * VEC,), "megakernel", align=128)
     s_xb = cute.make_tensor(s_xbf.iterator, cute.make_layout((xb_chunks, VEC), stride=(VEC, 1)))
-    ctx = _Ctx(cfg=cfg, tidx=tidx, warp=warp, lane=lane, s_ins=s_ins, s_addr=s_addr, s_d1=s_d1, s_d2=s_d2,
-               s_pf=s_pf, s_stage=s_stage, s_f32=s_f32, s_i32=s_i32, s_xbf=s_xbf, s_xb=s_xb)
     cp_atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), BFloat16,
                                   num_bits_per_copy=128)
+    cp_row = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), Int32,
+                                 num_bits_per_copy=128)
 
     # Launch-invariant values live in smem, not registers: the opcode bodies need every register they can get
     # (ptxas allocates for the worst branch, and whatever is live across the dispatch counts against all of them).
     s_run = C.smem_tensor(alloc, Int32, (16,), "megakernel")
-    s_t0 = C.smem_tensor(alloc, Int64, (1,), "megakernel")
     if tidx == 0:
-        good = (mProg[H_MAGIC] == MAGIC) & (mProg[H_INSTR_WORDS] == INSTR_WORDS)
-        s_run[RUN_Q] = mProg[H_Q] if good & (bidx < mProg[H_S]) else Int32(0)
+        good = (mProg[H_MAGIC] == MAGIC) & (mProg[H_VERSION] == VERSION) & (mProg[H_INSTR_WORDS] == INSTR_WORDS)
+        good = good & (mProg[H_OFF_INS] % WORDS_PER_CHUNK == 0)  # rows are copied 16 bytes at a time
+        nq = mProg[H_Q] if good & (bidx < mProg[H_S]) else Int32(0)
+        s_run[RUN_Q] = nq
         s_run[RUN_QLEN] = mProg[H_Q]
         s_run[RUN_OFF_BUF], s_run[RUN_OFF_CTR] = mProg[H_OFF_BUF], mProg[H_OFF_CTR]
         s_run[RUN_OFF_INS], s_run[RUN_OFF_Q] = mProg[H_OFF_INS], mProg[H_OFF_Q]
         s_run[RUN_STEP], s_run[RUN_SPINS], s_run[RUN_SLEEP] = mCtl[0], mCtl[1], mCtl[2]
+        v0 = Int32(-1)
+        if nq > 0:
+            v0 = mProg[mProg[H_OFF_Q] + bidx * mProg[H_Q]]
+        s_run[RUN_V] = v0
         if (good == False) & (bidx == 0):  # noqa: E712  (a DSL Boolean, not a Python bool)
             mErr[0] = ERR_BAD_PROGRAM
     cute.arch.sync_threads()
+    ahead = Int32(0)  # 1 when the previous queue position ran: it has issued this one's row and stage copies
     aborted = Int32(0)
     for q in cutlass.range(s_run[RUN_Q], unroll=1):
-        v = mProg[s_run[RUN_OFF_Q] + bidx * s_run[RUN_QLEN] + q]
+        v = s_run[RUN_V]
+        par = q % STAGE_BUFFERS
+        s_stage = stages[(None, None, par)]  # this instruction's stage buffer (the next one fills the other)
+        ctx = _Ctx(cfg=cfg, tidx=tidx, warp=warp, lane=lane, s_ins=s_ins, s_addr=s_addr, s_d1=s_d1, s_d2=s_d2,
+                   s_stage=s_stage, s_f32=s_f32, s_i32=s_i32, s_xbf=s_xbf, s_xb=s_xb)
         if (v >= 0) & (aborted == 0):
-            # ---- fetch: the instruction row, and per operand its buffer's address and dims
-            if tidx < INSTR_WORDS:
-                s_ins[tidx] = mProg[s_run[RUN_OFF_INS] + v * INSTR_WORDS + tidx]
+            # ---- fetch: warp 0 moves the row (prefetched by the previous position, else copied now) into s_ins
+            if warp == 0:
+                if ahead == 0:
+                    cute.copy(cp_row, _row_chunks(mProg, s_run[RUN_OFF_INS], v)[(lane, None)], s_nxt4[(lane, None)])
+                    cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)  # warp 0's groups hold only rows: this is the row landing
+                for k in cutlass.range_constexpr(WORDS_PER_CHUNK):
+                    s_ins[lane * WORDS_PER_CHUNK + k] = s_nxt[lane * WORDS_PER_CHUNK + k]
             cute.arch.sync_threads()
+            # per operand its buffer's address and dims (warp 1, one lane per operand, all in flight at once)
             nops = s_ins[W_NOPS]
-            if tidx < nops:
-                buf = s_ins[W_OPS + OPERAND_WORDS * tidx + OW_BUF]
-                s_addr[tidx] = mBufs[buf]
-                s_d1[tidx] = mProg[s_run[RUN_OFF_BUF] + buf * BUFFER_WORDS + BW_D1]
-                s_d2[tidx] = mProg[s_run[RUN_OFF_BUF] + buf * BUFFER_WORDS + BW_D2]
-            if tidx == 0:  # prefetch choice: the largest row-contiguous bf16 static weight marked PREFETCH
-                off_buf = s_run[RUN_OFF_BUF]
-                best, best_el = Int32(-1), Int32(0)
-                for j in cutlass.range(nops, unroll=1):
-                    o = W_OPS + OPERAND_WORDS * j
-                    buf = s_ins[o + OW_BUF]
-                    d2 = mProg[off_buf + buf * BUFFER_WORDS + BW_D2]
-                    el = (s_ins[o + OW_BOX + R1] - s_ins[o + OW_BOX + R0]) * d2
-                    ok = ((s_ins[o + OW_MODE] & MODE_PREFETCH) != 0) & (
-                        mProg[off_buf + buf * BUFFER_WORDS + BW_DTYPE] == DTYPE_BF16)
-                    ok = ok & (s_ins[o + OW_BOX + B1] - s_ins[o + OW_BOX + B0] == 1) & (s_ins[o + OW_BOX + C0] == 0)
-                    ok = ok & (s_ins[o + OW_BOX + C1] == d2) & (d2 % VEC == 0) & (el > best_el)
-                    best, best_el = (j, el) if ok else (best, best_el)
-                rows = Int32(0)
-                if (best >= 0) & (s_ins[W_OP] != OP_EMBED):  # EMBED's table rows are data-dependent: no prefetch
-                    d2 = mProg[off_buf + s_ins[W_OPS + OPERAND_WORDS * best + OW_BUF] * BUFFER_WORDS + BW_D2]
-                    rows = best_el // d2
-                    rows = rows if rows < (STAGE_CHUNKS * VEC) // d2 else (STAGE_CHUNKS * VEC) // d2
-                    s_pf[2] = rows * (d2 // VEC)
-                s_pf[0] = best if rows > 0 else Int32(-1)
-                s_pf[1] = rows
-            cute.arch.sync_threads()
-            # ---- prefetch (before the waits: static weights only, so it cannot race with any writer)
-            if s_pf[0] >= 0:
-                src = gchunks(_row0(ctx, s_pf[0]))
-                for c in cutlass.range(tidx, s_pf[2], NT, unroll=1):
-                    cute.copy(cp_atom, src[(c, None)], s_stage[(c, None)])
-            cute.arch.cp_async_commit_group()
-            # ---- wait: counter[c] >= step * total[c] + target, bounded spin
-            if tidx == 0:
-                ok = Int32(1)
-                for w in cutlass.range(s_ins[W_NWAITS], unroll=1):
-                    c = s_ins[W_WAITS + 2 * w]
-                    total = mProg[s_run[RUN_OFF_CTR] + c * COUNTER_WORDS + CW_TOTAL]
-                    target = s_run[RUN_STEP] * total + s_ins[W_WAITS + 2 * w + 1]
-                    seen = cute.arch.load(mCtr.iterator + c, Int32, sem="acquire", scope="gpu")
-                    spins = Int32(0)
-                    while (seen < target) & (ok == 1):
-                        nanosleep(s_run[RUN_SLEEP])
-                        spins = spins + 1
-                        if cute.arch.load(mErr.iterator, Int32, sem="relaxed", scope="gpu") != 0:
-                            ok = Int32(0)  # another CTA tripped: leave instead of waiting for it
-                        elif spins >= s_run[RUN_SPINS]:
-                            ok = Int32(0)
-                            old = cute.arch.atomic_cas(mErr.iterator, cmp=Int32(0), val=Int32(ERR_WATCHDOG),
-                                                       sem="relaxed", scope="gpu")
-                            if old == 0:  # first to trip: record where
-                                mErr[1] = v
-                                mErr[2] = c
-                                mErr[3] = target
-                                mErr[4] = seen
-                                mErr[5] = bidx
-                                mErr[6] = Int32(cute.arch.smid())
-                                mErr[7] = s_run[RUN_STEP]
-                        if ok == 1:
-                            seen = cute.arch.load(mCtr.iterator + c, Int32, sem="acquire", scope="gpu")
-                s_pf[3] = ok
-                s_t0[0] = cute.arch.globaltimer()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()  # broadcasts thread 0's acquire (and the staged weights) to the CTA
-            go = s_pf[3]
+            if (warp == 1) & (lane < nops):
+                buf = s_ins[W_OPS + OPERAND_WORDS * lane + OW_BUF]
+                s_addr[lane] = mBufs[buf]
+                s_d1[lane] = mProg[s_run[RUN_OFF_BUF] + buf * BUFFER_WORDS + BW_D1]
+                s_d2[lane] = mProg[s_run[RUN_OFF_BUF] + buf * BUFFER_WORDS + BW_D2]
+            # ---- stage copies (warps 1..): static weights only, so they may precede the waits
+            if ahead == 0:  # first position (or after a gap): this instruction's own stage, from W_STAGE_*
+                cute.arch.sync_threads()  # _row0 reads the operand table
+                sj = s_ins[W_STAGE_OP]
+                if (sj >= 0) & (warp > 0):
+                    src = gchunks(_row0(ctx, sj))
+                    for c in cutlass.range(tidx - 32, s_ins[W_STAGE_CHUNKS], NT - 32, unroll=1):
+                        cute.copy(cp_atom, src[(c, None)], s_stage[(c, None)])
+                cute.arch.cp_async_commit_group()
+            nbuf = s_ins[W_NEXT_BUF]
+            if (nbuf >= 0) & (warp > 0):  # the next position's stage, into the other buffer
+                elem = (Int64(s_ins[W_NEXT_ELEM_HI]) << 32) | (Int64(s_ins[W_NEXT_ELEM_LO]) & Int64(0xFFFFFFFF))
+                src = gchunks(mBufs[nbuf] + elem * 2)
+                dst = stages[(None, None, 1 - par)]
+                for c in cutlass.range(tidx - 32, s_ins[W_NEXT_CHUNKS], NT - 32, unroll=1):
+                    cute.copy(cp_atom, src[(c, None)], dst[(c, None)])
+            cute.arch.cp_async_commit_group()  # an empty group when nothing is staged: one group per position
+            # ---- wait: lane w of warp 0 spins on wait w (all waits in flight at once)
+            nw = s_ins[W_NWAITS]
+            if warp == 0:
+                # the next position's queue entry (static program data), loaded with the waits' first round trip
+                vn = Int32(-1)
+                if q + 1 < s_run[RUN_Q]:
+                    vn = mProg[s_run[RUN_OFF_Q] + bidx * s_run[RUN_QLEN] + q + 1]
+                if lane < nw:
+                    c = s_ins[W_WAITS + 2 * lane]
+                    target = s_run[RUN_STEP] * mProg[s_run[RUN_OFF_CTR] + c * COUNTER_WORDS + CW_TOTAL] + \
+                        s_ins[W_WAITS + 2 * lane + 1]
+                    s_wok[lane] = _spin(mCtr, mErr, c, target, v, bidx, s_run[RUN_STEP], s_run[RUN_SPINS],
+                                        s_run[RUN_SLEEP])
+                if (lane < nw) | (lane == 0):
+                    s_tw[lane] = cute.arch.globaltimer()
+                # the next position's row (one 16-byte chunk per lane), in flight during this body
+                if vn >= 0:
+                    cute.copy(cp_row, _row_chunks(mProg, s_run[RUN_OFF_INS], vn)[(lane, None)], s_nxt4[(lane, None)])
+                cute.arch.cp_async_commit_group()
+                if lane == 0:
+                    s_run[RUN_V] = vn
+            cute.arch.cp_async_wait_group(1)  # own stage landed; the most recent group (next stage / row) in flight
+            cute.arch.sync_threads()  # broadcasts the waits' acquires, the operand table and the stage to the CTA
+            go = Int32(1)
+            for w in cutlass.range_constexpr(MAX_WAITS):
+                if w < nw:
+                    go = go & s_wok[w]
             if go != 0:
                 _dispatch(ctx, s_ins[W_OP])
             else:
                 aborted = Int32(1)
-            signal, amount = s_ins[W_SIGNAL], s_ins[W_AMOUNT]  # read before the barrier: s_ins is refilled after it
+            # read before the barrier: warp 0 refills s_ins right after it (the next position's fetch)
+            signal, amount = s_ins[W_SIGNAL], s_ins[W_AMOUNT]
+            t0 = s_tw[0]
+            for w in cutlass.range_constexpr(1, MAX_WAITS):
+                if w < s_ins[W_NWAITS]:
+                    t0 = t0 if t0 > s_tw[w] else s_tw[w]
             cute.arch.sync_threads()  # every thread's writes are done before the release
             if (tidx == 0) & (go != 0):
                 if signal >= 0:
                     cute.arch.red(mCtr.iterator + signal, amount, op="add", dtype=Int32, sem="release", scope="gpu")
-                mTime[v, 0] = s_t0[0]
+                mTime[v, 0] = t0
                 mTime[v, 1] = cute.arch.globaltimer()
                 mTime[v, 2] = Int64(cute.arch.smid())
+            ahead = Int32(1)
+        else:  # a gap in the queue, or the launch is aborting: nothing was staged for the next position
+            cute.arch.cp_async_wait_group(0)  # no copy of an earlier position may land in a buffer reused after it
+            cute.arch.sync_threads()  # every thread has read RUN_V
+            if tidx == 0:
+                vn = Int32(-1)
+                if q + 1 < s_run[RUN_Q]:
+                    vn = mProg[s_run[RUN_OFF_Q] + bidx * s_run[RUN_QLEN] + q + 1]
+                s_run[RUN_V] = vn
+            cute.arch.sync_threads()
+            ahead = Int32(0)
+    cute.arch.cp_async_wait_group(0)  # an aborted CTA leaves no copy in flight into its shared memory
+
 
 
 @cute.jit

@@ -18,7 +18,7 @@ from typing import Any
 
 __all__ = [
     "SUPPORTED_ARCHS", "VEC", "RMS_EPS",
-    "GEMV_WARPS", "LM_ROWS_PER_WARP", "LM_ROWS_PER_CTA", "KDA_THREADS", "KDA_QK_EPS",
+    "GEMV_WARPS", "GEMV_UNROLL", "LM_ROWS_PER_WARP", "LM_ROWS_PER_CTA", "KDA_THREADS", "KDA_QK_EPS",
     "ATTN_RES_KEEP_MAX_CANDIDATES", "ATTN_RES_CHUNK_BUDGET", "SITU_BETA", "SITU_BETA_LIN", "SITU_BETAS",
     "MOE_ORDER", "HEADS_ORDER", "ARG_ORDER", "mla_head_layout", "mla_default_splits", "attn_res_threads",
     "kda_layout", "kda_head_dim_ok", "head_routing",
@@ -34,6 +34,7 @@ RMS_EPS = 1e-5
 
 # ---------------------------------------------------------------------------------------------- gemv
 GEMV_WARPS = 4  # rows per CTA (one warp each)
+GEMV_UNROLL = 7  # 16-byte weight loads in flight per lane per loop step of the fused GEMVs
 LM_ROWS_PER_WARP = 8  # lm_head: rows per warp
 LM_ROWS_PER_CTA = GEMV_WARPS * LM_ROWS_PER_WARP  # one arg-max partial per 32 vocabulary rows
 

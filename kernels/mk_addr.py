@@ -24,8 +24,14 @@ boxes (``kimik3.megakernel.instructions.Operand``):
   skipped; read-modify-write operands (``READ_WRITE``) are touched exactly once per element of their box. Stores
   whose address or presence depends on data (the MLA cache append at the sequence's position, the expert hidden
   rows of unused slots) are checked for bounds only;
-* ``prefetch``: every operand carrying the ``PREFETCH`` flag, and the one the device's prefetch choice
-  (:func:`prefetch_choice`) stages, is a static weight.
+* ``prefetch``: every operand carrying the ``PREFETCH`` flag, the operand an instruction stages (``W_STAGE_*``) and
+  the buffer its next-stage descriptor (``W_NEXT_*``, copied while it starts, before its waits) streams for the
+  next instruction of its queue are static weights;
+* ``stage``: every staged element lies in the declared box: an instruction's own stage (as the device copies it at
+  a queue head: from the operand's first element, :func:`elem_offset`) inside its staged operand's box, whole rows,
+  within the stage; a next-stage descriptor inside a PREFETCH operand box of the next instruction and equal to that
+  instruction's own stage (the rows it computes with are the rows it declared). The host decides the stages
+  (``kimik3.megakernel.instructions.assign_stages``); the replay checks the decoded words.
 
 Data-dependent addresses (the token row of EMBED, the expert of a slot, the cache position) are replayed at every
 value the buffer allows (experts) or at both extremes (token id, position), so a wrong stride shows for some
@@ -40,12 +46,29 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .isa import BT_MAX, DTYPE_BF16, Kind, Mode, Op
+from .isa import BT_MAX, CHUNK_BYTES, STAGE_BYTES, Kind, Mode, Op
 
-__all__ = ["elem_offset", "tile_rows", "expert_row_offset", "prefetch_choice", "Finding", "ReplayReport", "replay"]
+__all__ = ["GEMV_BT", "GEMV_UNROLL", "gemv_batch_tile", "elem_offset", "tile_rows", "expert_row_offset",
+           "Finding", "ReplayReport", "replay"]
 
 VEC = 8  # bf16 elements per 16-byte chunk (the device code's VEC)
-STAGE_ELEMS = 64 * 1024 // 2  # bf16 elements of the shared-memory weight stage
+
+
+# The megakernel's GEMV opcodes (NORM_PROJ, MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD) walk the batch in
+# passes of up to GEMV_BT rows: every weight chunk a lane loads is used for all the pass's rows, so at batch <= 8
+# each weight row is read from memory once for the whole batch (bigger batches: once per pass). 8 accumulators per
+# lane fit next to 8 weight chunks in flight under the 168-register cap because device_fns._dot_step walks the
+# pass's rows in a loop (one row's x chunks live at a time).
+GEMV_BT = 8
+GEMV_UNROLL = 8  # 16-byte weight loads in flight per lane per step: 12 warps x 32 lanes x 8 x 16 B = 48 KiB per SM
+
+
+def gemv_batch_tile(batch: int) -> int:
+    """Batch rows per pass of the GEMV opcodes: the largest divisor of ``batch`` up to :data:`GEMV_BT`, so every
+    pass is full and the pass loop stays a real loop (code size independent of the batch)."""
+    if batch < 1:
+        raise ValueError(f"gemv_batch_tile: batch must be >= 1, got {batch}")
+    return max(d for d in range(1, min(batch, GEMV_BT) + 1) if batch % d == 0)
 
 
 def _ident(v: Any) -> Any:
@@ -69,22 +92,15 @@ def expert_row_offset(d1: Any, d2: Any, e: Any, r: Any, wide: Callable[[Any], An
     return elem_offset(d1, d2, e, r, 0, wide)
 
 
-def prefetch_choice(ops: list[tuple[int, int, tuple[int, ...], int, int]], op: int) -> tuple[int, int]:
-    """The operand the device stages before the waits and its rows: ``ops`` is (mode, dtype code, box, d2, kind)
-    per operand; the largest row-contiguous bf16 operand marked PREFETCH (EMBED never prefetches: its rows are
-    data-dependent). Mirrors the fetch step of ``megakernel_kernel`` (``(-1, 0)``: nothing staged)."""
-    best, best_el = -1, 0
-    for j, (mode, dtype, box, d2, _kind) in enumerate(ops):
-        b0, b1, r0, r1, c0, c1 = box
-        el = (r1 - r0) * d2
-        ok = (mode & int(Mode.PREFETCH)) != 0 and dtype == DTYPE_BF16 and b1 - b0 == 1 and c0 == 0
-        ok = ok and c1 == d2 and d2 % VEC == 0 and el > best_el
-        if ok:
-            best, best_el = j, el
-    if best < 0 or op == int(Op.EMBED):
-        return -1, 0
-    d2 = ops[best][3]
-    return best, min(best_el // d2, STAGE_ELEMS // d2)
+def absorb_cw(kvl: int) -> int:
+    """MLA_Q's W_UK absorption (``mk_mla.op_mla_q``): 16-byte column chunks per warp task, the largest power of two
+    up to 8 dividing the kvl/8 chunks; task ``i`` owns columns ``[8·CW·i, 8·CW·(i + 1))`` of every nope row of the
+    head, its 32/CW lane row groups split the rows. A trace-time constant on the device (plain ints)."""
+    nc = kvl // VEC
+    cw = 8
+    while nc % cw:
+        cw //= 2
+    return cw
 
 
 # ------------------------------------------------------------------------------------------- per-opcode accesses
@@ -108,6 +124,7 @@ class _Shapes:
 
     B: int
     bt: int
+    gbt: int  # batch rows per pass of the GEMV opcodes (gemv_batch_tile)
     dk: int
     conv: int
     kvl: int
@@ -122,12 +139,17 @@ class _Shapes:
     def nbt(self) -> int:
         return self.B // self.bt
 
+    @property
+    def gnbt(self) -> int:
+        return self.B // self.gbt
+
 
 def shapes_for(cfg: Any, batch: int) -> _Shapes:
     """The device config's loop widths for a model config and batch size (as ``kimik3.megakernel.gpu``)."""
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     bt = max(d for d in range(1, min(batch, BT_MAX) + 1) if batch % d == 0)
-    return _Shapes(B=batch, bt=bt, dk=cfg.kda_head_dim if cfg.kda_layers else 0, conv=cfg.kda_conv_size,
+    return _Shapes(B=batch, bt=bt, gbt=gemv_batch_tile(batch), dk=cfg.kda_head_dim if cfg.kda_layers else 0,
+                   conv=cfg.kda_conv_size,
                    kvl=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim, nope=cfg.qk_nope_head_dim, dv=cfg.v_head_dim,
                    ql=int(cfg.q_lora_rank or 0), dmax=min(E, batch * k) if E else 0,
                    latent_norm=bool(cfg.moe_latent_norm))
@@ -137,7 +159,7 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
               s: _Shapes, helpers: Any) -> Iterator[_Acc]:
     """Every run of elements the device code of ``op`` touches, per operand (see the module docstring)."""
     E, T, X = helpers.elem_offset, helpers.tile_rows, helpers.expert_row_offset
-    B, BT = s.B, s.bt
+    B = s.B
 
     def d1(j: int) -> int:
         return dims[j][1]
@@ -158,7 +180,7 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
         xs = d1(xj) * d2(xj)  # batch stride of x (elements), from _row0 of the x operand
         if rstd:
             yield _Acc(xj, row0(xj), chunked(d2(xj)), "r", B, xs)
-        yield _Acc(xj, row0(xj), L, "r", s.nbt * BT, xs)  # batch row t·BT + bb of every tile
+        yield _Acc(xj, row0(xj), L, "r", s.gnbt * s.gbt, xs)  # batch row t·gbt + bb of every pass
         if gj is not None:
             yield _Acc(gj, 0, L, "r")
         for wj in wjs:
@@ -276,9 +298,12 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
             yield _Acc(0, E(d1(0), d2(0), b, 0, box[0][4]), ql, "r")
         for h in range(h0, h1):
             yield _Acc(2, row0(2) + (h - h0) * qk * ql, ql, "r", qk, ql)  # q_b rows (h - h0)·qk + j
-            yield _Acc(3, E(1, d2(3), 0, h * s.nope, 0), kvl, "r", s.nope, d2(3))  # W_UK rows h·nope + nn
+            cw = getattr(helpers, "absorb_cw", absorb_cw)(kvl) * VEC  # W_UK columns per absorption task
+            for i in range(kvl // cw):  # task i: its column block of W_UK rows h·nope + nn, of mla_q's latent
+                yield _Acc(3, E(1, d2(3), 0, h * s.nope, i * cw), cw, "r", s.nope, d2(3))
+                for b in range(B):
+                    yield _Acc(4, E(d1(4), d2(4), b, h, i * cw), cw, "w")
             for b in range(B):
-                yield _Acc(4, E(d1(4), d2(4), b, h, 0), kvl, "w")
                 yield _Acc(4, E(d1(4), d2(4), b, h, kvl), s.rope, "w")
     elif op == Op.MLA_KV_APPEND:
         kvl, rope = s.kvl, s.rope
@@ -322,7 +347,7 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
 # ------------------------------------------------------------------------------------------- the replay
 @dataclass(frozen=True)
 class Finding:
-    rule: str  # "bounds", "write_once", "prefetch"
+    rule: str  # "bounds", "write_once", "prefetch", "stage"
     instruction: int
     message: str
 
@@ -333,6 +358,8 @@ class ReplayReport:
     instructions: int = 0
     runs: int = 0
     elements_counted: int = 0
+    stage_copies: int = 0  # stage copies replayed (own stages and next-stage descriptors)
+    elements_staged: int = 0
 
     @property
     def ok(self) -> bool:
@@ -347,6 +374,16 @@ class ReplayReport:
 def _decompose(off: int, dims: tuple[int, int, int]) -> tuple[int, int, int]:
     _, d1, d2 = dims
     return off // (d1 * d2), (off // d2) % d1, off % d2
+
+
+def _staged_in_box(start: int, n: int, dims: tuple[int, int, int], box: tuple[int, ...]) -> bool:
+    """Whether the ``n`` contiguous elements from ``start`` (one stage copy) all lie in ``box``: both ends do, and
+    where the copy crosses a row (a ``D0`` slice) the box spans whole rows (slices)."""
+    b0, b1, r0, r1, c0, c1 = box
+    first, last = _decompose(start, dims), _decompose(start + n - 1, dims)
+    ends = all(b0 <= q[0] < b1 and r0 <= q[1] < r1 and c0 <= q[2] < c1 for q in (first, last))
+    return ends and (first[:2] == last[:2] or (c0 == 0 and c1 == dims[2])) and (
+        first[0] == last[0] or (r0 == 0 and r1 == dims[1]))
 
 
 def replay(program: Any, cfg: Any, *, instructions: list[int] | None = None, helpers: Any = None,
@@ -399,6 +436,68 @@ def replay(program: Any, cfg: Any, *, instructions: list[int] | None = None, hel
                 br = (torch.arange(b0, b1)[:, None] * d1 + torch.arange(r0, r1)).reshape(-1)
                 count(want, o.buf, (br[:, None] * d2 + torch.arange(c0, c1)).reshape(-1))
 
+    succ = {u: w for q in program.queues for u, w in zip(q, q[1:])}
+
+    def staged_range(i: int, what: str, buf: int, start: int, chunks: int, inside: list[tuple[int, ...]]) -> None:
+        """One stage copy of ``chunks`` 16-byte chunks from element ``start`` of buffer ``buf``: a static weight,
+        within the stage, every element inside one of the boxes ``inside``."""
+        spec = bufs[buf]
+        rep.stage_copies += 1
+        if spec.kind != Kind.WEIGHT:
+            add("prefetch", i, f"{what} reads {spec.name} ({spec.kind.name}) before the waits: not a static weight")
+        esize = spec.element_size
+        n = chunks * CHUNK_BYTES // esize
+        if chunks < 1 or chunks * CHUNK_BYTES % esize or chunks * CHUNK_BYTES > STAGE_BYTES or start < 0 or \
+                start + n > math.prod(spec.shape):
+            add("stage", i, f"{what}: {chunks} chunks from element {start} of {spec.name} {list(spec.shape)} "
+                            f"do not fit the buffer or the {STAGE_BYTES}-byte stage")
+            return
+        rep.elements_staged += n
+        if not any(_staged_in_box(start, n, spec.shape, b) for b in inside):
+            first, last = _decompose(start, spec.shape), _decompose(start + n - 1, spec.shape)
+            add("stage", i, f"{what} copies {spec.name} {list(first)}..{list(last)} ({n} elements), outside the "
+                            f"declared box{'es' if len(inside) != 1 else ''} {inside}")
+
+    def own_start(ins: Any) -> tuple[int, int] | None:
+        """(buffer, first element) of an instruction's own stage as the device addresses it (the operand's first
+        element, _row0), or None when it stages nothing valid."""
+        j = ins.stage[0]
+        if not 0 <= j < len(ins.operands):
+            return None
+        o = ins.operands[j]
+        _, d1, d2 = bufs[o.buf].shape
+        return o.buf, helpers.elem_offset(d1, d2, o.box[0], o.box[2], o.box[4])
+
+    def stage_copies(i: int, ins: Any) -> None:
+        j, rows, chunks = ins.stage
+        if j != -1:
+            at = own_start(ins)
+            if at is None:
+                add("stage", i, f"{ins.op.name} stages operand {j} of {len(ins.operands)}")
+            else:
+                o = ins.operands[j]
+                spec = bufs[o.buf]
+                if rows * spec.shape[2] * spec.element_size != chunks * CHUNK_BYTES:
+                    add("stage", i, f"{ins.op.name} stages {rows} rows of {spec.name} in {chunks} chunks")
+                staged_range(i, f"{ins.op.name}'s own stage", at[0], at[1], chunks, [tuple(o.box)])
+        buf, elem, chunks = ins.next_stage
+        w = succ.get(i)
+        want = None if w is None else own_start(program.instructions[w])
+        want = want and (*want, program.instructions[w].stage[2])
+        if buf == -1:
+            if want is not None:
+                add("stage", i, f"{ins.op.name} streams no next stage, but the next instruction #{w} stages {want}")
+            return
+        if w is None or not 0 <= buf < len(bufs):
+            add("stage", i, f"{ins.op.name} streams buffer {buf} for a next instruction (next: {w})")
+            return
+        nxt = program.instructions[w]
+        staged_range(i, f"{ins.op.name}'s next-stage copy for #{w} {nxt.op.name}", buf, elem, chunks,
+                     [tuple(o.box) for o in nxt.operands if o.buf == buf and o.mode & int(Mode.PREFETCH)])
+        if (buf, elem, chunks) != want:
+            add("stage", i, f"{ins.op.name} streams (buffer, element, chunks) {(buf, elem, chunks)} for #{w}, which "
+                            f"stages {want}")
+
     for i in idx:
         ins = program.instructions[i]
         rep.instructions += 1
@@ -409,14 +508,7 @@ def replay(program: Any, cfg: Any, *, instructions: list[int] | None = None, hel
             if (o.mode & int(Mode.PREFETCH)) and bufs[o.buf].kind != Kind.WEIGHT:
                 add("prefetch", i, f"{ins.op.name} operand {j} ({bufs[o.buf].name}, {bufs[o.buf].kind.name}) "
                                    "is marked PREFETCH")
-        from kimik3.megakernel.instructions import _dtype_code
-
-        pj, prow = prefetch_choice([(o.mode, _dtype_code(bufs[o.buf].dtype), tuple(o.box), bufs[o.buf].shape[2],
-                                     int(bufs[o.buf].kind)) for o in ops], int(ins.op))
-        if pj >= 0 and bufs[ops[pj].buf].kind != Kind.WEIGHT:
-            add("prefetch", i, f"{ins.op.name} stages operand {pj} ({bufs[ops[pj].buf].name}), not a static weight")
-        if pj >= 0 and prow > boxes[pj][3] - boxes[pj][2]:
-            add("prefetch", i, f"{ins.op.name} stages {prow} rows of a {boxes[pj][3] - boxes[pj][2]}-row box")
+        stage_copies(i, ins)
         for a in _accesses(ins.op, tuple(ins.args), [tuple(b) for b in boxes], dims, s, helpers):
             rep.runs += 1
             if not 0 <= a.j < len(ops):

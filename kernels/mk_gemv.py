@@ -1,5 +1,11 @@
 """The megakernel's tiled-GEMV opcodes, sharing the tile-GEMV helper ``device_fns.weight_row_dot``: NORM_PROJ,
-MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD (device code; see ``OPCODE_NOTES`` in ``megakernel.py``)."""
+MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD (device code; see ``OPCODE_NOTES`` in ``megakernel.py``).
+
+One warp per weight row (rows ``w, w + NW, ...`` of the box), the batch in passes of ``mk_addr.gemv_batch_tile(B)``
+rows (up to 8): each weight chunk a lane loads serves every row of the pass, so up to batch 8 each weight row
+streams from memory once. Each lane keeps ``mk_addr.GEMV_UNROLL`` (8) 16-byte weight loads in flight per step:
+384 threads x 8 x 16 B = 48 KiB per SM. The RMSNorm prologue (``device_fns.rstd_rows``) issues 8 loads per lane
+per round trip."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
+from . import mk_addr
 from .device_fns import (
     NW,
     VEC,
@@ -52,7 +59,7 @@ def _gemv_prologue(ctx: _Ctx, xop: Int32, eps: cutlass.Constexpr) -> tuple[Any, 
 @cute.jit
 def op_norm_proj(ctx: _Ctx) -> None:
     cfg = ctx.cfg
-    BT = cfg.bt
+    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.GEMV_UNROLL
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
     fp32 = ctx.s_ins[W_ARGS]
     n = tile_rows(_bx(ctx, 2, R0), _bx(ctx, 2, R1))
@@ -65,9 +72,10 @@ def op_norm_proj(ctx: _Ctx) -> None:
     ob = gflat(BFloat16, ctx.s_addr[3])
     acc = cute.make_rmem_tensor((BT,), Float32)
     for j in cutlass.range(ctx.warp, n, NW, unroll=1):
-        for t in cutlass.range(cfg.nbt, unroll=1):
+        for t in cutlass.range(cfg.B // BT, unroll=1):
             nb = BT
-            weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, nb, cfg.unroll)
+            weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, nb, U,
+                           wide_tail=True)
             for bb in cutlass.range_constexpr(nb):
                 b = t * BT + bb
                 d = warp_sum(acc[bb]) * ctx.s_f32[b]
@@ -82,7 +90,7 @@ def op_norm_proj(ctx: _Ctx) -> None:
 @cute.jit
 def op_mlp_gate_up(ctx: _Ctx) -> None:
     cfg = ctx.cfg
-    BT = cfg.bt
+    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.GEMV_UNROLL
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
     n = tile_rows(_bx(ctx, 2, R0), _bx(ctx, 2, R1))
     nch = ctx.s_d2[2] // VEC
@@ -94,10 +102,12 @@ def op_mlp_gate_up(ctx: _Ctx) -> None:
     ag = cute.make_rmem_tensor((BT,), Float32)
     au = cute.make_rmem_tensor((BT,), Float32)
     for j in cutlass.range(ctx.warp, n, NW, unroll=1):
-        for t in cutlass.range(cfg.nbt, unroll=1):
+        for t in cutlass.range(cfg.B // BT, unroll=1):
             nb = BT
-            weight_row_dot(ctx.s_stage, sg, wg0, j, nch, xv, t * BT * xs, xs, False, gv, ag, nb, cfg.unroll)
-            weight_row_dot(ctx.s_stage, su, wu0, j, nch, xv, t * BT * xs, xs, False, gv, au, nb, cfg.unroll)
+            weight_row_dot(ctx.s_stage, sg, wg0, j, nch, xv, t * BT * xs, xs, False, gv, ag, nb, U,
+                           wide_tail=True)
+            weight_row_dot(ctx.s_stage, su, wu0, j, nch, xv, t * BT * xs, xs, False, gv, au, nb, U,
+                           wide_tail=True)
             for bb in cutlass.range_constexpr(nb):
                 b = t * BT + bb
                 r = ctx.s_f32[b]
@@ -111,7 +121,7 @@ def op_mlp_gate_up(ctx: _Ctx) -> None:
 @cute.jit
 def op_o_proj_residual(ctx: _Ctx) -> None:
     cfg = ctx.cfg
-    BT = cfg.bt
+    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.GEMV_UNROLL
     accumulate = ctx.s_ins[W_ARGS]
     xaddr = _row0(ctx, 0)
     xs = ctx.s_d1[0] * ctx.s_d2[0] // VEC
@@ -124,9 +134,10 @@ def op_o_proj_residual(ctx: _Ctx) -> None:
     sb = gflat(BFloat16, ctx.s_addr[2])
     acc = cute.make_rmem_tensor((BT,), Float32)
     for j in cutlass.range(ctx.warp, n, NW, unroll=1):
-        for t in cutlass.range(cfg.nbt, unroll=1):
+        for t in cutlass.range(cfg.B // BT, unroll=1):
             nb = BT
-            weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, None, acc, nb, cfg.unroll)
+            weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, None, acc, nb, U,
+                           wide_tail=True)
             for bb in cutlass.range_constexpr(nb):
                 b = t * BT + bb
                 y = bf16_round(warp_sum(acc[bb]))
@@ -142,7 +153,7 @@ def op_ffn_out(ctx: _Ctx) -> None:
     """Operand order (scheduler ``out_cols``): [latent sum, (latent norm), up rows] if routed, [mlp hidden,
     down rows] if mlp, stream column tile last."""
     cfg = ctx.cfg
-    BT = cfg.bt
+    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.GEMV_UNROLL
     flags = ctx.s_ins[W_ARGS]
     routed = (flags & FFN_ROUTED) != 0
     mlp = (flags & FFN_MLP) != 0
@@ -178,14 +189,16 @@ def op_ffn_out(ctx: _Ctx) -> None:
     ar = cute.make_rmem_tensor((BT,), Float32)
     am = cute.make_rmem_tensor((BT,), Float32)
     for j in cutlass.range(ctx.warp, n, NW, unroll=1):
-        for t in cutlass.range(cfg.nbt, unroll=1):
+        for t in cutlass.range(cfg.B // BT, unroll=1):
             nb = BT
             ar.fill(0.0)
             am.fill(0.0)
             if routed:
-                weight_row_dot(ctx.s_stage, su, wu0, j, nch_u, av, t * BT * xas, xas, False, gv, ar, nb, cfg.unroll)
+                weight_row_dot(ctx.s_stage, su, wu0, j, nch_u, av, t * BT * xas, xas, False, gv, ar, nb, U,
+                               wide_tail=True)
             if mlp:
-                weight_row_dot(ctx.s_stage, sd, wd0, j, nch_d, hv, t * BT * xhs, xhs, False, None, am, nb, cfg.unroll)
+                weight_row_dot(ctx.s_stage, sd, wd0, j, nch_d, hv, t * BT * xhs, xhs, False, None, am, nb, U,
+                               wide_tail=True)
             for bb in cutlass.range_constexpr(nb):
                 b = t * BT + bb
                 yr = warp_sum(ar[bb])
@@ -205,7 +218,7 @@ def op_ffn_out(ctx: _Ctx) -> None:
 @cute.jit
 def op_lm_head(ctx: _Ctx) -> None:
     cfg = ctx.cfg
-    BT = cfg.bt
+    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.GEMV_UNROLL
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
     ti, r0 = ctx.s_ins[W_ARGS], ctx.s_ins[W_ARGS + 2]
     n = tile_rows(r0, ctx.s_ins[W_ARGS + 3])
@@ -224,8 +237,9 @@ def op_lm_head(ctx: _Ctx) -> None:
             s_bi[ctx.warp * cfg.B + b] = 2**31 - 1
     acc = cute.make_rmem_tensor((BT,), Float32)
     for j in cutlass.range(ctx.warp, n, NW, unroll=1):
-        for t in cutlass.range(cfg.nbt, unroll=1):
-            weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, cfg.unroll)
+        for t in cutlass.range(cfg.B // BT, unroll=1):
+            weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U,
+                           wide_tail=True)
             for bb in cutlass.range_constexpr(BT):
                 b = t * BT + bb
                 d = bf16_round(warp_sum(acc[bb]) * ctx.s_f32[b])  # the reference's bf16 linear, then fp32

@@ -1,6 +1,6 @@
 """The megakernel's operand access, shared by the VM (``megakernel.py``) and every opcode module: the trace-time
-context, box fields, element offsets and the staged rows of the prefetched operand, and the per-instruction
-shared-memory scratch layout."""
+context, box fields, element offsets and the staged rows of the host-chosen stage operand (``W_STAGE_*``), and the
+per-instruction shared-memory scratch layout."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from .isa import (
     OW_BOX,
     R0,
     W_OPS,
+    W_STAGE_OP,
+    W_STAGE_ROWS,
 )
 from .mk_addr import elem_offset
 
@@ -64,8 +66,9 @@ def _eoff(d1: Int32, d2: Int32, b: Int32, r: Int32, c: Int32) -> Int64:
 
 @cute.jit
 def _staged_rows(ctx: _Ctx, j: Int32) -> Int32:
-    """Rows of operand ``j`` available in the smem stage (0 unless ``j`` is the prefetched operand)."""
-    return ctx.s_pf[1] if ctx.s_pf[0] == j else Int32(0)
+    """Rows of operand ``j`` in this instruction's stage buffer ``ctx.s_stage`` (row ``i`` of the box at chunk
+    ``i·d2/8``): the host's W_STAGE_ROWS when ``j`` is its W_STAGE_OP, else 0 (read from global memory)."""
+    return ctx.s_ins[W_STAGE_ROWS] if ctx.s_ins[W_STAGE_OP] == j else Int32(0)
 
 
 @cute.jit

@@ -11,7 +11,11 @@ One ``@cute.jit`` op launches four kernels:
 2. ``expert_gemv_kernel`` (gate/up, GLU): grid (I / 4 rows, A = min(E, B·k) active-expert slots);
    CTAs past the number of active experts exit at once. Each warp owns one row i of w1 and w3 and
    walks the expert's tokens in tiles of BT <= 8 (``token_tile``: about the expected tokens per
-   expert), so an expert's weights are streamed once per tile, never once per token.
+   expert), so an expert's weights are streamed once per tile, never once per token; an MXFP4 row at
+   K3 widths (a few code words per lane) is loaded once and kept in registers for all the tiles.
+   Each lane issues all the 16-byte weight loads of a step (bf16: 2 per matrix for gate/up, 4 for
+   down; MXFP4: up to 4 groups per matrix, the lane's whole row at K3 widths) before the first FMA;
+   they stay packed until used, one chunk / one 8-code word widened at a time.
    h = SiTU(bf16(x·w1_i), bf16(x·w3_i)) in fp32 (β = 4, β_lin = 25, ``tanh.approx`` + ``ex2.approx``),
    stored bf16 per pair.
 3. ``expert_gemv_kernel`` (down): same structure over w2 rows, x = h of the pair; y stored bf16 per pair.
@@ -23,11 +27,11 @@ For MXFP4 one 16-byte load is exactly one 32-column scale group (32 codes) plus 
 4.25 bits per weight are read, and the codes are expanded in registers. Each 32-bit word of codes
 becomes four fp16x2 values by masking the magnitude bits into the fp16 exponent/mantissa
 (``(c & 7) << 9``) and the sign into bit 15: fp16 value = E2M1(c) · 2^-14, exact (code 1 lands on an
-fp16 subnormal, which cvt.f32.f16 keeps). The 2^14 is folded into the group scale, which is applied
-once per 32-column dot product, built directly as fp32 bits ((e + 14) << 23); x is put in the
-matching (pair) order by static register moves. Scale bytes above 240 (2^114 and up) are not
-representable this way and are not expected. No sm_100a-only conversion (cvt.rn.f16x2.e2m1x2) is
-used, so the same code runs on Hopper.
+fp16 subnormal, which cvt.f32.f16 keeps). The 2^14 is folded into the group scale, built directly as
+fp32 bits ((e + 14) << 23), which multiplies the word's 8 expanded weights (a power of two: exact);
+the word's x chunk is put in the matching (pair) order by static register moves. Scale bytes above
+240 (2^114 and up) are not representable this way and are not expected. No sm_100a-only conversion
+(cvt.rn.f16x2.e2m1x2) is used, so the same code runs on Hopper.
 """
 
 from __future__ import annotations
@@ -50,11 +54,21 @@ SOURCE_HASH = kernel_source_hash(__name__.rsplit(".", 1)[-1])
 VEC = C.VEC
 WARPS = 4
 BATCH_TILE_CAP = 8  # tokens per pass over an expert's rows: x row addresses + 2 x BT accumulators
-UNROLL_BF16 = 4  # 16-byte weight loads per lane per step (one matrix: down)
-UNROLL_BF16_GLU = 2  # per matrix for gate/up: 2 x 2 loads in flight, 64 weights live (218 -> fewer registers)
-# 32-column MXFP4 groups (16-byte code loads) per lane per step and matrix. 2 made ptxas fall back to
-# 32 registers + 2.5 KB of spills for the gate/up kernel at B = 1 (CUDA 13 ptxas); 1 compiles clean.
-UNROLL_FP4 = 1
+# 16-byte weight loads per lane per step, per matrix. The loads of a step are all issued before the first FMA and
+# stay packed in registers (4 per load); only one chunk (bf16) or one 8-code word (MXFP4) is widened to fp32 at a
+# time, so more loads in flight cost 4 registers each, not 16-32.
+UNROLL_BF16 = 4  # down: one matrix
+UNROLL_BF16_GLU = 2  # gate/up: 2 x 2 loads in flight (L = 3584: 14 lane rounds, 7 whole steps, no peeled step)
+# MXFP4: 32-column groups (16-byte code loads) per lane per step and matrix. At K3 widths a lane owns 3 full groups
+# of a row (L = 3584: 112 groups, I = 3072: 96), so 4 puts the lane's whole row in flight in one step.
+UNROLL_FP4 = 4  # down
+UNROLL_FP4_GLU = 4  # gate/up: 2 x 4 (2 x 3 at K3 widths, then the 16 lanes of the partial round: 2 x 1)
+# MXFP4 down projection: tokens per pass at most 4. Its code words stay in registers across the passes (loaded once
+# per row), so a smaller tile re-reads no weights; at 8 tokens the pass needed 114 registers (4 CTAs per SM, 3 loads
+# per lane in flight: 24 KiB), at 4 it needs ~70 (7 CTAs: 42 KiB).
+DOWN_TILE_FP4 = 4
+# No .minnctapersm on the expert GEMVs: compiled for 3 / 4 / 6 CTAs per SM, ptxas filled the registers up to the
+# cap and spilled; its own choice (K3 widths: MXFP4 gate/up ~155 registers, down ~70; bf16 ~96 / ~72) is spill-free.
 COMBINE_THREADS = 128
 VARIANTS = ("bf16", "mxfp4")
 OUTPUTS = {"bf16": ("out",), "mxfp4": ("out",)}
@@ -68,6 +82,12 @@ def token_tile(B: int, topk: int, E: int) -> int:
     FMAs and registers (B = 8, k = 16, E = 56: ~2.3 tokens per expert -> tile 4)."""
     per_expert = -(-B * topk // min(E, B * topk))
     return min(BATCH_TILE_CAP, 1 << (per_expert - 1).bit_length(), B)
+
+
+
+def down_tile(bt: int, fp4: bool) -> int:
+    """Tokens per pass of the down projection: the gate/up tile ``bt``, capped at DOWN_TILE_FP4 for MXFP4."""
+    return min(bt, DOWN_TILE_FP4) if fp4 else bt
 
 
 # ---------------------------------------------------------------------------------------------- device code
@@ -136,58 +156,60 @@ def moe_align_kernel(mIds: cute.Tensor, mSorted: cute.Tensor, mActE: cute.Tensor
 
 @cute.jit
 def _bf16_step(gA: cute.Tensor, gB: Any, mX: cute.Tensor, xrow: cute.Tensor, c0: Int32, accA: cute.Tensor,
-               accB: cute.Tensor, n: cutlass.Constexpr, BT: cutlass.Constexpr):
+               accB: cute.Tensor, z: Uint32, n: cutlass.Constexpr, BT: cutlass.Constexpr):
+    """n chunks (c0, c0+32, ...) of the row(s): every weight load is issued first and kept packed (4 registers per
+    16 bytes), then one chunk at a time is widened to fp32 and applied to the BT rows of x, so the loads in flight
+    cost no more registers than their bytes."""
     ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
     ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, **evict_last())
     ra = cute.make_rmem_tensor((VEC, n), BFloat16)
+    rb = cute.make_rmem_tensor((VEC, n), BFloat16)
+    cz = c0 + Int32(z)  # the same chunks, but not invariant in the token-tile loop (see expert_lane)
     for u in cutlass.range_constexpr(n):
-        cute.copy(ld_w, gA[(None, c0 + 32 * u)], ra[None, u])
-    if const_expr(gB is not None):
-        rb = cute.make_rmem_tensor((VEC, n), BFloat16)
-        for u in cutlass.range_constexpr(n):
-            cute.copy(ld_w, gB[(None, c0 + 32 * u)], rb[None, u])
-    wa = ra.load().to(Float32)
-    rx = cute.make_rmem_tensor((VEC, n), BFloat16)
-    for t in cutlass.range_constexpr(BT):
-        gX = cute.zipped_divide(mX[xrow[t], None], (VEC,))
-        for u in cutlass.range_constexpr(n):
-            cute.copy(ld_x, gX[(None, c0 + 32 * u)], rx[None, u])
-        x = rx.load().to(Float32)
-        accA[t] += (wa * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)
+        cute.copy(ld_w, gA[(None, cz + 32 * u)], ra[None, u])
         if const_expr(gB is not None):
-            accB[t] += (rb.load().to(Float32) * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)
+            cute.copy(ld_w, gB[(None, cz + 32 * u)], rb[None, u])
+    rx = cute.make_rmem_tensor((VEC,), BFloat16)
+    for u in cutlass.range_constexpr(n):
+        wa = ra[None, u].load().to(Float32)
+        wb = wa
+        if const_expr(gB is not None):
+            wb = rb[None, u].load().to(Float32)
+        for t in cutlass.range_constexpr(BT):
+            gX = cute.zipped_divide(mX[xrow[t], None], (VEC,))
+            cute.copy(ld_x, gX[(None, c0 + 32 * u)], rx)
+            x = rx.load().to(Float32)
+            accA[t] = (wa * x).reduce(cute.ReductionOp.ADD, accA[t], reduction_profile=0)
+            if const_expr(gB is not None):
+                accB[t] = (wb * x).reduce(cute.ReductionOp.ADD, accB[t], reduction_profile=0)
 
 
 @cute.jit
-def _fp4_expand(words: cute.Tensor) -> Any:
-    """32 E2M1 codes (4 words of 8) -> TensorSSA (32,) fp32 of value · 2^-14, in *pair order*:
-    word j, shift s gives the fp16x2 (column 8j+s, column 8j+s+4), so element q = 8j + 2s + hi holds
-    column 8j + s + 4·hi. ``_x_pair_order`` reads x in the same order."""
-    h32 = cute.make_rmem_tensor((16,), Uint32)
-    for j in cutlass.range_constexpr(4):
-        w = words[j]
-        for s in cutlass.range_constexpr(4):
-            t = (w >> (4 * s)) & 0x000F000F
-            h32[4 * j + s] = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
-    return h32.load().bitcast(Float16).to(Float32)
+def _fp4_expand(w: Uint32, scale: Float32) -> Any:
+    """The 8 E2M1 codes of one 32-bit word -> TensorSSA (8,) fp32 of value · 2^-14 · ``scale``, in *pair order*:
+    shift s gives the fp16x2 (column s, column s+4) of the word's 8 columns, so element 2s + hi holds column
+    s + 4·hi (``_pair_col``). The scale is a power of two (``_fp4_scale``), so the product is exact."""
+    h32 = cute.make_rmem_tensor((4,), Uint32)
+    for s in cutlass.range_constexpr(4):
+        t = (w >> (4 * s)) & 0x000F000F
+        h32[s] = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
+    return h32.load().bitcast(Float16).to(Float32) * scale
 
 
 def _pair_col(q: int) -> int:
-    """Column (within a 32-column group) held by element q of _fp4_expand's output."""
+    """Column (within a 32-column group) held by element q = 8j + 2s + hi of word j's _fp4_expand output."""
     j, s, hi = q // 8, (q // 2) % 4, q % 2
     return 8 * j + s + 4 * hi
 
 
 @cute.jit
-def _x_pair_order(rx: cute.Tensor) -> Any:
-    """rx: (8, 4) bf16, the group's 32 columns in order -> TensorSSA (32,) fp32 in the pair order of
-    _fp4_expand. Static register moves only; written element by element (rather than through a
-    permuted layout view) so the order does not depend on how a view is flattened."""
+def _x_pair_order(rx: cute.Tensor, j: cutlass.Constexpr) -> Any:
+    """rx: (8,) bf16, columns 8j..8j+7 of a group in order -> TensorSSA (8,) fp32 in the pair order of word j's
+    _fp4_expand. Static register moves only, element by element."""
     xs = rx.load().to(Float32)
-    xp = cute.make_rmem_tensor((32,), Float32)
-    for q in cutlass.range_constexpr(32):
-        col = _pair_col(q)
-        xp[q] = xs[(col % VEC, col // VEC)]
+    xp = cute.make_rmem_tensor((VEC,), Float32)
+    for q in cutlass.range_constexpr(VEC):
+        xp[q] = xs[_pair_col(VEC * j + q) - VEC * j]
     return xp.load()
 
 
@@ -199,9 +221,11 @@ def _fp4_scale(e: Any) -> Float32:
 
 @cute.jit
 def _fp4_step(gPA: cute.Tensor, gPB: Any, gSA: cute.Tensor, gSB: Any, mX: cute.Tensor, xrow: cute.Tensor,
-              c0: Int32, accA: cute.Tensor, accB: cute.Tensor, n: cutlass.Constexpr, BT: cutlass.Constexpr):
-    """n 32-column groups (c0, c0+32, ...): all code/scale loads first, then one group at a time is
-    expanded (32 fp32 per matrix live) and applied to the BT rows of x."""
+              c0: Int32, accA: cute.Tensor, accB: cute.Tensor, z: Uint32, n: cutlass.Constexpr,
+              BT: cutlass.Constexpr):
+    """n 32-column groups (c0, c0+32, ...): all code and scale loads first (codes stay packed: 4 registers per
+    16 bytes in flight), then one 8-code word at a time is expanded with its group scale folded in (8 fp32 per
+    matrix live) and applied to the BT rows of x, each x chunk (16 bytes) read once per word and token."""
     ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint32, num_bits_per_copy=128, invariant=True)
     ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, **evict_last())
     GLU = gPB is not None
@@ -217,49 +241,53 @@ def _fp4_step(gPA: cute.Tensor, gPB: Any, gSA: cute.Tensor, gSB: Any, mX: cute.T
         sa[u] = gSA[c0 + 32 * u]
         if const_expr(GLU):
             sb[u] = gSB[c0 + 32 * u]
-    rx = cute.make_rmem_tensor((VEC, 4), BFloat16)
+    rx = cute.make_rmem_tensor((VEC,), BFloat16)
     for u in cutlass.range_constexpr(n):
-        wa = _fp4_expand(rpa[None, u])
-        wb = wa
+        fa = _fp4_scale(sa[u])
+        fb = fa
         if const_expr(GLU):
-            wb = _fp4_expand(rpb[None, u])
-        for t in cutlass.range_constexpr(BT):
-            gX = cute.zipped_divide(mX[xrow[t], None], (VEC,))
-            for v in cutlass.range_constexpr(4):
-                cute.copy(ld_x, gX[(None, (c0 + 32 * u) * 4 + v)], rx[None, v])
-            x = _x_pair_order(rx)
-            # group scale applied once per 32-column dot product
-            accA[t] += (wa * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0) * _fp4_scale(sa[u])
+            fb = _fp4_scale(sb[u])
+        for j in cutlass.range_constexpr(4):
+            wa = _fp4_expand(rpa[j, u] + z, fa)
+            wb = wa
             if const_expr(GLU):
-                accB[t] += (wb * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0) * _fp4_scale(sb[u])
+                wb = _fp4_expand(rpb[j, u] + z, fb)
+            for t in cutlass.range_constexpr(BT):
+                gX = cute.zipped_divide(mX[xrow[t], None], (VEC,))
+                cute.copy(ld_x, gX[(None, (c0 + 32 * u) * 4 + j)], rx)
+                x = _x_pair_order(rx, j)
+                accA[t] = (wa * x).reduce(cute.ReductionOp.ADD, accA[t], reduction_profile=0)
+                if const_expr(GLU):
+                    accB[t] = (wb * x).reduce(cute.ReductionOp.ADD, accB[t], reduction_profile=0)
 
 
 @cute.jit
 def _walk_row(gA: cute.Tensor, gB: Any, gSA: Any, gSB: Any, mX: cute.Tensor, xrow: cute.Tensor, lane: Int32,
-              accA: cute.Tensor, accB: cute.Tensor, NCH: cutlass.Constexpr, BT: cutlass.Constexpr,
+              accA: cute.Tensor, accB: cute.Tensor, z: Uint32, NCH: cutlass.Constexpr, BT: cutlass.Constexpr,
               FP4: cutlass.Constexpr):
     """Traverse one weight row as NCH chunks (lane owns l, l+32, ...): full unrolled steps, a static
     remainder step, then the predicated partial lane round (as gemv.row_dot)."""
-    unroll = UNROLL_FP4 if FP4 else (UNROLL_BF16_GLU if gB is not None else UNROLL_BF16)
+    unroll = (UNROLL_FP4_GLU if gB is not None else UNROLL_FP4) if FP4 else (
+        UNROLL_BF16_GLU if gB is not None else UNROLL_BF16)
     rounds = NCH // 32
     steps = rounds // unroll
     for it in cutlass.range(steps, unroll=1):
         if const_expr(FP4):
-            _fp4_step(gA, gB, gSA, gSB, mX, xrow, it * (32 * unroll) + lane, accA, accB, unroll, BT)
+            _fp4_step(gA, gB, gSA, gSB, mX, xrow, it * (32 * unroll) + lane, accA, accB, z, unroll, BT)
         else:
-            _bf16_step(gA, gB, mX, xrow, it * (32 * unroll) + lane, accA, accB, unroll, BT)
+            _bf16_step(gA, gB, mX, xrow, it * (32 * unroll) + lane, accA, accB, z, unroll, BT)
     if const_expr(rounds % unroll > 0):
         c0 = steps * (32 * unroll) + lane
         if const_expr(FP4):
-            _fp4_step(gA, gB, gSA, gSB, mX, xrow, c0, accA, accB, rounds % unroll, BT)
+            _fp4_step(gA, gB, gSA, gSB, mX, xrow, c0, accA, accB, z, rounds % unroll, BT)
         else:
-            _bf16_step(gA, gB, mX, xrow, c0, accA, accB, rounds % unroll, BT)
+            _bf16_step(gA, gB, mX, xrow, c0, accA, accB, z, rounds % unroll, BT)
     if const_expr(NCH % 32 > 0):
         if lane < NCH % 32:
             if const_expr(FP4):
-                _fp4_step(gA, gB, gSA, gSB, mX, xrow, rounds * 32 + lane, accA, accB, 1, BT)
+                _fp4_step(gA, gB, gSA, gSB, mX, xrow, rounds * 32 + lane, accA, accB, z, 1, BT)
             else:
-                _bf16_step(gA, gB, mX, xrow, rounds * 32 + lane, accA, accB, 1, BT)
+                _bf16_step(gA, gB, mX, xrow, rounds * 32 + lane, accA, accB, z, 1, BT)
 
 
 @cute.jit
@@ -318,7 +346,12 @@ def expert_lane(gA: cute.Tensor, gB: Any, gSA: Any, gSB: Any, mX: cute.Tensor, m
         xrow[t] = pair[t] // XDIV
     accA.fill(0.0)
     accB.fill(0.0)
-    _walk_row(gA, gB, gSA, gSB, mX, xrow, lane, accA, accB, K // 32 if FP4 else K // VEC, BT, FP4)
+    # z = 0 (a pair index is below 2^31), from a value loaded per tile, so the compiler cannot treat what depends on
+    # it as invariant in the caller's token-tile loop: bf16 chunks are loaded and widened per tile, MXFP4 codes are
+    # loaded once per row (whole-row code words fit in a few registers) but expanded per tile. Hoisting a static
+    # step's widened weights (8 fp32 per 16-byte load) out of the tile loop ran out of registers.
+    z = Uint32(pair[0]) >> 31
+    _walk_row(gA, gB, gSA, gSB, mX, xrow, lane, accA, accB, z, K // 32 if FP4 else K // VEC, BT, FP4)
 
 
 @cute.kernel
@@ -396,7 +429,8 @@ def moe_experts(mX: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW1: cute
         grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
     expert_gemv_kernel(mW1, mW3, mS1, mS3, mX, mH, mSorted, mActE, mActStart, mActCount, mNAct, L, TOPK, BT).launch(
         grid=[C.ceil_div(I, WARPS), A, 1], block=[WARPS * 32, 1, 1], stream=stream)
-    expert_gemv_kernel(mW2, None, mS2, None, mH, mY, mSorted, mActE, mActStart, mActCount, mNAct, I, 1, BT).launch(
+    BT2 = down_tile(BT, FP4)
+    expert_gemv_kernel(mW2, None, mS2, None, mH, mY, mSorted, mActE, mActStart, mActCount, mNAct, I, 1, BT2).launch(
         grid=[C.ceil_div(L, WARPS), A, 1], block=[WARPS * 32, 1, 1], stream=stream)
     moe_combine_kernel(mY, mWts, mOut).launch(grid=[B, 1, 1], block=[COMBINE_THREADS, 1, 1], stream=stream)
 

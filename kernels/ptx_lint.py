@@ -16,6 +16,16 @@ control-flow graph of basic blocks, so they hold on every path, not on the text 
   of under-scheduling when the grid cannot be co-resident).
 * ``wide-weight-copies`` — asynchronous global→shared copies move 16 bytes each (``cp.async.cg ... 16``): a narrower
   copy needs 2-4x the instructions for the same bytes in flight.
+* ``no-scalar-load-loop`` — no hot loop issues a single scalar global load per iteration: a loop (a back edge of the
+  CFG, every back edge to the same header taken together, nested loops included in the body) whose body holds
+  exactly one ``ld.*.global`` and that load is narrower than 16 bytes and not a vector of 32-bit or wider elements
+  (``.b8/.u16/.b32/.f32/.b64`` and the like; ``.v2.b32``, ``.v4.b32``, ``.v2.b64`` pass) keeps one load in flight
+  per thread per trip: a loop of dependent memory round trips, latency-bound whatever the bandwidth. "Hot" means
+  every loop except a wait spin: a loop that polls with an ordered load (``ld.acquire/relaxed/volatile``) or backs
+  off with ``nanosleep`` waits for another CTA by design (``acquire-spin`` governs it). Loads through the generic
+  state space (``ld`` without ``.global``) are not counted: the device code addresses global memory through
+  ``.global`` pointers (``gflat`` / ``gchunks``). With ``CUTE_DSL_LINEINFO=1`` the PTX carries ``.loc`` lines and
+  the message names the source line of the load.
 
 Each rule returns a list of human-readable violations (empty = pass); :func:`lint` runs them all.
 """
@@ -30,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["ArchLimits", "LIMITS", "BasicBlock", "parse_blocks", "natural_loops", "release_after_barrier",
-           "acquire_spin", "occupancy", "cooperative_launch", "wide_weight_copies", "lint"]
+           "acquire_spin", "occupancy", "cooperative_launch", "wide_weight_copies", "scalar_load_loops",
+           "global_load_bytes", "parse_entries", "SCALAR_LOOP_ALLOW", "lint"]
 
 
 @dataclass(frozen=True)
@@ -98,8 +109,21 @@ def parse_blocks(ptx: str) -> list[BasicBlock]:
     bodies = _entry_bodies(ptx)
     if not bodies:
         raise ValueError("no .entry function found in the PTX")
+    return _blocks_of(bodies[0])
+
+
+def parse_entries(ptx: str) -> list[tuple[str, list[BasicBlock]]]:
+    """(name, basic blocks) of every kernel entry of the PTX, in order."""
+    names = re.findall(r"^\s*(?:\.visible\s+)?\.entry\s+([\w$]+)", ptx, re.M)
+    bodies = _entry_bodies(ptx)
+    if not bodies or len(names) != len(bodies):
+        raise ValueError(f"{len(names)} .entry names but {len(bodies)} entry bodies in the PTX")
+    return [(n, _blocks_of(b)) for n, b in zip(names, bodies)]
+
+
+def _blocks_of(body: list[tuple[int, str]]) -> list[BasicBlock]:
     blocks: list[BasicBlock] = [BasicBlock(0, None)]
-    for no, s in bodies[0]:
+    for no, s in body:
         m = _LABEL.match(s)
         if m:
             if blocks[-1].lines or blocks[-1].label is not None:
@@ -158,7 +182,8 @@ def natural_loops(blocks: list[BasicBlock]) -> list[tuple[int, set[int]]]:
     for u in blocks:
         for h in u.succ:
             if h in dom[u.index]:
-                body, stack = {h, u.index}, [u.index]
+                # walk back from the latch to the header; a self-loop (latch == header) is its own body
+                body, stack = {h, u.index}, ([u.index] if u.index != h else [])
                 while stack:
                     x = stack.pop()
                     for p in blocks[x].pred:
@@ -286,12 +311,85 @@ def wide_weight_copies(ptx: str) -> list[str]:
     return problems
 
 
+_LOAD = re.compile(r"^\s*(?:@!?%\w+\s+)?(ld\.[\w:.]+)\s")
+_TYPE_BYTES = {"b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "f16": 2, "bf16": 2, "b32": 4, "u32": 4,
+               "s32": 4, "f32": 4, "f16x2": 4, "bf16x2": 4, "b64": 8, "u64": 8, "s64": 8, "f64": 8, "b128": 16}
+_LOC = re.compile(r"^\s*\.loc\s+(\d+)\s+(\d+)")
+_FILE = re.compile(r'^\s*\.file\s+(\d+)\s+"([^"]+)"')
+
+
+def global_load_bytes(line: str) -> tuple[int, bool] | None:
+    """(bytes, scalar) of a ``ld.*.global`` instruction, None for any other line. ``scalar``: narrower than 16
+    bytes and not a vector of 32-bit or wider elements (what ``no-scalar-load-loop`` counts against a loop)."""
+    m = _LOAD.match(line)
+    if not m:
+        return None
+    parts = m.group(1).split(".")[1:]
+    if "global" not in parts or parts[-1] not in _TYPE_BYTES:
+        return None
+    elem = _TYPE_BYTES[parts[-1]]
+    vec = int(parts[-2][1:]) if len(parts) > 1 and parts[-2] in ("v2", "v4", "v8") else 1
+    nbytes = elem * vec
+    return nbytes, nbytes < 16 and not (vec > 1 and elem >= 4)
+
+
+def _source_lines(ptx: str) -> dict[int, str]:
+    """PTX line -> ``file:line`` of the nearest ``.loc`` above it (only when the PTX carries line info)."""
+    lines = ptx.splitlines()
+    files = {f.group(1): f.group(2).rsplit("/", 1)[-1] for f in map(_FILE.match, lines) if f}  # at the end
+    out: dict[int, str] = {}
+    cur = None
+    for no, line in enumerate(lines, 1):
+        m = _LOC.match(line)
+        if m:
+            cur = f"{files.get(m.group(1), m.group(1))}:{m.group(2)}"
+        elif cur is not None:
+            out[no] = cur
+    return out
+
+
+# Kernels whose loops are exempt from no-scalar-load-loop, matched as a substring of the PTX entry name: only
+# kernels that provably read no weight (the rule is about the weight stream's bytes in flight), each with why.
+SCALAR_LOOP_ALLOW = {
+    "moe_align_kernel": "the MoE align step (kernels/moe.py) reads the B*k routed expert ids, one int32 per lane per "
+                        "trip counted with match.any.sync; its only global inputs are ids and counts, no weight",
+}
+
+
+def scalar_load_loops(ptx: str, allow: dict[str, str] | None = None) -> list[str]:
+    """No hot loop (every loop but a wait spin) of any kernel entry issues exactly one global load per trip that is
+    scalar and narrower than 16 bytes. Entries whose name contains a key of ``allow`` (default
+    :data:`SCALAR_LOOP_ALLOW`) are skipped."""
+    allow = SCALAR_LOOP_ALLOW if allow is None else allow
+    where = _source_lines(ptx) if ".loc" in ptx else {}
+    problems = []
+    for name, blocks in parse_entries(ptx):
+        if any(k in name for k in allow):
+            continue
+        bodies: dict[int, set[int]] = {}
+        for header, body in natural_loops(blocks):  # several back edges to one header: one loop
+            bodies.setdefault(header, set()).update(body)
+        for header in sorted(bodies):
+            lines = [(no, s) for i in sorted(bodies[header]) for no, s in blocks[i].lines]
+            if any(_ORDERED_LOAD.match(s) or "nanosleep" in s for _, s in lines):
+                continue  # a wait spin (acquire-spin's business), not a hot loop
+            loads = [(no, s, global_load_bytes(s)) for no, s in lines]
+            loads = [(no, s, w) for no, s, w in loads if w is not None]
+            if len(loads) == 1 and loads[0][2][1]:
+                no, s, (nbytes, _) = loads[0]
+                src = f" (source {where[no]})" if no in where else ""
+                short = re.sub(r"_tensorptr.*$", "", name)  # the DSL appends the parameter types
+                problems.append(f"{short}: loop at line {min(n for n, _ in lines)}: one {nbytes}-byte scalar global "
+                                f"load per iteration, line {no}{src}: {s}")
+    return problems
+
+
 def lint(ptx: str, *, registers: int, shared_bytes: int, grid: int, num_sms: int, arch: str,
          persistent: bool, source: str | Path | None = None, launch_function: str | None = None
          ) -> dict[str, list[str]]:
     """All rules for one compiled kernel; ``persistent`` adds the occupancy and cooperative-launch rules."""
     out = {"release-after-barrier": release_after_barrier(ptx), "acquire-spin": acquire_spin(ptx),
-           "wide-weight-copies": wide_weight_copies(ptx)}
+           "wide-weight-copies": wide_weight_copies(ptx), "no-scalar-load-loop": scalar_load_loops(ptx)}
     if persistent:
         out["occupancy"] = occupancy(ptx, registers, shared_bytes, grid, num_sms, arch)
         if source is None or launch_function is None:

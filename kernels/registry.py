@@ -140,8 +140,9 @@ def _megakernel_shapes(cfg: ModelConfig, batch: int) -> dict[str, Any]:
 PERSISTENT: dict[str, Family] = {
     "megakernel": Family(
         "megakernel", "megakernel",
-        # 384 threads per CTA cap ptxas at 168 registers; smem = 64 KiB weight stage + per-op scratch (< 227 KiB)
-        Budget(max_registers=168, max_shared_bytes=120 * 1024),
+        # 384 threads per CTA cap ptxas at 168 registers; smem = two 48 KiB weight stage buffers (isa.STAGE_BYTES x
+        # STAGE_BUFFERS) + ~32-46 KiB per-op scratch, under the 227 KiB a CTA may use on sm_90a
+        Budget(max_registers=168, max_shared_bytes=160 * 1024),
         ("ld.acquire.gpu", "red.release.gpu", "nanosleep", "%globaltimer", "%smid", "cp.async.cg.shared.global",
          "atom.global.cas", "ld.global.nc.v4", "shfl.sync.bfly", "bar.sync"),
         _megakernel_shapes,

@@ -14,6 +14,12 @@ Two kernels launched back to back by one ``@cute.jit`` op:
 
 Outputs, on device: expert ids int32 [B, k] in descending choice order, weights fp32 [B, k], and
 the sigmoid scores fp32 [B, E] (kept: the megakernel may want them, and the top-k reads them back).
+
+The top-k's per-lane work is in ``@cute.jit`` helpers taking the token and lane as plain integers
+(``topk_token``, ``topk_candidates``, ``_local_argmax``, ``argmax_take`` — every comparison, in a lane and across
+lanes —, ``topk_retire``, ``topk_group_candidates``, ``topk_group_mask``, ``topk_weight``);
+``kernels/host_exec_router.py`` runs them on the host and replays the butterfly exchanges (``_warp_argmax``:
+shuffles, GPU only) in the shuffle order.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 
 from . import _common as C
 from ._source import kernel_source_hash
+from .gemv import CTAS_PER_SM as GEMV_CTAS_PER_SM
 from .gemv import WARPS as GEMV_WARPS
-from .gemv import gemv_kernel
+from .gemv import gemv_kernel, resident_ctas
 from .meta import ARG_ORDER
 
 # hash of the source as imported: the build cache and prebuilt manifests key on the code that runs
@@ -40,12 +47,90 @@ OUTPUTS = {"router": ("weights", "ids")}
 
 
 @cute.jit
+def argmax_take(v: Float32, i: Int32, bv: Float32, bi: Int32) -> Any:
+    """Whether candidate (v, i) beats the best so far (bv, bi): a larger choice score, or an equal one with a lower
+    expert id (torch.topk's order on ties). Every comparison of the top-k, in a lane and across lanes, is this."""
+    return (v > bv) | ((v == bv) & (i < bi))
+
+
+@cute.jit
 def _local_argmax(v: cute.Tensor, ix: cute.Tensor) -> tuple[Float32, Int32]:
     bv, bi = v[0], ix[0]
     for j in cutlass.range_constexpr(1, cute.size(v)):
-        take = (v[j] > bv) | ((v[j] == bv) & (ix[j] < bi))
+        take = argmax_take(v[j], ix[j], bv, bi)
         bv, bi = (v[j], ix[j]) if take else (bv, bi)
     return bv, bi
+
+
+@cute.jit
+def _warp_argmax(v: Float32, i: Int32) -> tuple[Float32, Int32]:
+    """Butterfly arg-max over the warp (GPU only: shuffles); the host execution replays the same exchanges."""
+    for off in cutlass.range_constexpr(5):
+        ov = cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
+        oi = cute.arch.shuffle_sync_bfly(i, offset=16 >> off)
+        take = argmax_take(ov, oi, v, i)
+        v, i = (ov, oi) if take else (v, i)
+    return v, i
+
+
+@cute.jit
+def topk_token(bidx: Int32, warp: Int32) -> Int32:
+    """The token a warp routes: one warp per token, TOKENS_PER_CTA per CTA."""
+    return bidx * TOKENS_PER_CTA + warp
+
+
+@cute.jit
+def topk_candidates(mS: cute.Tensor, mBias: cute.Tensor, tok: Int32, lane: Int32, v: cute.Tensor,
+                    ix: cute.Tensor) -> None:
+    """A lane's candidates: experts lane, lane + 32, ... (coalesced: 32 lanes read 128 contiguous bytes) with their
+    choice scores c = s + bias; -inf past E."""
+    E = cute.size(mS, mode=[1])
+    for j in cutlass.range_constexpr(cute.size(v)):
+        e = j * 32 + lane
+        ix[j] = e
+        v[j] = -Float32.inf
+        if e < E:
+            v[j] = mS[tok, e] + mBias[e]
+
+
+@cute.jit
+def topk_retire(v: cute.Tensor, ix: cute.Tensor, bi: Int32) -> None:
+    """The owner of the round's winner takes it out of the race."""
+    for j in cutlass.range_constexpr(cute.size(v)):
+        v[j] = -Float32.inf if ix[j] == bi else v[j]
+
+
+@cute.jit
+def topk_group_candidates(v: cute.Tensor, ix: cute.Tensor, g: Int32, GS: cutlass.Constexpr, mv: cute.Tensor
+                          ) -> None:
+    """The lane's candidates of group g (the others -inf), for the group score."""
+    for j in cutlass.range_constexpr(cute.size(v)):
+        mv[j] = v[j] if ix[j] // GS == g else -Float32.inf
+
+
+@cute.jit
+def topk_group_mask(v: cute.Tensor, ix: cute.Tensor, gscore: cute.Tensor, GS: cutlass.Constexpr,
+                    NGROUP: cutlass.Constexpr, TOPK_GROUP: cutlass.Constexpr) -> None:
+    """Keep the candidates of the best TOPK_GROUP groups (ties -> lower group id), mask the others with -inf."""
+    for j in cutlass.range_constexpr(cute.size(v)):
+        keep = False
+        for g in cutlass.range_constexpr(NGROUP):
+            rank = Int32(0)  # groups strictly better than g (ties -> lower group id)
+            for h in cutlass.range_constexpr(NGROUP):
+                if const_expr(h != g):
+                    better = (gscore[h] > gscore[g]) | ((gscore[h] == gscore[g]) & (h < g))
+                    rank = rank + (1 if better else 0)
+            keep = keep | ((ix[j] // GS == g) & (rank < TOPK_GROUP))
+        v[j] = v[j] if keep else -Float32.inf
+
+
+@cute.jit
+def topk_weight(mS: cute.Tensor, tok: Int32, lane: Int32, my_id: Int32, TOPK: cutlass.Constexpr) -> Float32:
+    """Lane r < k holds the r-th choice; its weight is the UNBIASED sigmoid score (0 on the other lanes)."""
+    w = Float32(0.0)
+    if lane < TOPK:
+        w = mS[tok, my_id]
+    return w
 
 
 @cute.kernel
@@ -57,48 +142,29 @@ def topk_kernel(mS: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mWts: cu
     warp, lane = tidx // 32, tidx % 32
     B, E = cute.size(mS, mode=[0]), cute.size(mS, mode=[1])
     J = C.ceil_div(E, 32)
-    tok = bidx * TOKENS_PER_CTA + warp
+    tok = topk_token(bidx, warp)
     if tok < B:  # warp-uniform
         v = cute.make_rmem_tensor((J,), Float32)
         ix = cute.make_rmem_tensor((J,), Int32)
-        for j in cutlass.range_constexpr(J):  # coalesced: 32 lanes read 128 contiguous bytes
-            e = j * 32 + lane
-            ix[j] = e
-            v[j] = -Float32.inf
-            if e < E:
-                v[j] = mS[tok, e] + mBias[e]
+        topk_candidates(mS, mBias, tok, lane, v, ix)
         if const_expr(NGROUP > 1 and TOPK_GROUP < NGROUP):
             GS = E // NGROUP
             gscore = cute.make_rmem_tensor((NGROUP,), Float32)
             for g in cutlass.range_constexpr(NGROUP):
                 # group score = sum of its two largest choice scores
                 mv = cute.make_rmem_tensor((J,), Float32)
-                for j in cutlass.range_constexpr(J):
-                    mv[j] = v[j] if ix[j] // GS == g else -Float32.inf
-                b1, i1 = C.warp_argmax(*_local_argmax(mv, ix))
-                for j in cutlass.range_constexpr(J):
-                    mv[j] = -Float32.inf if ix[j] == i1 else mv[j]
-                b2, _ = C.warp_argmax(*_local_argmax(mv, ix))
+                topk_group_candidates(v, ix, g, GS, mv)
+                b1, i1 = _warp_argmax(*_local_argmax(mv, ix))
+                topk_retire(mv, ix, i1)
+                b2, _ = _warp_argmax(*_local_argmax(mv, ix))
                 gscore[g] = b1 + b2
-            for j in cutlass.range_constexpr(J):
-                keep = False
-                for g in cutlass.range_constexpr(NGROUP):
-                    rank = Int32(0)  # groups strictly better than g (ties -> lower group id)
-                    for h in cutlass.range_constexpr(NGROUP):
-                        if const_expr(h != g):
-                            better = (gscore[h] > gscore[g]) | ((gscore[h] == gscore[g]) & (h < g))
-                            rank = rank + (1 if better else 0)
-                    keep = keep | ((ix[j] // GS == g) & (rank < TOPK_GROUP))
-                v[j] = v[j] if keep else -Float32.inf
+            topk_group_mask(v, ix, gscore, GS, NGROUP, TOPK_GROUP)
         my_id = Int32(0)
         for r in cutlass.range_constexpr(TOPK):
-            bv, bi = C.warp_argmax(*_local_argmax(v, ix))
-            for j in cutlass.range_constexpr(J):  # the owner retires the winner
-                v[j] = -Float32.inf if ix[j] == bi else v[j]
+            bv, bi = _warp_argmax(*_local_argmax(v, ix))
+            topk_retire(v, ix, bi)
             my_id = bi if lane == r else my_id
-        w = Float32(0.0)
-        if lane < TOPK:
-            w = mS[tok, my_id]  # weights from the unbiased sigmoid scores
+        w = topk_weight(mS, tok, lane, my_id, TOPK)
         if const_expr(RENORM and TOPK > 1):
             w = w / (C.warp_sum(w) + 1e-20)
         if lane < TOPK:
@@ -115,7 +181,8 @@ def router(mW: cute.Tensor, mX: cute.Tensor, mBias: cute.Tensor, mScores: cute.T
     assert H % C.VEC == 0 and TOPK <= 32 and TOPK <= E and E % NGROUP == 0
     BT = C.batch_tile(B)
     gemv_kernel(mW, mX, None, None, mScores, BT, "sigmoid").launch(
-        grid=[B // BT, C.ceil_div(E, GEMV_WARPS), 1], block=[GEMV_WARPS * 32, 1, 1], stream=stream)
+        grid=[B // BT, C.ceil_div(E, GEMV_WARPS), 1], block=[GEMV_WARPS * 32, 1, 1], stream=stream,
+        **resident_ctas(GEMV_CTAS_PER_SM))  # compiled for gemv's occupancy, as gemv.gemv launches it
     topk_kernel(mScores, mBias, mIds, mWts, TOPK, NGROUP, TOPK_GROUP, SCALE, RENORM).launch(
         grid=[C.ceil_div(B, TOKENS_PER_CTA), 1, 1], block=[TOKENS_PER_CTA * 32, 1, 1], stream=stream)
 

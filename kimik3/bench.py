@@ -35,6 +35,8 @@ from kimik3.validation.metric import rel_error
 
 __all__ = ["run_bench", "provenance", "write_hf_deepseek_checkpoint", "strongest_compile_options", "main"]
 
+CPU_SETTLE_S = 0.05  # pause before each timed CPU sample (OpenMP spin-wait of the stage before it)
+
 
 def write_hf_deepseek_checkpoint(path: str | Path, hidden: int = 512, layers: int = 4, seed: int = 0) -> Path:
     """A DeepSeek-V3-format checkpoint of about 40M parameters, written by transformers' own save_pretrained."""
@@ -169,6 +171,10 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
             bar.set_postfix_str(f"repeat {r + 1}/{repeats} B={batch}")
             for stage in order[r % len(order):] + order[:r % len(order)]:
                 _sync(dev)
+                if dev.type == "cpu":
+                    # the previous stage's OpenMP workers spin for a while after their last parallel region; let
+                    # them go to sleep so they do not compete with the next stage's threads for the cores
+                    time.sleep(CPU_SETTLE_S)
                 t0 = time.perf_counter()
                 runners[stage](steps)
                 _sync(dev)

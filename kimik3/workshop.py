@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kimik3.kernels.meta import GEMV_UNROLL, GEMV_WARPS
+
 __all__ = ["EXERCISES", "Exercise", "Result", "check", "exercises", "reveal"]
 
 
@@ -211,7 +213,7 @@ def _check_absorbed(fn: Callable) -> str:
 
 # ====================================================================== 04: a GEMV tile's index arithmetic
 
-GEMV_WARPS, GEMV_UNROLL, GEMV_VEC, GEMV_LANES = 4, 4, 8, 32
+GEMV_VEC, GEMV_LANES = 8, 32  # bf16 per 16-byte chunk, lanes per warp (GEMV_WARPS / GEMV_UNROLL: kernels/meta.py)
 
 
 def _gemv_solution(cta: int, warp: int, lane: int, step: int, u: int, v: int) -> tuple[int, int]:

@@ -124,8 +124,9 @@ fig
 #
 # * **one warp per output row**; lane `l` owns the 16-byte chunks `l, l+32, ...` of the row, so one warp-wide load
 #   reads 512 contiguous bytes (`ld.global.nc.v4`, the read-only path);
-# * **loads in flight**: each loop step issues all `UNROLL = 4` weight loads per lane before the first FMA — 64 bytes
-#   per lane, 8 KiB per CTA — and several CTAs per SM supply the rest of the memory-level parallelism;
+# * **loads in flight**: each loop step issues all `UNROLL = 7` weight loads per lane before the first FMA and keeps
+#   them packed (one chunk widened to fp32 at a time) — 112 bytes per lane, 14 KiB per CTA — and the kernel is
+#   compiled for 4 resident CTAs per SM (`.minnctapersm`), ~56 KiB in flight per SM;
 # * **no tile padding at small batch**: each token is one fp32 accumulator per warp; up to 16 tokens share one pass
 #   over the weights (larger batches are split into tiles on the fastest grid dimension, so the CTAs re-reading the
 #   same rows run together and hit L2);

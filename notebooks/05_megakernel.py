@@ -123,11 +123,12 @@ display(encoding_table())
 # %%
 try:
     from kimik3.kernels.device_fns import NT
-    from kimik3.kernels.megakernel import OPCODE_NOTES, STAGE_BYTES
+    from kimik3.kernels.megakernel import OPCODE_NOTES, STAGE_BUFFERS, STAGE_BYTES
 
     notes = pd.DataFrame([(op, what, limits) for op, (what, limits) in OPCODE_NOTES.items()],
                          columns=["opcode", "device code", "known limits"]).set_index("opcode")
-    print(f"{NT} threads per CTA, one CTA per SM; weight stage {STAGE_BYTES // 1024} KiB of shared memory")
+    print(f"{NT} threads per CTA, one CTA per SM; weight stage {STAGE_BUFFERS} x {STAGE_BYTES // 1024} KiB of "
+          "shared memory (the next instruction's rows land in one buffer while this one reads the other)")
     display(notes)
 except ImportError as e:  # the CuTe DSL is optional for the CPU half of this notebook
     print(f"nvidia-cutlass-dsl not installed ({e}): device notes skipped")
@@ -137,24 +138,27 @@ except ImportError as e:  # the CuTe DSL is optional for the CPU half of this no
 #
 # The critical-path policy assigns every instruction to an SM queue (list scheduling on the scheduler's simple cost
 # model: every SM at its full share of HBM bandwidth), then keeps only the waits nothing else implies. The Gantt chart
-# is drawn from the **calibrated model** (`kimik3.perfmodel`, design `v1`, below): an SM reaches an instruction,
-# fetches it, stages up to 64 KiB of its weights into shared memory while it waits, runs it, signals — with the
-# bandwidth the device code's loads in flight allow. A model, not a measurement. Grey bars are waits.
+# is drawn from the **calibrated model** (`kimik3.perfmodel`, the current design `v2`, below): an SM reaches an
+# instruction whose first 48 KiB of weights were already copied into shared memory while the previous instruction ran
+# (the host decided which rows, in the instruction words), waits for its inputs, runs it, signals — with the bandwidth
+# the device code's loads in flight allow. A model, not a measurement. Grey bars are waits.
 
 # %%
 assert check_program(shard) == [], "the scheduler's program must be provably race- and deadlock-free"
-from kimik3.perfmodel import megakernel_model
+from kimik3.perfmodel import CURRENT_DESIGN, megakernel_model
 
 sim = simulate(shard)  # the scheduler's simple cost model
-times_b1, cal_b1 = megakernel_model(SHARD, 1, "v1", program=shard)
-fig = gantt(cal_b1, title=f"{SHARD}, batch 1, 132 SMs ({policy}): calibrated model v1 (a model, not a measurement)")
+times_b1, cal_b1 = megakernel_model(SHARD, 1, CURRENT_DESIGN, program=shard)
+fig = gantt(cal_b1, title=f"{SHARD}, batch 1, 132 SMs ({policy}): calibrated model {CURRENT_DESIGN} (a model, not a "
+                          "measurement)")
 save_html(fig, out / "schedule_k3_shard_b1.html")
 rows = []
 for pol in ("round_robin", "critical_path"):
     p = shard if pol == policy else build_program(SHARD, 1, 132, pol)
     rows.append({"policy": pol, "simple model µs (prefetch)": makespan_ns(simulate(p)) / 1e3,
                  "simple model µs (no prefetch)": makespan_ns(simulate(p, prefetch=False)) / 1e3,
-                 "calibrated model v1 µs": makespan_ns(megakernel_model(SHARD, 1, "v1", program=p)[1]) / 1e3})
+                 f"calibrated model {CURRENT_DESIGN} µs": makespan_ns(megakernel_model(SHARD, 1, CURRENT_DESIGN,
+                                                                                        program=p)[1]) / 1e3})
 display(pd.DataFrame(rows).set_index("policy").round(1))
 print(f"bandwidth bound {bound_us:.1f} µs")
 fig
@@ -263,15 +267,15 @@ workshop.check("find_planted_race", find_race, solutions=solutions)
 
 # %%
 summ = summary(cal_b1, 132)
-print(f"{SHARD}, B=1, 132 SMs: calibrated model v1 makespan {summ.attrs['makespan_us']:.1f} µs (a model, not a "
-      f"measurement; the scheduler's simple cost model says {makespan_ns(sim) / 1e3:.1f} µs)")
+print(f"{SHARD}, B=1, 132 SMs: calibrated model {CURRENT_DESIGN} makespan {summ.attrs['makespan_us']:.1f} µs "
+      f"(a model, not a measurement; the scheduler's simple cost model says {makespan_ns(sim) / 1e3:.1f} µs)")
 display(summ.round(2))
 fig = go.Figure()
 s = summ.drop(index="(idle)")
 fig.add_bar(x=s.index, y=s["busy_us"], name="busy")
 fig.add_bar(x=s.index, y=s["waiting_us"], name="waiting")
 fig.update_layout(barmode="stack", template="plotly_white", height=420, yaxis_title="µs summed over SMs",
-                  title=f"{SHARD}, B=1: SM time per instruction type (calibrated model v1)")
+                  title=f"{SHARD}, B=1: SM time per instruction type (calibrated model {CURRENT_DESIGN})")
 save_html(fig, out / "time_per_opcode.html")
 local = summary(simulate(program), program.num_sms)
 print(f"{preset}, B={batch_size}, {program.num_sms} SMs (the interpreter's program): "
@@ -324,12 +328,14 @@ if native is not None:
 #
 # The timeline above uses the scheduler's simple cost model: every SM streams at its full share of HBM bandwidth
 # and all of an instruction's weights may arrive while it waits. `kimik3.perfmodel` charges what the device code
-# actually does instead — bytes in flight per SM (Little's law against the HBM latency), the 64 KiB shared-memory
-# stage actually allocated (no prefetch for the next instruction, every thread stalls on `cp.async.wait_group 0`),
-# the global round trips counted per instruction, serial loops at the latency each trip waits on — against the
-# *achievable* HBM read bandwidth. Its constants (`data/perf/constants.json`) each carry a source; today's kernels
-# are design `v1` (`data/perf/designs/v1.json`), scored in `data/perf/scores-v1.json`. Same command-line view:
-# `python -m kimik3 predict --preset k3-shard --stage megakernel --batch 1 --json`.
+# actually does instead — bytes in flight per SM (Little's law against the HBM latency), the shared-memory stage
+# actually allocated and when it is filled, the global round trips counted per instruction, serial loops at the
+# latency each trip waits on — against the *achievable* HBM read bandwidth. Its constants
+# (`data/perf/constants.json`) each carry a source and are the same for every design. Two designs are committed:
+# `v1`, the kernels before the redesign (one 64 KiB stage filled for the *current* instruction after its fetch, every
+# thread stalled on `cp.async.wait_group 0`, 24 KiB of weight loads in flight per SM, a scalar-load MLA absorption),
+# and `v2`, today's kernels (`data/perf/designs/v2.json`; scores in `data/perf/scores-v2.json`). Same command-line
+# view: `python -m kimik3 predict --preset k3-shard --stage megakernel --batch 1 --json` (`--design v1` for the record).
 
 # %%
 import json
@@ -338,11 +344,13 @@ from kimik3.perfmodel import PERF_DIR, load_constants
 from kimik3.perfmodel import roofline_ms as model_roofline_ms
 
 PC = load_constants()
-# the committed scores of design v1 (tests/test_perfmodel.py recomputes them and fails when they are stale)
-committed = json.loads((PERF_DIR / "scores-v1.json").read_text())["results"]
-scores_v1 = pd.DataFrame([{"stage": r["stage"], "batch": r["batch"], "model ms": r["predicted_ms"],
-                           "roofline ms": r["roofline_ms"], "% of roofline": 100 * r["fraction_of_roofline"]}
-                          for r in committed if r["preset"] == SHARD]).set_index(["stage", "batch"])
+# the committed scores of both designs (tests/test_perfmodel.py recomputes them and fails when they are stale)
+scores = pd.concat([pd.DataFrame([{"design": d, "stage": r["stage"], "batch": r["batch"], "model ms": r["predicted_ms"],
+                                   "roofline ms": r["roofline_ms"], "% of roofline": 100 * r["fraction_of_roofline"]}
+                                  for r in json.loads((PERF_DIR / f"scores-{d}.json").read_text())["results"]
+                                  if r["preset"] == SHARD]) for d in ("v1", CURRENT_DESIGN)])
+scores = scores.set_index(["stage", "batch", "design"]).sort_index()
+scores_now = scores.xs(CURRENT_DESIGN, level="design")
 rec = load_recorded("data/measurements")
 meas = rec[(rec["block"] == "step") & (rec["preset"] == SHARD)
            & rec["device"].astype(str).str.contains("H200", case=False)] if not rec.empty else rec
@@ -353,10 +361,10 @@ def measured_ms(st: str, b: int) -> float:
     return float(m["seconds"].min() * 1e3) if len(m) else float("nan")
 
 
-scores_v1["measured ms"] = [measured_ms(st, b) for st, b in scores_v1.index]
+scores["measured ms"] = [measured_ms(st, b) if d == CURRENT_DESIGN else float("nan") for st, b, d in scores.index]
 print(f"roofline = step bytes / achievable HBM read bandwidth ({PC.achievable_Bps / 1e12:.2f} TB/s); "
-      "measured: NaN until a GPU run records it")
-display(scores_v1.round(3))
+      f"measured ({CURRENT_DESIGN}, today's kernels): NaN until a GPU run records it")
+display(scores.round(3))
 
 # %% [markdown]
 # Per opcode, the mean of each part of an instruction in the calibrated model (k3-shard, batch 1; the Gantt chart
@@ -369,6 +377,55 @@ display(times_b1.groupby("op").agg(count=("op", "size"), fetch_us=("fetch_ns", "
                                    limited_by=("limited_by", lambda v: v.mode().iloc[0]))
         .assign(fetch_us=lambda d: d.fetch_us / 1e3, stage_us=lambda d: d.stage_us / 1e3,
                 body_us=lambda d: d.body_us / 1e3, serial_us=lambda d: d.serial_us / 1e3).round(2))
+
+# %% [markdown]
+# ### v1 → v2, opcode by opcode
+#
+# What the redesign changed, each item a change in the device code that the design file records with where it was
+# read: the next instruction's first 48 KiB of weights are copied into a second shared-memory stage *while the current
+# instruction waits and runs* (which rows is decided on the host and stored in the instruction words `W_NEXT_*`; the
+# hazard checker allows it only for static weights); the instruction row of the next queue entry is prefetched too,
+# and all waits are checked in one round trip; the GEMV opcodes keep 8 × 16-byte loads per lane in flight (48 KiB per
+# SM) and walk up to 8 batch rows per pass, so at batch 8 every weight row is read once; the MLA absorption reads
+# W_UK with 16-byte loads, and the partial attention spreads heads over the warps. The same program, the same
+# constants; per opcode the SM time summed over instructions under each design:
+
+# %%
+from kimik3.perfmodel import compare_designs, megakernel_model, roofline_ms
+
+
+def _pess_fraction(design: dict) -> float:
+    """Fraction of the roofline of a design given as data (k3-shard, batch 8)."""
+    _, tl = megakernel_model(SHARD, 8, design, PC)
+    return roofline_ms(SHARD, 8, constants=PC) / ((tl["end_ns"].max() + PC.kernel_boundary_ns) / 1e6)
+
+
+for b in (1, 8):
+    cmp = compare_designs(SHARD, b, ("v1", CURRENT_DESIGN), constants=PC)
+    print(", ".join(f"{d}: {v['predicted_ms']:.3f} ms = {100 * v['fraction_of_roofline']:.1f}% of the roofline"
+                    for d, v in cmp.attrs["summary"].items()) + f"  (k3-shard, batch {b}; a model)")
+    display(cmp.round(1))
+cmp1 = compare_designs(SHARD, 1, ("v1", CURRENT_DESIGN), constants=PC)
+fig = go.Figure([go.Bar(x=cmp1.index, y=cmp1[(d, "total_us")], name=d) for d in ("v1", CURRENT_DESIGN)])
+fig.update_layout(barmode="group", template="plotly_white", height=420, yaxis_title="µs summed over SMs",
+                  title=f"{SHARD}, B=1: SM time per opcode, v1 vs {CURRENT_DESIGN} (calibrated model, not a "
+                        "measurement)")
+save_html(fig, out / "designs_by_opcode.html")
+# how much rests on one assumption: at batch 8 one pass of x (8 rows x 14 KiB) only just fits in the L1 left next to
+# the 142 KiB of shared memory; if the weight stream evicted it, every x re-read would come from L2
+import copy
+
+from kimik3.perfmodel import load_design, predict
+
+pessimist = copy.deepcopy(load_design(CURRENT_DESIGN))
+for spec in pessimist["megakernel"]["opcodes"].values():
+    for r in spec.get("rereads", []):
+        if "gbt * row_bytes" in str(r["footprint"]):
+            r["footprint"] = "1e30"  # never fits: served by L2
+print("batch 8 with every GEMV x re-read from L2:",
+      f"{100 * predict(SHARD, 'megakernel', 8, CURRENT_DESIGN, constants=PC)['fraction_of_roofline']:.1f}% ->",
+      f"{100 * _pess_fraction(pessimist):.1f}% of the roofline")
+fig
 
 # %% [markdown]
 # ### Against the review's estimate, opcode by opcode
@@ -481,10 +538,10 @@ cost = decode_cost(SHARD, 1, 4096)
 pts = [points_from_cost(cost, "h200", by="step", stage="bandwidth bound"),
        points_from_cost(cost, "h200", seconds=makespan_ns(sim) / 1e9, by="step",
                         stage="megakernel (simple cost model)"),
-       points_from_cost(cost, "h200", seconds=scores_v1.loc[("megakernel", 1), "model ms"] / 1e3, by="step",
-                        stage="megakernel (calibrated model v1)"),
-       points_from_cost(cost, "h200", seconds=scores_v1.loc[("fused", 1), "model ms"] / 1e3, by="step",
-                        stage="fused (calibrated model v1)")]
+       points_from_cost(cost, "h200", seconds=scores_now.loc[("megakernel", 1), "model ms"] / 1e3, by="step",
+                        stage=f"megakernel (calibrated model {CURRENT_DESIGN})"),
+       points_from_cost(cost, "h200", seconds=scores_now.loc[("fused", 1), "model ms"] / 1e3, by="step",
+                        stage=f"fused (calibrated model {CURRENT_DESIGN})")]
 rows = []
 for st in LADDER:
     rec = recorded[(recorded["stage"] == st) & (recorded["block"] == "step")] if not recorded.empty else recorded

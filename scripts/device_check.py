@@ -78,6 +78,28 @@ QUICK_BUDGETS = {"copy_bandwidth": 15.0, "tests": 90.0, "kernels": 25.0}
 PHASE_ESTIMATES_S = {"provenance": 1.0, "plan": 5.0, "copy_bandwidth": 10.0, "tests": 120.0, "kernels": 30.0,
                      "bench": 115.0}
 BENCH_PRESET = "k3-shard"
+# The CPU counterpart of everything this check runs on the GPU: the host execution (the same @cute.jit helpers the
+# device code calls, run over every block / warp / lane on the CPU; tests/test_host_exec*.py) that covers each fused
+# kernel family and each megakernel opcode, as (test module, a key and value one of its CI cases has).
+# tests/test_device_check.py checks that every registry family and every opcode is listed and the case exists.
+_TILE_GEMV = ("tests/test_host_exec.py", "family", "megakernel.tile_gemv")
+CPU_COUNTERPARTS: dict[str, tuple[str, str, str]] = {
+    **{f: ("tests/test_host_exec.py", "family", f) for f in ("gemv.plain", "gemv.rmsnorm", "gemv.residual",
+                                                             "gemv.f32out", "gemv.lm_head", "moe.bf16", "moe.mxfp4",
+                                                             "attn_res")},
+    "router": ("tests/test_host_exec_router.py", "family", "router"),
+    "kda": ("tests/test_host_exec_kda.py", "family", "kda"),
+    "mla": ("tests/test_host_exec_mla.py", "preset", "k3-shard"),
+    **{op: _TILE_GEMV for op in ("NORM_PROJ", "MLP_GATE_UP", "O_PROJ_RESIDUAL", "FFN_OUT", "LM_HEAD")},
+    "KDA_STEP": ("tests/test_host_exec_kda.py", "family", "mk_kda"),
+    "MLA_Q": ("tests/test_host_exec_mk_mla.py", "op", "q"),
+    "MLA_KV_APPEND": ("tests/test_host_exec_mk_mla.py", "op", "kv_append"),
+    "MLA_PARTIAL": ("tests/test_host_exec_mk_mla.py", "op", "partial"),
+    "MLA_REDUCE": ("tests/test_host_exec_mk_mla.py", "op", "reduce"),
+    **{op: ("tests/test_host_exec_router.py", "family", "mk.moe") for op in ("ROUTER", "EXPERT_GATE_UP",
+                                                                             "EXPERT_DOWN")},
+    **{op: ("tests/test_host_exec_router.py", "family", "mk.misc") for op in ("EMBED", "ATTN_RES_MIX", "ARGMAX")},
+}
 BENCH_ORDER = (("megakernel", 1), ("fused", 1), ("graphs", 1), ("absorbed", 1), ("naive", 1), ("megakernel", 8),
                ("fused", 8), ("graphs", 8), ("megakernel", 64), ("fused", 64), ("absorbed", 8), ("compiled", 1),
                ("compiled", 8), ("naive", 8))
@@ -237,6 +259,7 @@ def plan(prebuilt: Path | None, quick: bool, presets: str = "", batches: str = "
                   "context": 128 if quick else 512, "steps": 4 if quick else 8, "repeats": 3 if quick else 5,
                   "reserve_s": BENCH_RESERVE_S, "tolerance_vs_naive": TOL["bf16_stage"]},
         "prebuilt": _prebuilt_status(prebuilt, fused_targets=fused_targets, megakernel_targets=mk_targets),
+        "cpu_counterparts": {k: f"{m} ({key} = {val!r})" for k, (m, key, val) in CPU_COUNTERPARTS.items()},
     }
 
 

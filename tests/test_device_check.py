@@ -214,3 +214,25 @@ def test_phase_bench_writes_rows_as_it_goes_and_skips_past_the_budget(tmp_path: 
     assert rows[("fused", 1)]["ms_per_token"] == 4.0 and rows[("fused", 1)]["speedup_vs_naive"] is None
     assert [(s["stage"], s["batch"]) for s in rec["skipped"]] == [("naive", 1)]
     assert "5-minute budget" in rec["skipped"][0]["reason"]
+
+
+def test_everything_run_on_the_gpu_has_a_cpu_counterpart() -> None:
+    """Every fused kernel family and every megakernel opcode the device check can run on a GPU is host-executed on
+    the CPU by a CI case of a tests/test_host_exec*.py module (the same device helpers, every block / warp / lane)."""
+    import importlib.util
+
+    from kimik3.kernels.isa import Op
+    from kimik3.kernels.registry import FAMILIES
+
+    want = set(FAMILIES) | {op.name for op in Op if op.value > 0}
+    assert set(dc.CPU_COUNTERPARTS) == want, sorted(want ^ set(dc.CPU_COUNTERPARTS))
+    cases: dict[str, list[dict]] = {}
+    for name, (module, key, value) in sorted(dc.CPU_COUNTERPARTS.items()):
+        if module not in cases:
+            path = REPO / module
+            spec = importlib.util.spec_from_file_location(f"_counterpart_{path.stem}", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            cases[module] = mod._cases_ci()
+        assert any(c.get(key) == value for c in cases[module]), f"{name}: no CI case with {key} = {value!r} in {module}"
+    assert dc.plan(None, quick=True)["cpu_counterparts"]["KDA_STEP"].startswith("tests/test_host_exec_kda.py")

@@ -14,14 +14,11 @@ the full ``k3-shard`` launches are marked slow. Planted mutants of the helpers (
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from host_exec_runner import run_cases
 
 pytestmark = pytest.mark.host
 
@@ -100,20 +97,17 @@ MUTANTS: dict[str, tuple[list, dict]] = {
                                        "gchunks(wrow0 + Int64(j - 1) * Int64(nch) * 16)"]]], _mk(8, 12, 392, 5, False)),
     "mk-stage-row": (["device_fns", [["row_dot(stage, j * nch, True,", "row_dot(stage, (j + 1) * nch, True,"]]],
                      _mk(8, 12, 392, 5, False)),
+    # the tile GEMV's last, predicated step: chunks past the row's end (read at its last chunk) keep weight 1
+    "mk-tail-mask": (["device_fns", [["w = w * (Float32(1.0) if c + 32 * u < lim else Float32(0.0))",
+                                      "w = w * Float32(1.0)"]]], _mk(1, 12, 392, 5, True)),
+    # the tile GEMV's batch-row loop (3 or more rows per pass) drops the x row stride
+    "mk-row-stride": (["device_fns", [["xb = x0 + b * xs  # row b of the pass", "xb = x0 + b"]]],
+                      _mk(8, 12, 392, 5, False)),
 }
 
 
 def _run(cases: list[dict], tmp: Path, timeout: int) -> list[dict]:
-    path = tmp / "cases.json"
-    path.write_text(json.dumps(cases))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "kimik3.kernels.host_exec", str(path)], capture_output=True,
-                       text=True, timeout=timeout, cwd=ROOT, env=env)
-    lines = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
-    assert r.returncode == 0 and len(lines) == len(cases), (
-        f"host execution exited {r.returncode} after {len(lines)}/{len(cases)} cases "
-        f"(a negative code is a signal: a device-only instruction reached on the host aborts)\n{r.stderr[-3000:]}")
-    return lines
+    return run_cases("kimik3.kernels.host_exec", cases, tmp, timeout)
 
 
 def _name(c: dict) -> str:
@@ -199,13 +193,36 @@ def test_load_mutant_rejects_a_missing_line() -> None:
         load_mutant("gemv", [("this line is not in gemv.py", "x")])
 
 
+def _mutant_names(path: Path) -> set[str]:
+    """The keys of the ``MUTANTS`` dict a host-execution test module defines (read from its source, not imported)."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == "MUTANTS" for t in targets):
+            keys = node.value.keys if isinstance(node.value, ast.Dict) else [None]
+            assert all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in keys), (
+                f"{path.name}: MUTANTS must be a dict literal with string keys (this test reads it from the source)")
+            return {k.value for k in keys}
+    return set()
+
+
 def test_planted_bug_table_matches_the_tests() -> None:
-    """docs/planted-bugs.md lists exactly the mutants above, and every test it names exists."""
+    """docs/planted-bugs.md lists exactly the mutants above and those of the other host-execution test modules
+    (tests/test_host_exec_*.py), and every test it names exists."""
     import re
 
     doc = (ROOT / "docs" / "planted-bugs.md").read_text()
-    assert set(re.findall(r"\[([a-z0-9-]+)\]`", doc)) == set(MUTANTS)
+    others = [_mutant_names(f) for f in sorted((ROOT / "tests").glob("test_host_exec_*.py"))]
+    assert set(re.findall(r"\[([a-z0-9-]+)\]`", doc)) == set(MUTANTS).union(*others)
     defined = {m for f in (ROOT / "tests").glob("test_*.py")
                for m in re.findall(r"^def (test_\w+)", f.read_text(), re.M)}
+    modules = {f.stem for f in (ROOT / "tests").glob("test_*.py")}
     named = set(re.findall(r"(test_\w+)", doc)) - {"test_host_exec", "test_ptx_lint", "test_megakernel_hazards"}
+    named -= modules  # a test module named in a path (tests/test_x.py::...), not a test function
     assert named and named <= defined, sorted(named - defined)

@@ -164,6 +164,67 @@ def test_report_agrees_with_standalone_ptxas(name: str) -> None:
     assert ours == theirs
 
 
+
+# ---------------------------------------------------------------------------------------------- bytes in flight
+# The weight-streaming fused kernels must keep >= 32 KiB of weight loads in flight per SM (Little's law at ~600 ns
+# HBM latency: below that an SM cannot draw its share of the bandwidth). Per kernel of an op (by launch index, the
+# ``_N`` suffix of its name): the 16-byte weight loads a lane issues before its first FMA, from the module's own
+# constants and the variant's shapes. Resident CTAs follow from the compiled registers, as in kimik3.perfmodel.
+def _gemv_loads(v: R.KernelVariant) -> dict[int, int]:
+    g = v.module
+    return {0: min(g.UNROLL, v.shapes["K"] // g.VEC // 32)}
+
+
+def _moe_loads(v: R.KernelVariant) -> dict[int, int]:
+    m, sh = v.module, v.shapes
+    if v.variant == "mxfp4":  # 32-column groups (16 bytes of codes) per lane of a row
+        return {1: 2 * min(m.UNROLL_FP4_GLU, sh["L"] // 32 // 32), 2: min(m.UNROLL_FP4, sh["I"] // 32 // 32)}
+    return {1: 2 * min(m.UNROLL_BF16_GLU, sh["L"] // m.VEC // 32), 2: min(m.UNROLL_BF16, sh["I"] // m.VEC // 32)}
+
+
+STREAMING = {"gemv.plain": _gemv_loads, "gemv.rmsnorm": _gemv_loads, "gemv.residual": _gemv_loads,
+             "gemv.f32out": _gemv_loads, "gemv.lm_head": _gemv_loads, "moe.bf16": _moe_loads, "moe.mxfp4": _moe_loads}
+THREADS = 128  # gemv.WARPS x 32 and moe.WARPS x 32
+
+
+def _inflight_per_sm(result: B.BuildResult, loads: dict[int, int]) -> dict[str, int]:
+    from kimik3.perfmodel.data import load_constants
+
+    c = load_constants()
+    out = {}
+    for k in result.kernels:
+        idx = int(k["name"].rsplit("_", 1)[1])
+        if idx not in loads:
+            continue
+        alloc = -(-k["registers"] // int(c.register_alloc_granularity)) * int(c.register_alloc_granularity)
+        resident = min(int(c.max_ctas_per_sm), int(c.max_threads_per_sm) // THREADS,
+                       int(c.registers_per_sm) // (THREADS * alloc))
+        out[f"{k['name'][15:40]}.._{idx} ({k['registers']} registers, {resident} CTAs)"] = (
+            resident * THREADS * loads[idx] * 16)
+    assert len(out) == len(loads), (sorted(loads), [k["name"] for k in result.kernels])
+    return out
+
+
+def _check_inflight(name: str) -> None:
+    v = R.get_variant(name)
+    got = _inflight_per_sm(B.build(v, "sm_90a"), STREAMING[v.family](v))
+    low = {k: b for k, b in got.items() if b < 32 * 1024}
+    assert not low, f"{name}: bytes in flight per SM below 32 KiB: {low}"
+
+
+@pytest.mark.parametrize("family", sorted(STREAMING))
+def test_weight_streams_keep_32kib_in_flight(family: str) -> None:
+    """At k3-shard B = 8 (the CI compile, cached by the test above)."""
+    _check_inflight(f"{family}/k3-shard/b8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize("family", sorted(STREAMING))
+def test_weight_streams_keep_32kib_in_flight_all_batches(family: str, batch: int) -> None:
+    _check_inflight(f"{family}/k3-shard/b{batch}")
+
+
 # ---------------------------------------------------------------------------------------------- launch glue
 _SIG = re.compile(r"(\w+): (Tensor\(\[([\d, ]*)\], (\w+)\)|None|float|\w+)")
 

@@ -32,7 +32,7 @@ CI_SM100 = ["megakernel/tiny/b1"]
 SYNC_FEATURES = ("ld.acquire.gpu.global.b32", "red.release.gpu.global.add", "nanosleep.u32", "atom.global.cas",
                  "ld.relaxed.gpu.global.b32", "%globaltimer", "%smid", "cp.async.cg.shared.global",
                  "cp.async.commit_group", "cp.async.wait_group", "bar.sync")
-BUDGET_TEXT = "<= 168 registers (384 threads), 0 spills, 0 stack, <= 120 KiB shared memory"
+BUDGET_TEXT = "<= 168 registers (384 threads), 0 spills, 0 stack, <= 160 KiB shared memory"
 
 
 @pytest.fixture(autouse=True)
@@ -92,6 +92,35 @@ def test_ptx_structure_of_the_wait_loop() -> None:
     assert order.count("%globaltimer") == 2 and order.count("red.release.gpu") == 1
     assert order.index("red.release.gpu") < len(order) - 1 - order[::-1].index("%globaltimer")
     assert "atom.global.add" not in ptx and "red.global.add" not in ptx, "counters are only ever released"
+
+
+def test_stage_pipeline_waits_one_group_behind() -> None:
+    """Design v2: the next instruction's stage copies are issued before this instruction's waits and stay in
+    flight while it runs, so the VM waits for its cp.async groups with ``wait_group 1`` right before the dispatch
+    barrier (its own stage has landed, the next one's may not have), after the waits' acquire loads; every copy
+    before that wait is committed (the group count is what ``wait_group 1`` counts), and the only full wait
+    (``wait_group 0``) before it is warp 0's instruction-row wait, ahead of the stage copies (the others drain the
+    copies at a gap in the queue and at the CTA's exit)."""
+    ptx = B.build(R.get_variant("megakernel/tiny/b1"), "sm_90a").ptx
+    lines = [s.split("//", 1)[0].strip() for s in ptx.splitlines()]
+    at = {k: [i for i, s in enumerate(lines) if re.match(p, s)] for k, p in (
+        ("copy", r"cp\.async\.cg\.shared\.global\s+\[[^\]]*\],\s*\[[^\]]*\],\s*16\b"),
+        ("commit", r"cp\.async\.commit_group"), ("acquire", r"ld\.acquire\.gpu"),
+        ("wait0", r"cp\.async\.wait_group\s+0\s*;"), ("wait1", r"cp\.async\.wait_group\s+1\s*;"))}
+    assert len(at["wait1"]) == 1, "one wait_group 1: the VM's wait for its own stage"
+    (w1,) = at["wait1"]
+    assert lines[w1 + 1].startswith("bar.sync"), "the stage wait is followed by the dispatch barrier"
+    acq = [i for i in at["acquire"] if i < w1]
+    assert acq, "the waits' acquire loads come before the stage wait"
+    before = [i for i in at["copy"] if i < acq[0]]
+    after = [i for i in at["copy"] if acq[-1] < i < w1]
+    # the instruction row (first position), its own stage, the next position's stage: all before the waits;
+    # the next position's row after them
+    assert len(before) >= 3 and len(after) >= 1, (before, after)
+    assert all(any(c < k < w1 for k in at["commit"]) for c in before + after), "a copy left out of every group"
+    zeros = at["wait0"]
+    assert len([i for i in zeros if i < w1]) == 1 and zeros[0] < before[1], "only warp 0's row wait precedes it"
+    assert zeros[-1] > w1, "the CTA drains its copies before it exits"
 
 
 def test_registered_and_buildable_through_the_cli_paths() -> None:

@@ -234,7 +234,7 @@ def test_tsan_runs_the_micro_program_clean(tsan_case):
     clean = tsan_case["clean"]
     assert clean.clean, clean.stderr[-3000:]
     assert clean.logits.shape[0] == 3
-    # the TSan build (no -march=native, so no FMA contraction) agrees with the native library
+    # the TSan build (no -march=native: the portable loops, no FMA contraction) agrees with the native library
     assert rel_error(clean.logits, tsan_case["native"]) <= TOL["fp32_stage"]
     assert torch.equal(clean.next_tokens, tsan_case["native"].argmax(-1))
 

@@ -14,6 +14,8 @@ seed 0 decodes all 32 steps and is compared with naive; seeds 1–19 each replay
 the post-prefill state and steps 24–25 from seed 0's state at step 24 (by then the second MLA context split is
 live) — and must equal seed 0 bit for bit (each replayed step is a further random interleaving).
 The full matrix — every seed decoding all 32 steps against naive, ``micro`` and ``tiny`` — runs under ``slow``.
+A bf16 case (both policies) runs the weight-stage pipeline, which fp32 programs never use (the stage holds bf16):
+within TOL["bf16_stage"] of fp32 naive, bitwise equal across interleavings.
 """
 
 from __future__ import annotations
@@ -136,3 +138,33 @@ def test_interpreter_keeps_state_in_the_shared_decode_state():
     assert all(not torch.equal(a, b) for a, b in zip(before, after))
     steps = dec.stage.interpreter.steps_done
     assert all(c == steps * ctr.total for c, ctr in zip(dec.stage.interpreter.counters, dec.stage.program.counters))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_bf16_program_with_the_weight_stage_matches_naive(policy):
+    """bf16: the weights qualify for the shared-memory stage, so every step runs the cross-instruction stage
+    pipeline (each stage copy performed when the device would issue it). Teacher-forced on fp32 naive's greedy
+    tokens, every step within TOL["bf16_stage"] of fp32 naive, and other interleavings bitwise equal."""
+    B, steps, lengths = 4, 4, [5, 4, 3, 5]
+    model = kimik3.from_preset("micro", seed=0, dtype=torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (B, 5), generator=torch.Generator().manual_seed(3))
+    ref = kimik3.Decoder(kimik3.from_preset("micro", seed=0), "naive", batch_size=B, max_seq_len=16)
+    dec = kimik3.Decoder(model, "megakernel-interp", batch_size=B, max_seq_len=16, policy=policy, num_sms=NUM_SMS)
+    want = ref.prefill(ids, lengths)
+    dec.prefill(ids, lengths)
+    stage = dec.stage
+    start = stage.snapshot()
+    staged = sum(ins.stage[0] >= 0 for ins in stage.program.instructions)
+    assert staged > len(stage.program.instructions) // 2
+    fed, first = [], []
+    for s in range(steps):
+        fed.append(want.argmax(-1))
+        want = ref.step(fed[-1])
+        got = dec.step(fed[-1])
+        assert stage.interpreter.staged_copies == staged
+        assert rel_error(got, want) <= TOL["bf16_stage"], f"step {s}: e={rel_error(got, want):.2e}"
+        first.append(got)
+    for seed in (1, 2):
+        stage.restore(start, seed=seed)
+        for s in range(steps):
+            assert torch.equal(stage.step(fed[s], torch.tensor(lengths) + s), first[s]), f"seed {seed} step {s}"

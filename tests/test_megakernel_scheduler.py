@@ -13,16 +13,28 @@ import dataclasses
 
 import pytest
 import torch
+from kimik3.kernels.isa import (
+    W_NEXT_BUF,
+    W_NEXT_CHUNKS,
+    W_NEXT_ELEM_HI,
+    W_NEXT_ELEM_LO,
+    W_STAGE_CHUNKS,
+    W_STAGE_OP,
+)
 
 from kimik3.config import get_preset
 from kimik3.megakernel.hazards import check_program, format_violations, redundant_waits
 from kimik3.megakernel.instructions import (
+    CHUNK_BYTES,
     INSTR_WORDS,
     MAGIC,
     MAX_WAITS,
+    NO_STAGE,
+    STAGE_BYTES,
     Kind,
     Op,
     Program,
+    assign_stages,
     decode_program,
     encode_program,
     encoding_table,
@@ -74,7 +86,14 @@ def test_encoding_layout_is_as_documented():
             assert r[11 + 2 * j : 13 + 2 * j] == [c, tgt]
         o = ins.operands[0]
         assert r[20:28] == [o.buf, o.mode, *o.box]
-        assert all(x == 0 for x in r[20 + 8 * len(ins.operands) :])
+        # unused operand slots are zero; words 116..122 hold the weight stage (VERSION 2); the rest is zero
+        assert all(x == 0 for x in r[20 + 8 * len(ins.operands) : W_STAGE_OP])
+        assert r[W_STAGE_OP : W_STAGE_CHUNKS + 1] == list(ins.stage)
+        nb, elem, chunks = ins.next_stage
+        assert (r[W_NEXT_BUF], r[W_NEXT_CHUNKS]) == (nb, chunks)
+        assert (r[W_NEXT_ELEM_HI] << 32) | (r[W_NEXT_ELEM_LO] & 0xFFFFFFFF) == elem
+        assert all(x == 0 for x in r[W_NEXT_CHUNKS + 1 :])
+    assert any(r[W_STAGE_OP] >= 0 for r in rows.tolist()) and any(r[W_NEXT_BUF] >= 0 for r in rows.tolist())
     bad = t.clone()
     bad[0] = 0
     with pytest.raises(ValueError, match="not a megakernel program"):
@@ -82,6 +101,68 @@ def test_encoding_layout_is_as_documented():
     assert len(encoding_table()) >= 6
     ops = instruction_set_table()
     assert set(ops["name"]) == {op.name for op in Op if op != Op.NOP}
+
+
+def test_next_stage_offset_spans_two_words():
+    """The element offset of a next-stage descriptor is an int64 in two int32 words (low word: unsigned bits)."""
+    p = build_program("micro", 2, 3, "critical_path", max_seq_len=16)
+    for elem in (2**31 - 1, 2**31, 2**32 + 5, 3 * 2**40 + 2**31 + 7):
+        q = _copy(p)
+        q.instructions[0] = dataclasses.replace(q.instructions[0], next_stage=(1, elem, 4))
+        t = encode_program(q)
+        row = t[t[15] : t[15] + INSTR_WORDS].tolist()
+        assert row[W_NEXT_ELEM_LO] == (elem & 0xFFFFFFFF) - (2**32 if elem & 0x80000000 else 0)
+        assert row[W_NEXT_ELEM_HI] == elem >> 32
+        assert decode_program(t).instructions[0].next_stage == (1, elem, 4)
+    q.instructions[0] = dataclasses.replace(q.instructions[0], next_stage=(1, -8, 4))
+    with pytest.raises(ValueError, match="element offset"):
+        encode_program(q)
+
+
+def _stage_rule(p: Program, ins) -> tuple[int, int, int]:
+    """The contract's stage rule, restated: the largest (box rows x d2) bf16 WEIGHT operand marked PREFETCH whose box
+    is whole rows of one slice (d2 % 8 == 0), whole rows up to STAGE_BYTES; EMBED none."""
+    cands = [((o.box[3] - o.box[2]) * p.buffers[o.buf].shape[2], -j, j) for j, o in enumerate(ins.operands)
+             if o.prefetch and p.buffers[o.buf].kind == Kind.WEIGHT and p.buffers[o.buf].dtype == torch.bfloat16
+             and o.box[1] - o.box[0] == 1 and o.box[4] == 0 and o.box[5] == p.buffers[o.buf].shape[2]
+             and p.buffers[o.buf].shape[2] % 8 == 0]
+    best = max(cands) if cands and ins.op != Op.EMBED else None  # the first of equally large ones
+    if best is None:
+        return NO_STAGE
+    j = best[2]
+    d2 = p.buffers[ins.operands[j].buf].shape[2]
+    rows = min(best[0] // d2, STAGE_BYTES // (2 * d2))
+    return (j, rows, rows * d2 * 2 // CHUNK_BYTES) if rows else NO_STAGE
+
+
+@pytest.mark.parametrize(("preset", "B", "S"), [("micro", 4, 8), ("tiny", 8, 16), ("k3-shard", 1, 132)])
+def test_stages_follow_the_rule_and_the_queues(preset, B, S):
+    """Each instruction's stage is the contract's choice; each queue position streams its successor's stage (the
+    last streams nothing); the stage is full where a box is larger than it; an fp32 program stages nothing."""
+    p = build_program(preset, B, S, "critical_path", max_seq_len=64)
+    assert [ins.stage for ins in p.instructions] == [_stage_rule(p, ins) for ins in p.instructions]
+    for q in p.queues:
+        for u, w in zip(q, q[1:]):
+            j, _, chunks = p.instructions[w].stage
+            if j < 0:
+                assert p.instructions[u].next_stage == NO_STAGE
+            else:
+                o = p.instructions[w].operands[j]
+                _, d1, d2 = p.buffers[o.buf].shape
+                assert p.instructions[u].next_stage == (o.buf, (o.box[0] * d1 + o.box[2]) * d2, chunks)
+        assert not q or p.instructions[q[-1]].next_stage == NO_STAGE
+    capped = [ins for ins in p.instructions if ins.stage[0] >= 0 and ins.stage[1] < ins.operands[ins.stage[0]].box[3]
+              - ins.operands[ins.stage[0]].box[2]]
+    assert all(STAGE_BYTES - CHUNK_BYTES * ins.stage[2] < 2 * p.buffers[ins.operands[ins.stage[0]].buf].shape[2]
+               for ins in capped)
+    if preset == "k3-shard":
+        assert capped  # k3 tiles are larger than the stage
+    assert assign_stages(p) == p  # idempotent: one place decides
+    with pytest.raises(ValueError, match="outside the program"):
+        assign_stages(_copy(p, queues=[[len(p.instructions)]] + p.queues[1:]))
+    if preset == "micro":
+        f32 = build_program(preset, B, S, "critical_path", max_seq_len=64, act_dtype=torch.float32)
+        assert all(ins.stage == NO_STAGE and ins.next_stage == NO_STAGE for ins in f32.instructions)
 
 
 # ---------------------------------------------------------------------------------------------------- waits

@@ -10,7 +10,10 @@ declarations disagree with the device code.
 
 Whole ``micro`` and ``tiny`` programs at batch 1, 8 and 64 under both policies; ``k3-shard`` at batch 1 with the
 write count and at batch 64 every instruction's access corners (bounds and prefetch); the other ``k3-shard`` batches
-with the write count are marked slow.
+with the write count are marked slow. Each of them replays every weight-stage copy too (an instruction's own stage
+and the next-stage descriptor the device copies before the waits): only static weights, every staged element in
+the declared box, each descriptor equal to the next instruction's own stage; planted descriptors into an
+activation or a state, and rows past the box, are reported.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 import pytest
 from kimik3.kernels import mk_addr
 from kimik3.kernels.host_exec import load_mutant
-from kimik3.kernels.isa import Kind, Mode, Op
+from kimik3.kernels.isa import CHUNK_BYTES, Kind, Mode, Op
 
 from kimik3.config import get_preset
 from kimik3.megakernel import POLICIES, build_program, decode_program, encode_program
@@ -50,11 +53,22 @@ def test_whole_program_replays_clean(preset: str, batch: int, policy: str) -> No
     # every opcode was replayed, and the write count covered the step's activations
     assert {ins.op for ins in p.instructions} == set(Op) - {Op.NOP}
     assert rep.elements_counted > 0 and rep.runs > len(p.instructions)
+    _assert_stages_replayed(p, rep)
+
+
+def _assert_stages_replayed(p, rep) -> None:
+    """Every stage copy of the program was replayed (each staged instruction's own rows and every next-stage
+    descriptor), and there were some."""
+    own = sum(ins.stage[0] >= 0 for ins in p.instructions)
+    nxt = sum(ins.next_stage[0] >= 0 for ins in p.instructions)
+    assert own > len(p.instructions) // 4 and nxt >= own - len(p.queues)
+    assert rep.stage_copies == own + nxt and rep.elements_staged > 0
 
 
 def test_k3_shard_batch1_whole_program() -> None:
     rep = mk_addr.replay(_program("k3-shard", 1), get_preset("k3-shard"))
     assert rep.ok, rep.summary()
+    _assert_stages_replayed(_program("k3-shard", 1), rep)
 
 
 def test_k3_shard_batch64_every_instruction_corners() -> None:
@@ -64,6 +78,7 @@ def test_k3_shard_batch64_every_instruction_corners() -> None:
     rep = mk_addr.replay(p, get_preset("k3-shard"), check_writes=False)
     assert rep.ok, rep.summary()
     assert rep.instructions == len(p.instructions)
+    _assert_stages_replayed(p, rep)
 
 
 @pytest.mark.slow
@@ -158,6 +173,71 @@ def test_activation_marked_prefetch_is_reported() -> None:
     assert p.buffers[x.buf].kind == Kind.ACT
     rep = mk_addr.replay(_with_operand(p, i, 0, mode=int(Mode.READ | Mode.PREFETCH)), get_preset("micro"))
     assert any(f.rule == "prefetch" and f.instruction == i for f in rep.findings), rep.summary()
+
+
+def _restaged(p, **per: dict):
+    """A copy of ``p`` with ``stage`` / ``next_stage`` of some instructions replaced (``next_stage={i: desc}``)."""
+    instrs = list(p.instructions)
+    for name, changes in per.items():
+        for i, value in changes.items():
+            instrs[i] = dataclasses.replace(instrs[i], **{name: value})
+    return dataclasses.replace(p, instructions=instrs)
+
+
+def _staged_pair(p, reads: Kind):
+    """(u, w, operand): consecutive queue entries where w stages rows and reads an operand of kind ``reads``."""
+    for q in p.queues:
+        for u, w in zip(q, q[1:]):
+            x = p.instructions[w]
+            o = next((o for o in x.operands if p.buffers[o.buf].kind == reads and o.mode & int(Mode.READ)), None)
+            if x.stage[0] >= 0 and o is not None:
+                return u, w, o
+    raise AssertionError(f"no staged instruction reading a {reads.name} buffer")
+
+
+@pytest.mark.parametrize("kind", [Kind.ACT, Kind.STATE], ids=["act", "state"])
+def test_next_stage_descriptor_into_an_activation_or_state_is_reported(kind: Kind) -> None:
+    """A next-stage descriptor retargeted at the first row of an activation / state the next instruction reads:
+    the device would copy it while the current instruction starts, before any wait."""
+    p = _program("micro", 8)
+    u, w, o = _staged_pair(p, kind)
+    spec = p.buffers[o.buf]
+    _, d1, d2 = spec.shape
+    b0, _, r0, _, c0, c1 = o.box
+    desc = (o.buf, (b0 * d1 + r0) * d2 + c0, (c1 - c0) * spec.element_size // CHUNK_BYTES)
+    rep = mk_addr.replay(_restaged(p, next_stage={u: desc}), get_preset("micro"), instructions=[u],
+                         check_writes=False)
+    assert any(f.rule == "prefetch" and f.instruction == u and "not a static weight" in f.message
+               for f in rep.findings), rep.summary()
+    assert any(f.rule == "stage" and f.instruction == u for f in rep.findings), rep.summary()
+
+
+def test_staged_rows_beyond_the_declared_box_are_reported() -> None:
+    """One row more than the box, in the next-stage descriptor and in the instruction's own stage."""
+    p = _program("micro", 8)
+    u, w, _ = _staged_pair(p, Kind.ACT)
+    x = p.instructions[w]
+    j, rows, chunks = x.stage
+    o = x.operands[j]
+    box_rows = o.box[3] - o.box[2]
+    assert rows == box_rows  # micro's weight tiles fit the stage whole: one more row leaves the box
+    extra = p.buffers[o.buf].shape[2] * 2 // CHUNK_BYTES
+    buf, elem, _ = p.instructions[u].next_stage
+    bad = _restaged(p, next_stage={u: (buf, elem, chunks + extra)}, stage={w: (j, rows + 1, chunks + extra)})
+    rep = mk_addr.replay(bad, get_preset("micro"), instructions=[u, w], check_writes=False)
+    for i in (u, w):
+        assert any(f.rule == "stage" and f.instruction == i and ("outside the declared box" in f.message
+                                                                  or "do not fit the buffer" in f.message)
+                   for f in rep.findings), rep.summary()
+    assert not any(f.rule == "prefetch" for f in rep.findings)  # still a static weight: only the box is wrong
+
+
+def test_a_missing_next_stage_is_reported() -> None:
+    p = _program("micro", 8)
+    u, w, _ = _staged_pair(p, Kind.ACT)
+    rep = mk_addr.replay(_restaged(p, next_stage={u: (-1, 0, 0)}), get_preset("micro"), instructions=[u],
+                         check_writes=False)
+    assert [f.rule for f in rep.findings] == ["stage"] and f"#{w} stages" in rep.findings[0].message
 
 
 def test_a_dropped_instruction_leaves_its_outputs_unwritten() -> None:

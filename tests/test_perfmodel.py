@@ -1,5 +1,5 @@
-"""The GPU performance model: hand-computed small cases, the committed v1 scores, the CLI, v1 against the compiled
-kernels."""
+"""The GPU performance model: hand-computed small cases, the committed scores, the CLI, the current design against
+the compiled kernels."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import torch
 
 from kimik3.megakernel.instructions import BufferSpec, Counter, Instruction, Kind, Mode, Op, Operand, Program
 from kimik3.perfmodel import (
+    CURRENT_DESIGN,
     PERF_DIR,
     compare_kernels,
     compare_opcodes,
+    design_names,
     instruction_times,
     load_constants,
     load_design,
@@ -28,6 +30,7 @@ from kimik3.perfmodel.expr import evaluate
 
 C = load_constants()
 V1 = load_design("v1")
+CUR = load_design(CURRENT_DESIGN)
 
 
 def _gemv_program(rows: int, hin: int, waits: bool = False) -> Program:
@@ -134,21 +137,46 @@ def test_constants_have_sources_and_no_design_is_missing_an_opcode():
     for k, e in raw.items():
         assert e["source"] and "verified" in e, k
     assert C.achievable_Bps < C.hbm_peak_Bps  # the ceiling is the achievable bandwidth, not the datasheet
-    assert set(V1["megakernel"]["opcodes"]) == {op.name for op in Op if op.value > 0}
+    for name in design_names():
+        assert set(load_design(name)["megakernel"]["opcodes"]) == {op.name for op in Op if op.value > 0}, name
 
 
+@pytest.mark.parametrize("design", ["v1", "v2"])
 @pytest.mark.parametrize("stage", ["megakernel", "fused"])
-def test_predict_both_stages_all_batches_match_committed_scores(stage):
-    committed = json.loads((PERF_DIR / "scores-v1.json").read_text())
-    assert committed["constants"] == "data/perf/constants.json"
+def test_predict_both_stages_all_batches_match_committed_scores(stage, design):
+    committed = json.loads((PERF_DIR / f"scores-{design}.json").read_text())
+    assert committed["constants"] == "data/perf/constants.json" and committed["design"] == design
     for b in (1, 8, 64):
-        r = predict("k3-shard", stage, b, "v1")
+        r = predict("k3-shard", stage, b, design)
         assert set(r) >= {"predicted_ms", "roofline_ms", "fraction_of_roofline", "by_opcode"}
         assert 0 < r["fraction_of_roofline"] <= 1.0  # never faster than the achievable-bandwidth roofline
         want = next(x for x in committed["results"] if x["stage"] == stage and x["batch"] == b)
         assert r["predicted_ms"] == pytest.approx(want["predicted_ms"], rel=1e-6), \
-            "data/perf/scores-v1.json is stale: regenerate with kimik3.perfmodel.write_scores('v1')"
+            f"data/perf/scores-{design}.json is stale: regenerate with kimik3.perfmodel.write_scores('{design}')"
         assert r["roofline_ms"] == pytest.approx(want["roofline_ms"], rel=1e-9)
+
+
+def test_current_design_is_the_default_and_v1_keeps_its_record():
+    """``predict`` without a design scores today's kernels; v1 (the kernels before the cross-instruction redesign)
+    still gives its committed figure with the same constants."""
+    assert CURRENT_DESIGN == CUR["name"] and CURRENT_DESIGN != "v1"
+    assert predict("k3-shard", "megakernel", 1)["design"] == CURRENT_DESIGN
+    v1 = json.loads((PERF_DIR / "scores-v1.json").read_text())["results"]
+    want = next(x for x in v1 if x["stage"] == "megakernel" and x["batch"] == 1)
+    assert predict("k3-shard", "megakernel", 1, "v1")["fraction_of_roofline"] == want["fraction_of_roofline"]
+
+
+def test_compare_designs_side_by_side():
+    from kimik3.perfmodel import compare_designs
+
+    t = compare_designs("k3-shard", 1, ("v1", CURRENT_DESIGN))
+    assert set(t.columns.get_level_values(0)) == {"v1", CURRENT_DESIGN}
+    for name in ("v1", CURRENT_DESIGN):
+        s = t.attrs["summary"][name]
+        assert s["fraction_of_roofline"] == pytest.approx(predict("k3-shard", "megakernel", 1, name)
+                                                          ["fraction_of_roofline"], abs=1e-4)
+    with pytest.raises(ValueError):
+        compare_designs("k3-shard", 1, ())
 
 
 def test_a_better_design_scores_better_with_the_same_constants():
@@ -187,7 +215,7 @@ def test_compare_with_synthetic_timings():
         compare_opcodes(times, tl, measured.iloc[:-1])
     from kimik3.perfmodel import opcode_report
 
-    rep = opcode_report(prog, np.stack([start, end, tl["sm"].to_numpy()], 1), "k3-shard")
+    rep = opcode_report(prog, np.stack([start, end, tl["sm"].to_numpy()], 1), "k3-shard", design="v1")
     assert rep["by_opcode"]["MLA_PARTIAL"]["measured_over_model"] == pytest.approx(2.0, rel=1e-4)
     json.dumps(rep)
     from kimik3.perfmodel import fused_times
@@ -229,27 +257,37 @@ def _kernel(rep: dict, fn: str, suffix: str = "") -> dict:
     return hits[0]
 
 
-def test_v1_matches_the_compiled_kernels_ci_subset():
-    """The v1 numbers that come from the ptxas reports, at k3-shard B = 1 (megakernel, gemv.rmsnorm, moe bf16)."""
+def test_current_design_matches_the_compiled_kernels_ci_subset():
+    """The current design's numbers that come from the ptxas reports and the source constants, at k3-shard B = 1
+    (megakernel, gemv.rmsnorm, moe bf16). v1 described the kernels before the redesign: its compiled numbers were
+    checked against that code and stay as its record."""
+    from kimik3.kernels import isa
+    from kimik3.kernels.mk_addr import GEMV_UNROLL
+
     mk = _compiled("megakernel/k3-shard/b1")
-    m = V1["megakernel"]
+    m = CUR["megakernel"]
     assert mk["resources"]["registers"] == m["registers"]["value"]["1"]
     assert mk["resources"]["shared_bytes"] == m["shared_bytes"]["value"]["1"]
-    assert mk["resources"]["shared_bytes"] >= m["stage_bytes"]["value"]
-    from kimik3.kernels.device_fns import NT, UNROLL
-    from kimik3.kernels.megakernel import STAGE_BYTES
+    assert mk["resources"]["shared_bytes"] >= m["stage_bytes"]["value"] * m["stage_buffers"]["value"]
+    from kimik3.kernels.device_fns import NT
 
-    assert NT == m["threads"]["value"] and STAGE_BYTES == m["stage_bytes"]["value"]
-    assert evaluate(m["opcodes"]["NORM_PROJ"]["streams"][0]["loads"], {"bt": 1}) == UNROLL
-    assert re.search(r"cp\.async\.wait_group\s+0;", mk["ptx"])  # stage_wait = all
+    assert NT == m["threads"]["value"] and isa.STAGE_BYTES == m["stage_bytes"]["value"]
+    assert isa.STAGE_BUFFERS == m["stage_buffers"]["value"]
+    for op in ("NORM_PROJ", "MLP_GATE_UP", "O_PROJ_RESIDUAL", "FFN_OUT", "LM_HEAD"):
+        assert evaluate(m["opcodes"][op]["streams"][0]["loads"], {"bt": 1}) == GEMV_UNROLL, op
+    # prefetch_ahead with stage_wait = all: the own stage is waited one group behind the next one's copy
+    assert m["prefetch_ahead"]["value"] and re.search(r"cp\.async\.wait_group\s+1;", mk["ptx"])
     g = _compiled("gemv.rmsnorm/k3-shard/b1")
-    gemv = V1["fused"]["families"]["gemv"]
+    gemv = CUR["fused"]["families"]["gemv"]
     assert g["resources"]["registers"] == gemv["registers_by_variant"]["rmsnorm"]["1"]
-    # loads in flight: one unrolled step issues `loads` 16-byte ld.global.nc.v4 (K = 7168: no peeled step)
-    assert g["ptx"].count("ld.global.nc.v4") == gemv["kernels"][0]["loads"]
+    # loads in flight: one step issues `loads` 16-byte ld.global.nc.v4 (K = 7168)
+    assert g["ptx"].count("ld.global.nc.v4") == evaluate(gemv["kernels"][0]["loads"], {"K": 7168})
     moe = _compiled("moe.bf16/k3-shard/b1")
-    fam = {k["name"]: k for k in V1["fused"]["families"]["moe"]["kernels"]}
-    env = {"fmt": 0}
+    fam = {k["name"]: k for k in CUR["fused"]["families"]["moe"]["kernels"]}
+    from kimik3.config import get_preset
+
+    cfg = get_preset("k3-shard")
+    env = {"fmt": 0, "L": cfg.moe_latent_size or cfg.hidden_size, "I": cfg.moe_intermediate_size}
     assert moe["ptx"].count("ld.global.nc.v4") == evaluate(fam["gate_up"]["loads"], env) + \
         evaluate(fam["down"]["loads"], env)
     assert _kernel(moe, "expert_gemv_kernel", "_2")["registers"] == fam["down"]["registers"]["1"]
@@ -258,11 +296,11 @@ def test_v1_matches_the_compiled_kernels_ci_subset():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("b", [1, 8, 64])
-def test_v1_matches_the_compiled_kernels_all_batches(b):
+def test_current_design_matches_the_compiled_kernels_all_batches(b):
     mk = _compiled(f"megakernel/k3-shard/b{b}")
-    assert mk["resources"]["registers"] == V1["megakernel"]["registers"]["value"][str(b)]
-    assert mk["resources"]["shared_bytes"] == V1["megakernel"]["shared_bytes"]["value"][str(b)]
-    fams = V1["fused"]["families"]
+    assert mk["resources"]["registers"] == CUR["megakernel"]["registers"]["value"][str(b)]
+    assert mk["resources"]["shared_bytes"] == CUR["megakernel"]["shared_bytes"]["value"][str(b)]
+    fams = CUR["fused"]["families"]
     for var in ("rmsnorm", "plain", "residual", "f32out"):
         assert _compiled(f"gemv.{var}/k3-shard/b{b}")["resources"]["registers"] == \
             fams["gemv"]["registers_by_variant"][var][str(b)]

@@ -99,6 +99,67 @@ def test_planted_narrow_copy(mk: B.BuildResult) -> None:
     assert any("8-byte asynchronous copy" in m for m in L.wide_weight_copies(ptx))
 
 
+def _plant_loop(ptx: str, load: str) -> str:
+    """The real PTX with one more loop before the entry's last ``ret``: ``load``, then a counted back edge."""
+    lines = ptx.splitlines()
+    ret = max(i for i, s in enumerate(lines) if re.match(r"^\s*ret;", s))
+    plant = ["$L__PLANTED:", f"\t{load}", "\tadd.s32 \t%r1, %r1, 1;", "\tsetp.lt.s32 \t%p1, %r1, 64;",
+             "\t@%p1 bra \t$L__PLANTED;"]
+    return "\n".join(lines[:ret] + plant + lines[ret:])
+
+
+@pytest.mark.parametrize("load", ["ld.global.f32 \t%r2, [%rd1];", "ld.global.nc.b16 \t%rs1, [%rd1+2];",
+                                  "ld.global.L1::evict_last.u8 \t%rs1, [%rd1];"])
+def test_planted_scalar_load_loop(mk: B.BuildResult, load: str) -> None:
+    """A hot loop of the real megakernel PTX whose one global load per trip is scalar is reported; the same loop
+    with a 16-byte (or 2 x 32-bit) load is not."""
+    base = L.scalar_load_loops(mk.ptx)  # the shipped kernel's own findings (none: test_shipped_megakernel_passes)
+    planted = _plant_loop(mk.ptx, load)
+    new = [m for m in L.scalar_load_loops(planted) if m not in base]
+    assert len(new) == 1 and "scalar global load per iteration" in new[0] and load.split()[0] in new[0], new
+    assert new[0].startswith("kernel_cutlass_megakernel_kernel:")
+    assert new[0] in _lint_megakernel(planted, mk.resources)["no-scalar-load-loop"]
+    for ok in ("ld.global.nc.v4.b32 \t{%r2, %r3, %r4, %r5}, [%rd1];", "ld.global.v2.b32 \t{%r2, %r3}, [%rd1];"):
+        assert L.scalar_load_loops(_plant_loop(mk.ptx, ok)) == base
+
+
+def test_scalar_load_loop_rule_on_a_hand_written_kernel() -> None:
+    """What counts: exactly one global load per trip, scalar and narrower than 16 bytes, in any entry; a wait spin
+    (ordered load or nanosleep) and an allow-listed entry do not; nested loops count their inner loads."""
+    def entry(name: str, body: str) -> str:
+        return f".visible .entry {name}(\n    .param .u64 p\n)\n{{\n{body}\n    ret;\n}}\n"
+
+    one = "$L__A:\n    ld.global.b32 %r1, [%rd1];\n    setp.lt.s32 %p1, %r1, 2;\n    @%p1 bra $L__A;"
+    assert len(L.scalar_load_loops(entry("k", one))) == 1
+    # a second entry is linted too
+    assert len(L.scalar_load_loops(entry("ok", "    mov.b32 %r1, 0;") + entry("k2", one))) == 1
+    two = one.replace("[%rd1];", "[%rd1];\n    ld.global.b32 %r2, [%rd1+4];")
+    assert L.scalar_load_loops(entry("k", two)) == []
+    wide = one.replace("ld.global.b32 %r1", "ld.global.nc.v4.b32 {%r1, %r2, %r3, %r4}")
+    assert L.scalar_load_loops(entry("k", wide)) == []
+    spin = one.replace("ld.global.b32", "ld.acquire.gpu.global.b32")
+    assert L.scalar_load_loops(entry("k", spin)) == []
+    backoff = one.replace("@%p1", "nanosleep.u32 32;\n    @%p1")
+    assert L.scalar_load_loops(entry("k", backoff)) == []
+    assert L.scalar_load_loops(entry("kernel_cutlass_moe_align_kernel_x", one)) == []
+    assert len(L.scalar_load_loops(entry("kernel_cutlass_moe_align_kernel_x", one), allow={})) == 1
+    # an outer loop whose one scalar load sits next to an inner loop of wide loads: the inner loop carries the
+    # stream, the outer's body holds more than one load, neither is reported; the inner loop alone would be
+    nested = ("$L__O:\n    ld.global.b32 %r9, [%rd2];\n$L__I:\n    ld.global.nc.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];"
+              "\n    setp.lt.s32 %p1, %r1, 2;\n    @%p1 bra $L__I;\n    setp.lt.s32 %p2, %r9, 2;\n    @%p2 bra $L__O;")
+    assert L.scalar_load_loops(entry("k", nested)) == []
+    assert len(L.scalar_load_loops(entry("k", nested.replace("ld.global.nc.v4.b32 {%r1, %r2, %r3, %r4}",
+                                                             "ld.global.nc.b16 %rs1")))) == 1
+    # with line info (CUTE_DSL_LINEINFO=1: .loc lines, the .file table at the end) the source line is named
+    located = entry("k", one.replace("    ld.global.b32", "    .loc 1 7 3\n    ld.global.b32"))
+    located += '.file 1 "/x/mk_k.py"\n'
+    assert "(source mk_k.py:7)" in L.scalar_load_loops(located)[0]
+    assert L.global_load_bytes("ld.global.nc.L1::no_allocate.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];") == (16, False)
+    assert L.global_load_bytes("ld.global.v2.b16 {%rs1, %rs2}, [%rd1];") == (4, True)
+    assert L.global_load_bytes("ld.shared.b32 %r1, [%r2];") is None
+    assert L.global_load_bytes("@%p1 ld.global.b64 %rd1, [%rd2];") == (8, True)
+
+
 def test_planted_occupancy(mk: B.BuildResult) -> None:
     # two CTAs per SM (grid twice the SM count) cannot be resident with 384 threads x 128 registers each
     assert L.occupancy(mk.ptx, 128, mk.resources["shared_bytes"], 2 * H200_SMS, H200_SMS, "sm_90a")

@@ -14,7 +14,11 @@ CPU backend (Inductor) already requires — ``$CXX`` or ``g++`` — into a cache
 ``~/.cache/kimik3``), keyed by the source, the generated encoding header, the flags, the compiler and the host
 CPU. It has a plain C ABI loaded with :mod:`ctypes` (no PyTorch headers: the build takes seconds, and the same
 source compiles unchanged into the standalone ThreadSanitizer driver of :mod:`kimik3.megakernel.cpu_tsan`). With
-no compiler on the machine the stage refuses with a ``ValueError`` that says so.
+no compiler on the machine the stage refuses with a ``ValueError`` that says so. Built with ``-march=native`` on a
+CPU with AVX-512 its hot loops (GEMVs register-blocked over the batch rows, attention, activations) are
+intrinsics; on any other CPU, and in the ThreadSanitizer build, portable loops compile instead (the same results
+within the stage tolerance); the cache key holds the host CPU's flags, so no binary runs on a CPU it was not built
+for.
 
 One definition of the encoding: opcodes, word offsets, dtype codes and FFN flags are not written in C++ — the
 header ``mk_encoding.h`` is generated here from :mod:`kimik3.megakernel.instructions` at build time, and the C++

@@ -16,7 +16,14 @@
 //
 // Numerics follow the reference model (kimik3/model.py) and the interpreter: fp32 accumulation everywhere; with
 // bf16 activations every value the reference rounds to bf16 (a linear layer's output, the normalised input
-// before the norm weight, the GLU output, ...) is rounded here at the same place (`rq`).
+// before the norm weight, the GLU output, ...) is rounded here at the same place (`rq`). Summation order and the
+// activations' polynomials differ from PyTorch's (within the stage tolerance, not bit for bit); every output
+// element is computed by one instruction in a fixed order, so a step is deterministic, and a row's GEMV result
+// does not depend on how many other rows share the call.
+//
+// Two forms of the hot loops: with AVX-512 (the build uses -march=native on the machine that runs it) GEMVs,
+// attention and activations are written with intrinsics; without it the portable loops below compile instead
+// (also the ThreadSanitizer build's, which has no -march=native).
 
 #include <algorithm>
 #include <atomic>
@@ -35,6 +42,11 @@
 #include <sched.h>
 
 #include "mk_encoding.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define MK_AVX512 1
+#include <immintrin.h>
+#endif
 
 namespace mk {
 
@@ -87,10 +99,11 @@ struct Opnd {
   int b0, b1, r0, r1, c0, c1;
 };
 
-// Rows [0, n) of x (float, row stride K) against rows [0, nrows) of a weight (row stride ldw) -> y[b][r].
-// Register-blocked micro-kernels: 4 weight rows x 1 batch row (batch < 4: the 4-row block stays in L1 while every
-// batch row passes over it) and 2 weight rows x 4 batch rows (batch >= 4: compute-bound, so FMAs per load count). The `omp simd reduction` pragmas let the
-// compiler vectorise the fp32 sums without -ffast-math (which would also reorder everything else).
+// The portable GEMV: rows [0, nb) of x (float, row stride ldx) against rows [0, nrows) of a weight (row stride
+// ldw) -> y[b][r]. Register-blocked: 4 weight rows x 1 batch row (batch < 4: the 4-row block stays in L1 while
+// every batch row passes over it) and 2 weight rows x 4 batch rows (batch >= 4: FMAs per load count). The
+// `omp simd reduction` pragmas let the compiler vectorise the fp32 sums without -ffast-math (which would also
+// reorder everything else).
 template <class WT>
 static inline float wcv(WT w);
 template <>
@@ -99,13 +112,14 @@ template <>
 inline float wcv<uint16_t>(uint16_t w) { return bf2f(w); }
 
 template <class WT>
-static void gemv_t(const WT* W, int64_t ldw, int nrows, const float* x, int nb, int K, float* y, int ldy) {
+static void gemv_t(const WT* W, int64_t ldw, int nrows, const float* x, int64_t ldx, int nb, int K, float* y,
+                   int ldy) {
   if (nb < 4) {
     int r = 0;
     for (; r + 4 <= nrows; r += 4) {
       const WT *w0 = W + r * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
       for (int b = 0; b < nb; ++b) {
-        const float* xb = x + static_cast<int64_t>(b) * K;
+        const float* xb = x + static_cast<int64_t>(b) * ldx;
         float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
         for (int k = 0; k < K; ++k) {
@@ -122,7 +136,7 @@ static void gemv_t(const WT* W, int64_t ldw, int nrows, const float* x, int nb, 
     for (; r < nrows; ++r) {
       const WT* w = W + r * ldw;
       for (int b = 0; b < nb; ++b) {
-        const float* xb = x + static_cast<int64_t>(b) * K;
+        const float* xb = x + static_cast<int64_t>(b) * ldx;
         float a = 0;
 #pragma omp simd reduction(+ : a)
         for (int k = 0; k < K; ++k) a += wcv<WT>(w[k]) * xb[k];
@@ -138,7 +152,7 @@ static void gemv_t(const WT* W, int64_t ldw, int nrows, const float* x, int nb, 
     const WT* w1 = w0 + ldw;
     int b = 0;
     for (; b + 4 <= nb; b += 4) {
-      const float *x0 = x + static_cast<int64_t>(b) * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+      const float *x0 = x + static_cast<int64_t>(b) * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
       float a0 = 0, a1 = 0, a2 = 0, a3 = 0, c0 = 0, c1 = 0, c2 = 0, c3 = 0;
 #pragma omp simd reduction(+ : a0, a1, a2, a3, c0, c1, c2, c3)
       for (int k = 0; k < K; ++k) {
@@ -152,7 +166,7 @@ static void gemv_t(const WT* W, int64_t ldw, int nrows, const float* x, int nb, 
       yb[2 * ldy] = a2; yb[2 * ldy + 1] = c2; yb[3 * ldy] = a3; yb[3 * ldy + 1] = c3;
     }
     for (; b < nb; ++b) {
-      const float* xb = x + static_cast<int64_t>(b) * K;
+      const float* xb = x + static_cast<int64_t>(b) * ldx;
       float a = 0, c = 0;
 #pragma omp simd reduction(+ : a, c)
       for (int k = 0; k < K; ++k) {
@@ -167,7 +181,7 @@ static void gemv_t(const WT* W, int64_t ldw, int nrows, const float* x, int nb, 
     const WT* w = W + r * ldw;
     int b = 0;
     for (; b + 4 <= nb; b += 4) {
-      const float *x0 = x + static_cast<int64_t>(b) * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+      const float *x0 = x + static_cast<int64_t>(b) * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
       float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
       for (int k = 0; k < K; ++k) {
@@ -183,7 +197,7 @@ static void gemv_t(const WT* W, int64_t ldw, int nrows, const float* x, int nb, 
       y[static_cast<int64_t>(b + 3) * ldy + r] = a3;
     }
     for (; b < nb; ++b) {
-      const float* xb = x + static_cast<int64_t>(b) * K;
+      const float* xb = x + static_cast<int64_t>(b) * ldx;
       float a = 0;
 #pragma omp simd reduction(+ : a)
       for (int k = 0; k < K; ++k) a += wcv<WT>(w[k]) * xb[k];
@@ -191,6 +205,131 @@ static void gemv_t(const WT* W, int64_t ldw, int nrows, const float* x, int nb, 
     }
   }
 }
+
+// ------------------------------------------------------------------------------------------------ AVX-512 GEMV
+// With AVX-512 (decided by the build: -march=native on the machine that runs it; a build without it compiles the
+// portable loops above instead) the GEMV is written with intrinsics: a block of R weight rows x NB batch rows
+// keeps R*NB 16-lane accumulators in registers, so each weight vector is loaded once per block and feeds NB FMAs
+// (the portable loops need most of a load per FMA, which at batch 8 costs more than the weight stream); the
+// R*NB partial sums are reduced together by a shuffle tree (about 3 instructions per output instead of 8); and
+// the next block's rows are prefetched while this one computes, so their misses start before the loads that
+// need them.
+#ifdef MK_AVX512
+
+static inline __m512 wload(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 wload(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(p))), 16));
+}
+static inline __m512 wload_m(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 wload_m(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+// Sums of 8 accumulators: lane 4i of the result holds sum(v[i]), lane 4i+1 sum(v[4+i]) (i < 4).
+static inline __m512 reduce8(__m512 v0, __m512 v1, __m512 v2, __m512 v3, __m512 v4, __m512 v5, __m512 v6,
+                             __m512 v7) {
+  // fold 512 -> 256 bits, two accumulators per register
+  const __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x44), _mm512_shuffle_f32x4(v0, v1, 0xEE));
+  const __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(v2, v3, 0x44), _mm512_shuffle_f32x4(v2, v3, 0xEE));
+  const __m512 t45 = _mm512_add_ps(_mm512_shuffle_f32x4(v4, v5, 0x44), _mm512_shuffle_f32x4(v4, v5, 0xEE));
+  const __m512 t67 = _mm512_add_ps(_mm512_shuffle_f32x4(v6, v7, 0x44), _mm512_shuffle_f32x4(v6, v7, 0xEE));
+  // 256 -> 128 bits: 128-bit lane i holds accumulator i (u) / 4+i (w)
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(t45, t67, 0x88), _mm512_shuffle_f32x4(t45, t67, 0xDD));
+  // 128 -> 32 bits within each lane
+  const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(u, w), _mm512_unpackhi_ps(u, w));
+  return _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+}
+
+// R weight rows x NB batch rows over K columns: y[b * ldy + r] = W[r] . x[b].
+template <int R, int NB, bool PF, class WT>
+static inline void gemv_block(const WT* __restrict W, int64_t ldw, const float* __restrict x, int64_t ldx, int K,
+                              float* __restrict y, int64_t ldy, const WT* __restrict pf) {
+  __m512 acc[R * NB];
+#pragma GCC unroll 32
+  for (int i = 0; i < R * NB; ++i) acc[i] = _mm512_setzero_ps();
+  int k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 w[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) w[r] = wload(W + r * ldw + k);
+    if (PF && (k * static_cast<int>(sizeof(WT))) % 64 == 0) {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k), _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int b = 0; b < NB; ++b) {
+      const __m512 xv = _mm512_loadu_ps(x + b * ldx + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r * NB + b] = _mm512_fmadd_ps(w[r], xv, acc[r * NB + b]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 w[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) w[r] = wload_m(W + r * ldw + k, m);
+#pragma GCC unroll 8
+    for (int b = 0; b < NB; ++b) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x + b * ldx + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r * NB + b] = _mm512_fmadd_ps(w[r], xv, acc[r * NB + b]);
+    }
+  }
+  // reduce in groups of 8 accumulators (the last group padded with zeros)
+  alignas(64) float s[16];
+  const __m512 z = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int g = 0; g < R * NB; g += 8) {
+    auto A = [&](int i) { return g + i < R * NB ? acc[g + i] : z; };
+    _mm512_store_ps(s, reduce8(A(0), A(1), A(2), A(3), A(4), A(5), A(6), A(7)));
+    for (int i = 0; i < 8 && g + i < R * NB; ++i) {
+      const int r = (g + i) / NB, b = (g + i) % NB;
+      y[b * ldy + r] = s[i < 4 ? 4 * i : 4 * (i - 4) + 1];
+    }
+  }
+}
+
+template <int R, bool PF, class WT>
+static inline void gemv_rows(const WT* W, int64_t ldw, const float* x, int64_t ldx, int nb, int K, float* y,
+                             int64_t ldy, const WT* pf) {
+  int b = 0;
+  // the first batch group streams the block's rows in (and prefetches the next block's); later groups re-read
+  // them from L1
+  for (; b + 4 <= nb; b += 4) {
+    if (b == 0) gemv_block<R, 4, PF, WT>(W, ldw, x, ldx, K, y, ldy, pf);
+    else gemv_block<R, 4, false, WT>(W, ldw, x + b * ldx, ldx, K, y + b * ldy, ldy, pf);
+  }
+  const int left = nb - b;
+  const bool first = b == 0;
+  const float* xb = x + b * ldx;
+  float* yb = y + b * ldy;
+  if (left == 3) first ? gemv_block<R, 3, PF, WT>(W, ldw, xb, ldx, K, yb, ldy, pf)
+                       : gemv_block<R, 3, false, WT>(W, ldw, xb, ldx, K, yb, ldy, pf);
+  else if (left == 2) first ? gemv_block<R, 2, PF, WT>(W, ldw, xb, ldx, K, yb, ldy, pf)
+                            : gemv_block<R, 2, false, WT>(W, ldw, xb, ldx, K, yb, ldy, pf);
+  else if (left == 1) first ? gemv_block<R, 1, PF, WT>(W, ldw, xb, ldx, K, yb, ldy, pf)
+                            : gemv_block<R, 1, false, WT>(W, ldw, xb, ldx, K, yb, ldy, pf);
+}
+
+template <class WT>
+static void gemv_simd(const WT* W, int64_t ldw, int nrows, const float* x, int64_t ldx, int nb, int K, float* y,
+                      int64_t ldy) {
+  int r = 0;
+  if (nb == 1) {  // memory-bound: 8 rows in flight, one x load per 8 FMAs
+    for (; r + 8 <= nrows; r += 8) {
+      const WT* nxt = W + (r + 8 < nrows ? r + 8 : r) * ldw;
+      gemv_block<8, 1, true, WT>(W + r * ldw, ldw, x, ldx, K, y + r, ldy, nxt);
+    }
+  } else {
+    for (; r + 4 <= nrows; r += 4) {
+      const WT* nxt = W + (r + 4 < nrows ? r + 4 : r) * ldw;
+      gemv_rows<4, true, WT>(W + r * ldw, ldw, x, ldx, nb, K, y + r, ldy, nxt);
+    }
+  }
+  for (; r < nrows; ++r) gemv_rows<1, false, WT>(W + r * ldw, ldw, x, ldx, nb, K, y + r, ldy, W);
+}
+#endif
 
 // MXFP4 rows: each row is decoded once into fp32 (E2M1 code x 2^(e-127) per 32 columns) and dotted with every
 // batch row; the weight stream is 4.25 bits per weight instead of 16 or 32.
@@ -205,36 +344,53 @@ static inline float e8m0(uint8_t e) {
   return f;
 }
 
-static void gemv_mx(const Buf& w, int64_t off, int64_t ldw, int nrows, const float* x, int nb, int K, float* y,
-                    int ldy) {
-  thread_local std::vector<float> row;
-  if (row.size() < static_cast<size_t>(K)) row.resize(K);
-  float* wr = row.data();
+static void gemv_mx(const Buf& w, int64_t off, int64_t ldw, int nrows, const float* x, int64_t ldx, int nb, int K,
+                    float* y, int ldy) {
+  constexpr int ROWS = 8;  // rows decoded per pass: one register block of the fp32 GEMV
+  thread_local std::vector<float> rows;
+  if (rows.size() < static_cast<size_t>(ROWS) * K) rows.resize(static_cast<size_t>(ROWS) * K);
   const int64_t row0 = off / ldw;  // every caller starts at column 0 of a row
-  for (int r = 0; r < nrows; ++r) {
-    const uint8_t* q = w.mx + (row0 + r) * (ldw / 2);
-    const uint8_t* sc = w.mx_scale + (row0 + r) * (ldw / 32);
-    for (int g = 0; g < K / 32; ++g) {
-      const float s = e8m0(sc[g]);
-      for (int i = 0; i < 16; ++i) {
-        const uint8_t byte = q[g * 16 + i];
-        wr[g * 32 + 2 * i] = kE2M1[byte & 15] * s;
-        wr[g * 32 + 2 * i + 1] = kE2M1[byte >> 4] * s;
+  for (int r0 = 0; r0 < nrows; r0 += ROWS) {
+    const int nr = std::min(ROWS, nrows - r0);
+    for (int r = 0; r < nr; ++r) {
+      float* wr = rows.data() + static_cast<int64_t>(r) * K;
+      const uint8_t* q = w.mx + (row0 + r0 + r) * (ldw / 2);
+      const uint8_t* sc = w.mx_scale + (row0 + r0 + r) * (ldw / 32);
+      for (int g = 0; g < K / 32; ++g) {
+        const float s = e8m0(sc[g]);
+        for (int i = 0; i < 16; ++i) {
+          const uint8_t byte = q[g * 16 + i];
+          wr[g * 32 + 2 * i] = kE2M1[byte & 15] * s;
+          wr[g * 32 + 2 * i + 1] = kE2M1[byte >> 4] * s;
+        }
       }
     }
-    gemv_t<float>(wr, K, 1, x, nb, K, y + r, ldy);
+#ifdef MK_AVX512
+    gemv_simd<float>(rows.data(), K, nr, x, ldx, nb, K, y + r0, ldy);
+#else
+    gemv_t<float>(rows.data(), K, nr, x, ldx, nb, K, y + r0, ldy);
+#endif
   }
 }
 
-// y[b][r] = x[b] . W[row0 + r] for a weight buffer of either float dtype (weight element offset `off` of row 0).
+// y[b * ldy + r] = x[b * ldx ..] . W[row0 + r] for a weight buffer of either float dtype (weight element offset
+// `off` of row 0); ldx defaults to K.
 static void gemv(const Buf& w, int64_t off, int64_t ldw, int nrows, const float* x, int nb, int K, float* y,
-                 int ldy) {
+                 int ldy, int64_t ldx = -1) {
+  if (ldx < 0) ldx = K;
   if (w.mx)
-    gemv_mx(w, off, ldw, nrows, x, nb, K, y, ldy);
+    gemv_mx(w, off, ldw, nrows, x, ldx, nb, K, y, ldy);
+#ifdef MK_AVX512
   else if (w.dt == DT_F32)
-    gemv_t<float>(reinterpret_cast<const float*>(w.p) + off, ldw, nrows, x, nb, K, y, ldy);
+    gemv_simd<float>(reinterpret_cast<const float*>(w.p) + off, ldw, nrows, x, ldx, nb, K, y, ldy);
   else
-    gemv_t<uint16_t>(reinterpret_cast<const uint16_t*>(w.p) + off, ldw, nrows, x, nb, K, y, ldy);
+    gemv_simd<uint16_t>(reinterpret_cast<const uint16_t*>(w.p) + off, ldw, nrows, x, ldx, nb, K, y, ldy);
+#else
+  else if (w.dt == DT_F32)
+    gemv_t<float>(reinterpret_cast<const float*>(w.p) + off, ldw, nrows, x, ldx, nb, K, y, ldy);
+  else
+    gemv_t<uint16_t>(reinterpret_cast<const uint16_t*>(w.p) + off, ldw, nrows, x, ldx, nb, K, y, ldy);
+#endif
 }
 
 // acc[0..n) += a * w[off .. off + n) for a weight row of either float dtype.
@@ -319,10 +475,17 @@ static bool bf_act(const Exec& ex) { return ex.par[P_ACT_BF16] != 0.0; }
 // product rounded when both are bf16), as model.rms_norm.
 static void rmsnorm(const float* x, int n, const Buf& w, int64_t woff, float eps, bool bf, float* out) {
   float ss = 0;
+#pragma omp simd reduction(+ : ss)
   for (int i = 0; i < n; ++i) ss += x[i] * x[i];
   float r = 1.0f / std::sqrt(ss / n + eps);
   bool round_prod = bf && w.dt == DT_BF16;
-  for (int i = 0; i < n; ++i) out[i] = rq(w.f(woff + i) * rq(x[i] * r, bf), round_prod);
+  if (!bf && w.dt == DT_F32) {
+    const float* wp = reinterpret_cast<const float*>(w.p) + woff;
+#pragma omp simd
+    for (int i = 0; i < n; ++i) out[i] = wp[i] * (x[i] * r);
+  } else {
+    for (int i = 0; i < n; ++i) out[i] = rq(w.f(woff + i) * rq(x[i] * r, bf), round_prod);
+  }
 }
 
 // Rows b0..b1 of column range [c0, c0 + n) of entry `r` of a buffer as floats, row stride n.
@@ -348,6 +511,127 @@ static float glu(const Exec& ex, float a, float b, bool bf) {
     return rq(g * u, bf);
   }
   return rq(rq(siluf(a), bf) * b, bf);  // SwiGLU in the activation dtype, as F.silu(gate) * up
+}
+
+// ------------------------------------------------------------------------------------------------ vector math
+// Element-wise activations over rows: with AVX-512 16 lanes at a time (exp and tanh as the Cephes single-precision
+// polynomials, within about 2 ulp of libm, so results stay within the stage tolerance of the reference, not equal to
+// it bit for bit), else the scalar libm calls. At batch 8 the scalar tanh / exp of the SiTU gate alone cost as
+// much as streaming the expert weights.
+#ifdef MK_AVX512
+static inline __m512 v1s(float v) { return _mm512_set1_ps(v); }
+
+static inline __m512 vexp(__m512 x) {
+  // clamp where exp is 0 / inf in fp32 anyway (max/min keep a NaN in the second operand)
+  x = _mm512_min_ps(v1s(89.0f), _mm512_max_ps(v1s(-104.0f), x));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, v1s(1.44269504088896341f), v1s(0.5f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, v1s(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, v1s(-2.12194440e-4f), x);
+  __m512 y = v1s(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, v1s(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, v1s(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, v1s(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, v1s(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, v1s(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, v1s(1.0f)));
+  return _mm512_scalef_ps(y, fx);  // y * 2^fx, overflowing to inf / underflowing to 0 like exp
+}
+
+static inline __m512 vtanh(__m512 x) {
+  const __m512 ax = _mm512_abs_ps(x);
+  const __m512 e = vexp(_mm512_add_ps(ax, ax));
+  __m512 big = _mm512_sub_ps(v1s(1.0f), _mm512_div_ps(v1s(2.0f), _mm512_add_ps(e, v1s(1.0f))));
+  big = _mm512_or_ps(big, _mm512_and_ps(x, v1s(-0.0f)));  // the sign of x
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 p = v1s(-5.70498872745e-3f);
+  p = _mm512_fmadd_ps(p, z, v1s(2.06390887954e-2f));
+  p = _mm512_fmadd_ps(p, z, v1s(-5.37397155531e-2f));
+  p = _mm512_fmadd_ps(p, z, v1s(1.33314422036e-1f));
+  p = _mm512_fmadd_ps(p, z, v1s(-3.33332819422e-1f));
+  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, v1s(0.625f), _CMP_LT_OQ), big, small);
+}
+
+static inline __m512 vsigmoid(__m512 x) {
+  return _mm512_div_ps(v1s(1.0f), _mm512_add_ps(v1s(1.0f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+static inline __m512 vrq(__m512 x, bool bf) {  // round to bf16 and back, as rq
+  if (!bf) return x;
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(r), x);
+}
+
+static inline __mmask16 tail_mask(int left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+#endif
+
+// out[i] = glu(rq(a[i]), rq(b[i])) for i < n
+static void glu_row(const Exec& ex, const float* a, const float* b, float* out, int n, bool bf) {
+#ifdef MK_AVX512
+  const bool situ = ex.par[P_SITU] != 0.0;
+  const float beta = static_cast<float>(ex.par[P_SITU_BETA]);
+  const double lin = ex.par[P_SITU_LIN];
+  const float linf = static_cast<float>(lin);
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 av = vrq(_mm512_maskz_loadu_ps(m, a + i), bf), bv = vrq(_mm512_maskz_loadu_ps(m, b + i), bf);
+    __m512 y;
+    if (situ) {
+      const __m512 g = _mm512_mul_ps(_mm512_mul_ps(v1s(beta), vtanh(_mm512_div_ps(av, v1s(beta)))), vsigmoid(av));
+      const __m512 u = std::isnan(lin) ? bv : _mm512_mul_ps(v1s(linf), vtanh(_mm512_div_ps(bv, v1s(linf))));
+      y = vrq(_mm512_mul_ps(g, u), bf);
+    } else {
+      const __m512 s = _mm512_div_ps(av, _mm512_add_ps(v1s(1.0f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), av))));
+      y = vrq(_mm512_mul_ps(vrq(s, bf), bv), bf);
+    }
+    _mm512_mask_storeu_ps(out + i, m, y);
+  }
+#else
+  for (int i = 0; i < n; ++i) out[i] = glu(ex, rq(a[i], bf), rq(b[i], bf), bf);
+#endif
+}
+
+// x[i] = rq(silu(x[i])) in place
+static void silu_row(float* x, int n, bool bf) {
+#ifdef MK_AVX512
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    const __m512 s = _mm512_div_ps(v, _mm512_add_ps(v1s(1.0f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+    _mm512_mask_storeu_ps(x + i, m, vrq(s, bf));
+  }
+#else
+  for (int i = 0; i < n; ++i) x[i] = rq(siluf(x[i]), bf);
+#endif
+}
+
+// x[i] = exp(x[i] - base) in place
+static void exp_shifted_row(float* x, int n, float base) {
+#ifdef MK_AVX512
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_ps(x + i, m, vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), v1s(base))));
+  }
+#else
+  for (int i = 0; i < n; ++i) x[i] = std::exp(x[i] - base);
+#endif
+}
+
+// A row of floats into a buffer at element i (either float dtype), rounding to bf16 where the buffer is bf16.
+static void store_row(const Buf& b, int64_t i, const float* v, int n) {
+  if (b.dt == DT_F32) {
+    std::memcpy(reinterpret_cast<float*>(b.p) + i, v, sizeof(float) * n);
+  } else {
+    uint16_t* p = reinterpret_cast<uint16_t*>(b.p) + i;
+    for (int c = 0; c < n; ++c) p[c] = f2bf(v[c]);
+  }
 }
 
 static void op_embed(Exec& ex, Worker&, const Opnd* o, const int32_t*) {
@@ -376,6 +660,7 @@ static void op_attn_res_mix(Exec& ex, Worker& wk, const Opnd* o, const int32_t* 
       float* v = V + static_cast<int64_t>(j) * H;
       load_rows(st, b, b + 1, j, 0, H, v);
       float ss = 0, dot = 0;
+#pragma omp simd reduction(+ : ss, dot)
       for (int c = 0; c < H; ++c) {
         ss += v[c] * v[c];
         dot += v[c] * om[c];
@@ -385,11 +670,16 @@ static void op_attn_res_mix(Exec& ex, Worker& wk, const Opnd* o, const int32_t* 
     }
     float den = 0;
     for (int j = 0; j < K; ++j) den += (sc[j] = std::exp(sc[j] - mx));
-    for (int c = 0; c < H; ++c) {
-      float acc = 0;
-      for (int j = 0; j < K; ++j) acc += (sc[j] / den) * V[static_cast<int64_t>(j) * H + c];
-      mix.set(mix.at(b, 0, c), rq(acc, bf));
+    float* acc = wk.buf(wk.s2, H);  // candidates in turn, each output element summed in candidate order
+    std::fill(acc, acc + H, 0.0f);
+    for (int j = 0; j < K; ++j) {
+      const float wj = sc[j] / den;
+      const float* v = V + static_cast<int64_t>(j) * H;
+#pragma omp simd
+      for (int c = 0; c < H; ++c) acc[c] += wj * v[c];
     }
+    for (int c = 0; c < H; ++c) acc[c] = rq(acc[c], bf);
+    store_row(mix, mix.at(b, 0, 0), acc, H);
   }
 }
 
@@ -425,43 +715,85 @@ static void op_mlp_gate_up(Exec& ex, Worker& wk, const Opnd* o, const int32_t*) 
   float* yu = wk.buf(wk.s2, static_cast<size_t>(nb) * n);
   gemv(*g.b, g.b->at(0, g.r0, 0), g.b->d2, n, xn, nb, H, yg, n);
   gemv(*u.b, u.b->at(0, u.r0, 0), u.b->d2, n, xn, nb, H, yu, n);
-  for (int b = 0; b < nb; ++b)
-    for (int r = 0; r < n; ++r)
-      out.b->set(out.b->at(out.b0 + b, 0, out.c0 + r), glu(ex, rq(yg[b * n + r], bf), rq(yu[b * n + r], bf), bf));
+  for (int b = 0; b < nb; ++b) {
+    glu_row(ex, yg + b * n, yu + b * n, yg + b * n, n, bf);
+    store_row(*out.b, out.b->at(out.b0 + b, 0, out.c0), yg + b * n, n);
+  }
+}
+
+// n consecutive elements of a buffer from element i as floats.
+static void load_span(const Buf& b, int64_t i, int n, float* out) {
+  if (b.dt == DT_F32) {
+    std::memcpy(out, reinterpret_cast<const float*>(b.p) + i, sizeof(float) * n);
+  } else {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(b.p) + i;
+    for (int c = 0; c < n; ++c) out[c] = bf2f(s[c]);
+  }
 }
 
 static void op_kda_step(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
   const int dk = static_cast<int>(ex.par[P_DK]), Wc = static_cast<int>(ex.par[P_CONV]);
-  const int h0 = a[0], h1 = a[1];
+  const int h0 = a[0], h1 = a[1], nh = h1 - h0;
   const int hw = 4 * dk + 1;
   const bool bf = bf_act(ex);
   const float eps = static_cast<float>(ex.par[P_EPS]);
   const double lb = ex.par[P_KDA_LB];
   const Opnd &blk = o[0], &fa = o[1], &conv = o[2], &Sd = o[3], &fb = o[4], &dt = o[5], &alog = o[6], &cw = o[7],
              &onorm = o[8], &out = o[9];
+  const int nb = blk.b1 - blk.b0;
   float* q = wk.buf(wk.s0, 3 * static_cast<size_t>(dk));  // q, k, v of one head
-  float* fav = wk.buf(wk.s1, static_cast<size_t>(dk) * 3);  // f_a row, u, g
+  float* tmp = wk.buf(wk.s1, static_cast<size_t>(dk) * 5);  // g, dt bias, gate, norm weight, head output
   float* r = wk.buf(wk.s2, 2 * static_cast<size_t>(dk));  // prediction, output
+  // the decay gate's f_b projection for every row and head of the instruction at once: its weights stream once
+  float* fav = wk.buf(wk.s3, static_cast<size_t>(nb) * dk);
+  float* U = wk.buf(wk.s4, static_cast<size_t>(nb) * nh * dk);
+  load_rows(*fa.b, blk.b0, blk.b1, 0, fa.c0, dk, fav);
+  gemv(*fb.b, fb.b->at(0, static_cast<int64_t>(h0) * dk, 0), fb.b->d2, nh * dk, fav, nb, dk, U, nh * dk);
+  float* g = tmp;
+  float* dtv = tmp + dk;
+  float* gate = tmp + 2 * dk;
+  float* onw = tmp + 3 * dk;
+  load_span(*onorm.b, onorm.b->at(0, 0, 0), dk, onw);
+  const bool f32 = conv.b->dt == DT_F32 && cw.b->dt == DT_F32 && blk.b->dt == DT_F32;
   for (int b = blk.b0; b < blk.b1; ++b) {
-    load_rows(*fa.b, b, b + 1, 0, fa.c0, dk, fav);
     for (int h = h0; h < h1; ++h) {
       const int hl = h - h0;
       const int64_t bb = blk.b->at(b, 0, blk.c0 + static_cast<int64_t>(hl) * hw);
+      // the head's state (read and rewritten below, last touched a step ago: usually not in cache) starts moving
+      // in now, under the convolution and gate arithmetic
+      float* S = reinterpret_cast<float*>(Sd.b->p) + Sd.b->at(b, h, 0);
+      for (int64_t i = 0; i < static_cast<int64_t>(dk) * dk; i += 16) __builtin_prefetch(S + i, 1, 3);
       // short conv over (history, new token), SiLU, cast to the activation dtype
       for (int t = 0; t < 3; ++t) {
-        for (int d = 0; d < dk; ++d) {
-          const int64_t ch = static_cast<int64_t>(h) * dk + d;  // channel within the projection
-          const int64_t cbase = conv.b->at(b, t, ch * (Wc - 1));
-          const int64_t wbase = cw.b->at(0, t, ch * Wc);
-          float raw = blk.b->f(bb + t * dk + d);
-          float acc = 0;
-          for (int w = 0; w < Wc - 1; ++w) acc += conv.b->f(cbase + w) * cw.b->f(wbase + w);
-          acc += raw * cw.b->f(wbase + Wc - 1);
-          q[t * dk + d] = rq(siluf(acc), bf);
-          for (int w = 0; w < Wc - 2; ++w) conv.b->set(cbase + w, conv.b->f(cbase + w + 1));
-          conv.b->set(cbase + Wc - 2, raw);
+        if (f32) {
+          float* cs = reinterpret_cast<float*>(conv.b->p) + conv.b->at(b, t, static_cast<int64_t>(h) * dk * (Wc - 1));
+          const float* wv = reinterpret_cast<const float*>(cw.b->p) + cw.b->at(0, t, static_cast<int64_t>(h) * dk * Wc);
+          const float* rw = reinterpret_cast<const float*>(blk.b->p) + bb + t * dk;
+          for (int d = 0; d < dk; ++d, cs += Wc - 1, wv += Wc) {
+            const float raw = rw[d];
+            float acc = 0;
+            for (int w = 0; w < Wc - 1; ++w) acc += cs[w] * wv[w];
+            acc += raw * wv[Wc - 1];
+            q[t * dk + d] = acc;
+            for (int w = 0; w < Wc - 2; ++w) cs[w] = cs[w + 1];
+            cs[Wc - 2] = raw;
+          }
+        } else {
+          for (int d = 0; d < dk; ++d) {
+            const int64_t ch = static_cast<int64_t>(h) * dk + d;  // channel within the projection
+            const int64_t cbase = conv.b->at(b, t, ch * (Wc - 1));
+            const int64_t wbase = cw.b->at(0, t, ch * Wc);
+            float raw = blk.b->f(bb + t * dk + d);
+            float acc = 0;
+            for (int w = 0; w < Wc - 1; ++w) acc += conv.b->f(cbase + w) * cw.b->f(wbase + w);
+            acc += raw * cw.b->f(wbase + Wc - 1);
+            q[t * dk + d] = acc;
+            for (int w = 0; w < Wc - 2; ++w) conv.b->set(cbase + w, conv.b->f(cbase + w + 1));
+            conv.b->set(cbase + Wc - 2, raw);
+          }
         }
       }
+      silu_row(q, 3 * dk, bf);
       float* k = q + dk;
       float* v = q + 2 * dk;
       float sq = 0, sk = 0;
@@ -475,18 +807,29 @@ static void op_kda_step(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
         k[d] = k[d] / nk;
       }
       // decay gate: u = f_b(f_a) + dt_bias, g = lb * sigmoid(exp(A_log) * u)  or  -exp(A_log) * softplus(u)
-      float* u = fav + dk;
-      gemv(*fb.b, fb.b->at(0, static_cast<int64_t>(h) * dk, 0), fb.b->d2, dk, fav, 1, dk, u, dk);
+      const float* u = U + (static_cast<int64_t>(b - blk.b0) * nh + hl) * dk;
       const float lam = std::exp(alog.b->f(alog.b->at(0, 0, h)));
-      float* g = fav + 2 * dk;
-      for (int d = 0; d < dk; ++d) {
-        float uu = rq(u[d], bf) + dt.b->f(dt.b->at(0, 0, static_cast<int64_t>(h) * dk + d));
-        if (!std::isnan(lb)) g[d] = std::exp(static_cast<float>(lb) * sigmoidf(lam * uu));
-        else g[d] = std::exp(-lam * (uu > 20.0f ? uu : std::log1p(std::exp(uu))));
+      load_span(*dt.b, dt.b->at(0, 0, static_cast<int64_t>(h) * dk), dk, dtv);
+      for (int d = 0; d < dk; ++d) g[d] = rq(u[d], bf) + dtv[d];
+      if (!std::isnan(lb)) {
+        const float lbf = static_cast<float>(lb);
+#ifdef MK_AVX512
+        for (int d = 0; d < dk; d += 16) {
+          const __mmask16 m = tail_mask(dk - d);
+          const __m512 s = vsigmoid(_mm512_mul_ps(v1s(lam), _mm512_maskz_loadu_ps(m, g + d)));
+          _mm512_mask_storeu_ps(g + d, m, vexp(_mm512_mul_ps(v1s(lbf), s)));
+        }
+#else
+        for (int d = 0; d < dk; ++d) g[d] = std::exp(lbf * sigmoidf(lam * g[d]));
+#endif
+      } else {
+        for (int d = 0; d < dk; ++d) {
+          const float uu = g[d];
+          g[d] = std::exp(-lam * (uu > 20.0f ? uu : std::log1p(std::exp(uu))));
+        }
       }
       const float beta = sigmoidf(blk.b->f(bb + 4 * dk));
       // gated delta rule on S [dk x dk] (key-major): decay rows, predict, correct, read with the new state
-      float* S = reinterpret_cast<float*>(Sd.b->p) + Sd.b->at(b, h, 0);
       float* pred = r;
       float* outv = r + dk;
       for (int j = 0; j < dk; ++j) pred[j] = 0;
@@ -517,13 +860,80 @@ static void op_kda_step(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
         ss += outv[j] * outv[j];
       }
       const float rs = 1.0f / std::sqrt(ss / dk + eps);
-      for (int j = 0; j < dk; ++j) {
-        float gate = blk.b->f(bb + 3 * dk + j);
-        float y = outv[j] * rs * onorm.b->f(j) * sigmoidf(gate);
-        out.b->set(out.b->at(b, 0, static_cast<int64_t>(h) * dk + j), rq(y, bf));
+      load_span(*blk.b, bb + 3 * dk, dk, gate);
+      float* y = tmp + 4 * dk;
+#ifdef MK_AVX512
+      for (int j = 0; j < dk; j += 16) {
+        const __mmask16 m = tail_mask(dk - j);
+        const __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, outv + j), v1s(rs)),
+                                       _mm512_maskz_loadu_ps(m, onw + j));
+        _mm512_mask_storeu_ps(y + j, m, vrq(_mm512_mul_ps(t, vsigmoid(_mm512_maskz_loadu_ps(m, gate + j))), bf));
       }
+#else
+      for (int j = 0; j < dk; ++j) y[j] = rq(outv[j] * rs * onw[j] * sigmoidf(gate[j]), bf);
+#endif
+      store_row(*out.b, out.b->at(b, 0, static_cast<int64_t>(h) * dk), y, dk);
     }
   }
+}
+
+// acc[h * n + i] = sum_t P[h * ldp + t] * C[t * ldc + i] for h < hh, i < n, t < T (a cache tile of either float
+// dtype at element offset `off`), each element summed in t order. With AVX-512: 4 column vectors x up to 4 heads
+// of accumulators stay in registers over the whole tile, so each cache row chunk is loaded once per head group.
+#ifdef MK_AVX512
+template <int HB, class CT>
+static void pv_block(const CT* C, int64_t ldc, int T, const float* P, int ldp, int n, float* acc) {
+  for (int c0 = 0; c0 < n; c0 += 64) {
+    __mmask16 m[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) m[j] = c0 + 16 * j < n ? tail_mask(n - c0 - 16 * j) : static_cast<__mmask16>(0);
+    __m512 a[HB][4];
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) a[h][j] = _mm512_setzero_ps();
+    for (int t = 0; t < T; ++t) {
+      __m512 cv[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) cv[j] = wload_m(C + t * ldc + c0 + 16 * j, m[j]);
+#pragma GCC unroll 4
+      for (int h = 0; h < HB; ++h) {
+        const __m512 p = _mm512_set1_ps(P[h * ldp + t]);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) a[h][j] = _mm512_fmadd_ps(p, cv[j], a[h][j]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(acc + h * n + c0 + 16 * j, m[j], a[h][j]);
+  }
+}
+
+template <class CT>
+static void pv_simd(const CT* C, int64_t ldc, int T, const float* P, int ldp, int hh, int n, float* acc) {
+  int h = 0;
+  for (; h + 4 <= hh; h += 4) pv_block<4, CT>(C, ldc, T, P + h * ldp, ldp, n, acc + h * n);
+  const int left = hh - h;
+  if (left == 3) pv_block<3, CT>(C, ldc, T, P + h * ldp, ldp, n, acc + h * n);
+  else if (left == 2) pv_block<2, CT>(C, ldc, T, P + h * ldp, ldp, n, acc + h * n);
+  else if (left == 1) pv_block<1, CT>(C, ldc, T, P + h * ldp, ldp, n, acc + h * n);
+}
+#endif
+
+static void pv_acc(const Buf& C, int64_t off, int64_t ldc, int T, const float* P, int ldp, int hh, int n,
+                   float* acc) {
+#ifdef MK_AVX512
+  if (C.dt == DT_F32) pv_simd<float>(reinterpret_cast<const float*>(C.p) + off, ldc, T, P, ldp, hh, n, acc);
+  else pv_simd<uint16_t>(reinterpret_cast<const uint16_t*>(C.p) + off, ldc, T, P, ldp, hh, n, acc);
+#else
+  std::fill(acc, acc + static_cast<size_t>(hh) * n, 0.0f);
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < hh; ++h) {
+      const float pt = P[h * ldp + t];
+      axpy(C, off + t * ldc, pt, acc + h * n, n);
+    }
+#endif
 }
 
 static void op_mla_q(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
@@ -538,17 +948,19 @@ static void op_mla_q(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
   float* cq = normed_input(ex, wk, x, *o[1].b, eps, wk.s0);
   float* Q = wk.buf(wk.s1, static_cast<size_t>(nb) * hh * qk);
   gemv(*qb.b, qb.b->at(0, qb.r0, 0), qb.b->d2, hh * qk, cq, nb, ql, Q, hh * qk);
-  float* lat = wk.buf(wk.s2, kvl);
-  for (int b = 0; b < nb; ++b) {
-    for (int hl = 0; hl < hh; ++hl) {
-      float* Qh = Q + (static_cast<int64_t>(b) * hh + hl) * qk;
-      for (int i = 0; i < qk; ++i) Qh[i] = rq(Qh[i], bf);
-      for (int l = 0; l < kvl; ++l) lat[l] = 0;
-      for (int n = 0; n < nope; ++n)  // absorb W_UK: q_lat = Q_nope . W_UK[h]
-        axpy(*wuk.b, wuk.b->at(0, static_cast<int64_t>(h0 + hl) * nope + n, 0), Qh[n], lat, kvl);
+  for (int i = 0; i < nb * hh * qk; ++i) Q[i] = rq(Q[i], bf);
+  float* lat = wk.buf(wk.s2, static_cast<size_t>(nb) * kvl);
+  for (int hl = 0; hl < hh; ++hl) {
+    // absorb W_UK: q_lat[b] = Q_nope[b] . W_UK[h], every row of the batch in one pass over the head's W_UK
+    pv_acc(*wuk.b, wuk.b->at(0, static_cast<int64_t>(h0 + hl) * nope, 0), wuk.b->d2, nope, Q + hl * qk, hh * qk, nb,
+           kvl, lat);
+    for (int b = 0; b < nb; ++b) {
+      const float* Qh = Q + (static_cast<int64_t>(b) * hh + hl) * qk;
+      float* lb = lat + static_cast<int64_t>(b) * kvl;
       const int64_t ob = out.b->at(out.b0 + b, h0 + hl, 0);
-      for (int l = 0; l < kvl; ++l) out.b->set(ob + l, rq(lat[l], bf));
-      for (int i = 0; i < rope; ++i) out.b->set(ob + kvl + i, Qh[nope + i]);
+      for (int l = 0; l < kvl; ++l) lb[l] = rq(lb[l], bf);
+      store_row(*out.b, ob, lb, kvl);
+      store_row(*out.b, ob + kvl, Qh + nope, rope);
     }
   }
 }
@@ -575,47 +987,36 @@ static void op_mla_partial(Exec& ex, Worker& wk, const Opnd* o, const int32_t*) 
   const bool bf = bf_act(ex);
   const Opnd &qd = o[0], &pos = o[1], &C = o[2], &KR = o[3], &part = o[4];
   const int t0 = C.r0, T = C.r1 - C.r0, h0 = qd.r0, hh = qd.r1 - qd.r0;
-  float* qv = wk.buf(wk.s0, static_cast<size_t>(hh) * (kvl + rope));
+  const int qw = kvl + rope;
+  float* qv = wk.buf(wk.s0, static_cast<size_t>(hh) * qw);
   float* s = wk.buf(wk.s1, static_cast<size_t>(hh) * T);
   float* acc = wk.buf(wk.s2, static_cast<size_t>(hh) * kvl);
-  float* crow = wk.buf(wk.s3, kvl + rope);
+  float* s2 = wk.buf(wk.s3, static_cast<size_t>(hh) * T);
+  float* mrow = wk.buf(wk.s4, 2 * static_cast<size_t>(hh));  // per head: max, sum
   for (int b = qd.b0; b < qd.b1; ++b) {
     const int64_t p = pos.b->i64(pos.b->at(b, 0, 0));
     const int valid = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(T, p - t0 + 1)));
-    for (int hl = 0; hl < hh; ++hl) load_rows(*qd.b, b, b + 1, h0 + hl, 0, kvl + rope, qv + hl * (kvl + rope));
-    for (int t = 0; t < valid; ++t) {
-      load_rows(*C.b, b, b + 1, t0 + t, 0, kvl, crow);
-      load_rows(*KR.b, b, b + 1, t0 + t, 0, rope, crow + kvl);
-      for (int hl = 0; hl < hh; ++hl) {
-        const float* qh = qv + hl * (kvl + rope);
-        float d1 = 0, d2 = 0;
-#pragma omp simd reduction(+ : d1)
-        for (int l = 0; l < kvl; ++l) d1 += qh[l] * crow[l];
-        for (int i = 0; i < rope; ++i) d2 += qh[kvl + i] * crow[kvl + i];
-        s[hl * T + t] = rq(rq(d1, bf) + rq(d2, bf), bf) * scale;
-      }
+    for (int hl = 0; hl < hh; ++hl) load_rows(*qd.b, b, b + 1, h0 + hl, 0, qw, qv + hl * qw);
+    if (valid > 0) {
+      // scores of every head against the tile's cache rows: two GEMVs whose "weight rows" are the cache rows
+      gemv(*C.b, C.b->at(b, t0, 0), C.b->d2, valid, qv, hh, kvl, s, T, qw);
+      gemv(*KR.b, KR.b->at(b, t0, 0), KR.b->d2, valid, qv + kvl, hh, rope, s2, T, qw);
     }
-    float* mrow = wk.buf(wk.s4, 2 * static_cast<size_t>(hh));  // per head: max, sum
     for (int hl = 0; hl < hh; ++hl) {
+      float* sh = s + hl * T;
+      const float* s2h = s2 + hl * T;
       float m = -INFINITY;
-      for (int t = 0; t < valid; ++t) m = std::max(m, s[hl * T + t]);
-      mrow[2 * hl] = m;
-      mrow[2 * hl + 1] = 0;
-      const float base = std::isfinite(m) ? m : 0.0f;
-      for (int t = 0; t < valid; ++t) s[hl * T + t] = std::exp(s[hl * T + t] - base);
-      float* ac = acc + hl * kvl;
-      for (int i = 0; i < kvl; ++i) ac[i] = 0;
-    }
-    for (int t = 0; t < valid; ++t) {  // one pass over the cache rows for every head of the tile
-      load_rows(*C.b, b, b + 1, t0 + t, 0, kvl, crow);
-      for (int hl = 0; hl < hh; ++hl) {
-        const float pt = s[hl * T + t];
-        mrow[2 * hl + 1] += pt;
-        float* ac = acc + hl * kvl;
-#pragma omp simd
-        for (int i = 0; i < kvl; ++i) ac[i] += pt * crow[i];
+      for (int t = 0; t < valid; ++t) {
+        sh[t] = rq(rq(sh[t], bf) + rq(s2h[t], bf), bf) * scale;
+        m = std::max(m, sh[t]);
       }
+      mrow[2 * hl] = m;
+      exp_shifted_row(sh, valid, std::isfinite(m) ? m : 0.0f);
+      float sum = 0;
+      for (int t = 0; t < valid; ++t) sum += sh[t];
+      mrow[2 * hl + 1] = sum;
     }
+    pv_acc(*C.b, C.b->at(b, t0, 0), C.b->d2, valid, s, T, hh, kvl, acc);  // one pass over the rows per head group
     for (int hl = 0; hl < hh; ++hl) {
       float* po = reinterpret_cast<float*>(part.b->p) + part.b->at(b, h0 + hl, part.c0);
       std::memcpy(po, acc + hl * kvl, sizeof(float) * kvl);
@@ -632,11 +1033,13 @@ static void op_mla_reduce(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a)
   const Opnd &part = o[0], &wuv = o[1];
   const Opnd& out = o[gated ? 3 : 2];
   const int nsplit = (part.c1 - part.c0) / (kvl + 2);
-  float* ol = wk.buf(wk.s0, kvl);
-  float* y = wk.buf(wk.s1, dv);
-  for (int b = part.b0; b < part.b1; ++b) {
-    for (int hl = 0; hl < hh; ++hl) {
+  const int nb = part.b1 - part.b0;
+  float* OL = wk.buf(wk.s0, static_cast<size_t>(nb) * kvl);
+  float* Y = wk.buf(wk.s1, static_cast<size_t>(nb) * dv);
+  for (int hl = 0; hl < hh; ++hl) {
+    for (int b = part.b0; b < part.b1; ++b) {  // merge the context splits of every row
       const float* pp = reinterpret_cast<const float*>(part.b->p) + part.b->at(b, h0 + hl, 0);
+      float* ol = OL + static_cast<int64_t>(b - part.b0) * kvl;
       float M = -INFINITY;
       for (int s = 0; s < nsplit; ++s) M = std::max(M, pp[s * (kvl + 2) + kvl]);
       float den = 0;
@@ -645,10 +1048,15 @@ static void op_mla_reduce(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a)
         const float* ps = pp + s * (kvl + 2);
         const float w = std::exp(ps[kvl] - M);
         den += w * ps[kvl + 1];
+#pragma omp simd
         for (int i = 0; i < kvl; ++i) ol[i] += w * ps[i];
       }
       for (int i = 0; i < kvl; ++i) ol[i] = rq(ol[i] / den, bf);
-      gemv(*wuv.b, wuv.b->at(0, static_cast<int64_t>(h0 + hl) * dv, 0), wuv.b->d2, dv, ol, 1, kvl, y, dv);
+    }
+    // W_UV of the head once for all rows
+    gemv(*wuv.b, wuv.b->at(0, static_cast<int64_t>(h0 + hl) * dv, 0), wuv.b->d2, dv, OL, nb, kvl, Y, dv);
+    for (int b = part.b0; b < part.b1; ++b) {
+      const float* y = Y + static_cast<int64_t>(b - part.b0) * dv;
       for (int d = 0; d < dv; ++d) {
         float v = rq(y[d], bf);
         if (gated) {
@@ -751,10 +1159,10 @@ static void op_expert_gate_up(Exec& ex, Worker& wk, const Opnd* o, const int32_t
     if (!m) continue;
     gemv(*w1.b, w1.b->at(e, w1.r0, 0), w1.b->d2, n, x, m, Dl, yg, n);
     gemv(*w3.b, w3.b->at(e, w3.r0, 0), w3.b->d2, n, x, m, Dl, yu, n);
-    for (int i = 0; i < m; ++i)
-      for (int r = 0; r < n; ++r)
-        out.b->set(out.b->at(rows[i], j, out.c0 + r),
-                   glu(ex, rq(yg[i * n + r], bf), rq(yu[i * n + r], bf), bf));
+    for (int i = 0; i < m; ++i) {
+      glu_row(ex, yg + i * n, yu + i * n, yg + i * n, n, bf);
+      store_row(*out.b, out.b->at(rows[i], j, out.c0), yg + i * n, n);
+    }
   }
 }
 

@@ -157,8 +157,8 @@ def _vector_operands(op: Op, n: int) -> list[int]:
     aligned (innermost extent and first column multiples of 8 bf16)."""
     return {
         Op.EMBED: [1, 2], Op.ATTN_RES_MIX: [0, 1, 2, 3], Op.NORM_PROJ: [0, 1, 2], Op.MLP_GATE_UP: [0, 1, 2, 3],
-        Op.O_PROJ_RESIDUAL: [0, 1], Op.FFN_OUT: list(range(n - 1)), Op.LM_HEAD: [0, 1, 2], Op.MLA_Q: [1, 2],
-        Op.MLA_REDUCE: [1], Op.EXPERT_GATE_UP: [0, 3, 4], Op.EXPERT_DOWN: [0, 4],
+        Op.O_PROJ_RESIDUAL: [0, 1], Op.FFN_OUT: list(range(n - 1)), Op.LM_HEAD: [0, 1, 2], Op.MLA_Q: [1, 2, 3],
+        Op.MLA_PARTIAL: [0, 2], Op.MLA_REDUCE: [1], Op.EXPERT_GATE_UP: [0, 3, 4], Op.EXPERT_DOWN: [0, 4],
     }.get(op, [])
 
 

@@ -9,7 +9,14 @@ at least one a write) is ordered by *happens-before* the same way as in sequenti
   without which ``t`` could not be reached (total signalled − its own amount < ``t``), and, transitively,
   everything ordered before those;
 * a *prefetch* read is issued before the instruction's waits, so it is ordered only by program order — which is
-  why only static weights (never written during a step) may be prefetched.
+  why only static weights (never written during a step) may be prefetched;
+* a *staged* read runs earlier still: the device copies instruction ``v``'s stage (the ``W_NEXT_*`` descriptor of
+  its predecessor ``u`` in the queue) while ``u`` starts, before ``u``'s waits, so it is ordered only by what
+  happens before ``u`` through program order. A static weight may be streamed across that boundary; activations,
+  caches and states never before their waits. The checker therefore verifies every descriptor — it names a
+  WEIGHT buffer, lies inside a PREFETCH operand box of the instruction it feeds, and equals that instruction's own
+  stage (``W_STAGE_*``, itself a bf16 row-contiguous PREFETCH weight within the stage size) — and, for a broken
+  one, also runs the read through the conflict analysis at that early point, so what it races with is named.
 
 The checker never looks at the scheduler's dependency analysis: it decodes the program, recomputes conflicts from
 the operand boxes, simulates the counters to find deadlocks (counters only grow and waits are ``≥``, so every
@@ -25,7 +32,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kimik3.megakernel.instructions import Kind, Program, decode_program
+from kimik3.megakernel.instructions import (
+    CHUNK_BYTES,
+    NO_STAGE,
+    STAGE_BYTES,
+    Kind,
+    Op,
+    Program,
+    decode_program,
+    stage_descriptor,
+)
 
 __all__ = ["Violation", "HappensBefore", "check_program", "happens_before", "redundant_waits", "format_violations"]
 
@@ -33,8 +49,10 @@ __all__ = ["Violation", "HappensBefore", "check_program", "happens_before", "red
 @dataclass(frozen=True)
 class Violation:
     """One problem found. ``kind``: raw, war, waw (unordered conflicting accesses), prefetch (a non-weight read
-    before the waits), deadlock, counter (declared per-step total ≠ what is signalled), bounds, static-write,
-    queue (an instruction missing from, or duplicated in, the queues)."""
+    before the waits, or a non-weight stage / next-stage descriptor), stage (a stage or next-stage descriptor that
+    is malformed, outside the box it feeds, or not the next instruction's own stage), deadlock, counter (declared
+    per-step total ≠ what is signalled), bounds, static-write, queue (an instruction missing from, or duplicated
+    in, the queues)."""
 
     kind: str
     instr: int
@@ -150,6 +168,144 @@ def _who(p: Program, i: int) -> str:
     return f"#{i} {x.label()} (SM {x.sm})"
 
 
+def _elem_box(elem: int, n: int, dims: tuple[int, int, int]) -> tuple[int, ...]:
+    """The smallest box holding the contiguous elements ``[elem, elem + n)`` of a ``[d0, d1, d2]`` buffer."""
+    _, d1, d2 = dims
+    (b, r, c), (b2, r2, c2) = _at(elem, dims), _at(elem + n - 1, dims)
+    if b != b2:
+        return b, b2 + 1, 0, d1, 0, d2
+    if r != r2:
+        return b, b + 1, r, r2 + 1, 0, d2
+    return b, b + 1, r, r + 1, c, c2 + 1
+
+
+def _at(off: int, dims: tuple[int, int, int]) -> tuple[int, int, int]:
+    _, d1, d2 = dims
+    return off // (d1 * d2), off // d2 % d1, off % d2
+
+
+def _range_in_box(elem: int, n: int, dims: tuple[int, int, int], box: tuple[int, ...]) -> bool:
+    """Whether every element of ``[elem, elem + n)`` lies in ``box``: its ends do, and where the range crosses a
+    row (a ``D0`` slice) the box spans whole rows (slices), or the range holds elements between them it does not."""
+    _, d1, d2 = dims
+    b0, b1, r0, r1, c0, c1 = box
+    first, last = _at(elem, dims), _at(elem + n - 1, dims)
+    ends = all(b0 <= x[0] < b1 and r0 <= x[1] < r1 and c0 <= x[2] < c1 for x in (first, last))
+    rows_ok = first[:2] == last[:2] or (c0 == 0 and c1 == d2)
+    slices_ok = first[0] == last[0] or (r0 == 0 and r1 == d1)
+    return ends and rows_ok and slices_ok
+
+
+def _stage_reads(p: Program) -> tuple[list[Violation], list[tuple[int, int, tuple[int, ...], int]]]:
+    """The stage and next-stage checks (module docstring), and every staged read as (reader, buffer, box, issuer):
+    ``reader`` is the instruction whose stage it fills, ``issuer`` the one at whose start the device issues it
+    (ordered only by what happens before the issuer through program order)."""
+    ins, bufs = p.instructions, p.buffers
+    out: list[Violation] = []
+    reads: list[tuple[int, int, tuple[int, ...], int]] = []
+    for i, x in enumerate(ins):
+        j, rows, chunks = x.stage
+        if j == -1:
+            if (rows, chunks) != (0, 0):
+                out.append(Violation("stage", i, f"{_who(p, i)} stages no operand but declares {rows} rows / "
+                                                 f"{chunks} chunks"))
+            continue
+        if not 0 <= j < len(x.operands):
+            out.append(Violation("stage", i, f"{_who(p, i)} stages operand {j}, but has {len(x.operands)}"))
+            continue
+        o = x.operands[j]
+        if not 0 <= o.buf < len(bufs):
+            continue  # reported as bounds
+        spec = bufs[o.buf]
+        b0, b1, r0, r1, c0, c1 = o.box
+        d2, esize = spec.shape[2], spec.element_size
+        what = f"{_who(p, i)} stages operand {j} {spec.name}{_box_str(o.box)}"
+        bad = []
+        if spec.kind != Kind.WEIGHT:
+            out.append(Violation("prefetch", i, f"{what}, a {spec.kind.name.lower()} buffer, before its waits: only "
+                                                "static weights may be staged", buffer=spec.name))
+            bad.append("kind")
+        if not (o.prefetch and o.reads and not o.writes):
+            bad.append("it is not declared a PREFETCH read")
+        if spec.dtype != torch.bfloat16:
+            bad.append(f"it is {str(spec.dtype).removeprefix('torch.')}, the stage holds bf16")
+        if not (b1 - b0 == 1 and c0 == 0 and c1 == d2 and d2 % 8 == 0):
+            bad.append("its box is not whole rows of one D0 slice (b1-b0 == 1, c0 == 0, c1 == d2, d2 % 8 == 0)")
+        if not 1 <= rows <= r1 - r0:
+            bad.append(f"{rows} rows of a {r1 - r0}-row box")
+        if chunks * CHUNK_BYTES != rows * d2 * esize:
+            bad.append(f"{chunks} chunks of {CHUNK_BYTES} bytes are not {rows} rows of {d2} elements")
+        if chunks * CHUNK_BYTES > STAGE_BYTES or rows * d2 * esize > STAGE_BYTES:
+            bad.append(f"more than the {STAGE_BYTES}-byte stage")
+        if x.op == Op.EMBED:
+            bad.append("EMBED's table rows are data-dependent")
+        for b in bad:
+            if b != "kind":
+                out.append(Violation("stage", i, f"{what}: {b}", buffer=spec.name))
+    nb = len(bufs)
+    for s, q in enumerate(p.queues):
+        for k, u in enumerate(q):
+            if not 0 <= u < len(ins):
+                continue
+            w = q[k + 1] if k + 1 < len(q) and 0 <= q[k + 1] < len(ins) else None
+            if k == 0 and 0 <= ins[u].stage[0] < len(ins[u].operands):
+                # the head of a queue copies its own stage before its waits (nothing happens before it)
+                o = ins[u].operands[ins[u].stage[0]]
+                if 0 <= o.buf < nb:
+                    reads.append((u, o.buf, (o.box[0], o.box[0] + 1, o.box[2], o.box[2] + max(1, ins[u].stage[1]),
+                                             o.box[4], o.box[5]), u))
+            buf, elem, chunks = ins[u].next_stage
+            want = NO_STAGE
+            if w is not None and 0 <= ins[w].stage[0] < len(ins[w].operands) and \
+                    0 <= ins[w].operands[ins[w].stage[0]].buf < nb:
+                want = stage_descriptor(ins[w], bufs)
+            nxt = f"#{w} {ins[w].label()}" if w is not None else "nothing (the last of its queue)"
+            if buf == -1:
+                if (elem, chunks) != (0, 0) or want != NO_STAGE:
+                    out.append(Violation("stage", u, f"{_who(p, u)} streams no next stage {(buf, elem, chunks)}, but "
+                                                     f"the next instruction {nxt} stages {want}: it would read a "
+                                                     "stage nobody filled"))
+                continue
+            if not 0 <= buf < nb:
+                out.append(Violation("bounds", u, f"{_who(p, u)}'s next-stage descriptor names buffer {buf}, which "
+                                                  "does not exist"))
+                continue
+            spec = bufs[buf]
+            esize = spec.element_size
+            n = chunks * CHUNK_BYTES // esize
+            numel = spec.shape[0] * spec.shape[1] * spec.shape[2]
+            if chunks < 1 or chunks * CHUNK_BYTES % esize or elem < 0 or elem + n > numel or \
+                    chunks * CHUNK_BYTES > STAGE_BYTES:
+                out.append(Violation("stage", u, f"{_who(p, u)}'s next-stage descriptor {spec.name} elements "
+                                                 f"{elem}+{chunks}x{CHUNK_BYTES}B does not fit the buffer "
+                                                 f"({numel} elements) or the {STAGE_BYTES}-byte stage",
+                                     buffer=spec.name))
+                continue
+            region = f"{spec.name}{_box_str(_elem_box(elem, n, spec.shape))}"
+            if spec.kind != Kind.WEIGHT:
+                out.append(Violation("prefetch", u, f"{_who(p, u)} streams {region} into the stage of {nxt} while it "
+                                                    f"starts, before its own waits, but {spec.name} is a "
+                                                    f"{spec.kind.name.lower()} buffer: only static weights may be "
+                                                    "prefetched across an instruction boundary", buffer=spec.name))
+            if w is None:
+                out.append(Violation("stage", u, f"{_who(p, u)} is the last of SM {s}'s queue but streams {region} "
+                                                 "for a next instruction"))
+                continue
+            reads.append((w, buf, _elem_box(elem, n, spec.shape), u))
+            boxed = any(o.buf == buf and o.prefetch and o.reads and not o.writes
+                        and _range_in_box(elem, n, spec.shape, o.box) for o in ins[w].operands)
+            if not boxed:
+                out.append(Violation("stage", u, f"{_who(p, u)} streams {region} for {nxt}, outside every PREFETCH "
+                                                 f"operand box #{w} declares", other=w, buffer=spec.name))
+            if (buf, elem, chunks) != want:
+                out.append(Violation("stage", u, f"{_who(p, u)} streams {region} ({chunks} chunks from element "
+                                                 f"{elem}) for {nxt}, but #{w} stages {want} (buffer, element, "
+                                                 "chunks): it would compute with other bytes than the rows "
+                                                 "it declares",
+                                     other=w, buffer=spec.name))
+    return out, reads
+
+
 def check_program(program: Program | torch.Tensor) -> list[Violation]:
     """Every violation of the rules in the module docstring, sorted by instruction. Empty list = proven correct
     for one step; with correct per-step totals (checked too) the monotonic targets make every step alike."""
@@ -213,6 +369,8 @@ def check_program(program: Program | torch.Tensor) -> list[Violation]:
                                                      f"{_box_str(tuple(obox[k]))} before its waits, but {spec.name} "
                                                      f"is {what}: only static weights may be read before the waits",
                              buffer=spec.name))
+    stage_violations, staged = _stage_reads(p)
+    out.extend(stage_violations)
     if any(v.kind in ("queue", "bounds") for v in out) or any(v.kind == "counter" and "exist" in v.message
                                                               for v in out):
         return sorted(out, key=lambda v: (v.instr, v.kind))
@@ -245,12 +403,26 @@ def check_program(program: Program | torch.Tensor) -> list[Violation]:
         out.append(Violation("deadlock", v, f"deadlock: SM {s} is stuck at queue position {hb.head[s]}/{len(q)} on "
                                             f"{_who(p, v)}, waiting for " + "; ".join(reasons)))
 
-    # -- conflicts: every pair of conflicting accesses ordered as in sequential order
+    # -- conflicts: every pair of conflicting accesses ordered as in sequential order. An access issued early is
+    # ordered only by program order up to its issuer: a prefetch operand by its own instruction, a staged read by
+    # the instruction at whose start the device copies it (column ``early``; -1: after the waits).
+    early = np.where(pre, oi, -1)
+    if staged:
+        st = np.array([(v, b, 1, *box, e) for v, b, box, e in staged], dtype=np.int64)
+        oi, ob, obox = np.concatenate([oi, st[:, 0]]), np.concatenate([ob, st[:, 1]]), np.concatenate([obox,
+                                                                                                       st[:, 3:9]])
+        reads, writes = np.concatenate([reads, np.ones(len(st), bool)]), np.concatenate([writes,
+                                                                                        np.zeros(len(st), bool)])
+        early = np.concatenate([early, st[:, 9]])
+        okind = np.concatenate([okind, kinds[st[:, 1]]])
+        okbuf = np.concatenate([okbuf, np.ones(len(st), bool)])
+    is_staged = np.arange(len(oi)) >= len(tab)
     tracked = okbuf & ((okind == int(Kind.ACT)) | (okind == int(Kind.STATE)) | (okind == int(Kind.OUTPUT)))
     seen_pairs: set[tuple[int, int, int]] = set()
     for b in np.unique(ob[tracked]):
         sel = np.flatnonzero(tracked & (ob == b))
-        ids, rd, wr, pf, box = oi[sel], reads[sel], writes[sel], pre[sel], obox[sel]
+        ids, rd, wr, ea, box = oi[sel], reads[sel], writes[sel], early[sel], obox[sel]
+        stg = is_staged[sel]
         lo, hi = box[:, 0::2], box[:, 1::2]
         ov = np.all((lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :]), axis=2)
         conflict = ov & (wr[:, None] | wr[None, :]) & (ids[:, None] < ids[None, :])
@@ -260,10 +432,9 @@ def check_program(program: Program | torch.Tensor) -> list[Violation]:
         u, v = ids[ii], ids[jj]
         both = hb.executed[u] & hb.executed[v]
         okay = hb.anc[v, u].copy()
-        # a prefetched read at the later instruction is ordered by program order only
-        pref = pf[jj] & both
-        for k in np.flatnonzero(pref):
-            okay[k] = bool(hb.base(int(v[k]))[u[k]])
+        # a read issued early at the later instruction is ordered by program order (up to its issuer) only
+        for k in np.flatnonzero((ea[jj] >= 0) & both):
+            okay[k] = bool(hb.base(int(ea[jj[k]]))[u[k]])
         bad = np.flatnonzero(both & ~okay)
         for k in bad:
             uu, vv, a, c = int(u[k]), int(v[k]), int(ii[k]), int(jj[k])
@@ -277,7 +448,12 @@ def check_program(program: Program | torch.Tensor) -> list[Violation]:
                                                         min(box[a, 2 * d + 1], box[c, 2 * d + 1])))
             verb = {"raw": ("reads", "written by"), "war": ("overwrites", "read by"),
                     "waw": ("overwrites", "written by")}[kind]
-            how = " (a prefetch, issued before its waits)" if pf[c] else ""
+            how = ""
+            if stg[c]:
+                how = (f" (streamed into its stage by #{ea[c]} as #{ea[c]} starts, before #{ea[c]}'s waits)"
+                       if ea[c] != vv else " (its own stage, copied before its waits)")
+            elif ea[c] >= 0:
+                how = " (a prefetch, issued before its waits)"
             rev = f"; worse, #{vv} is ordered BEFORE #{uu}" if hb.anc[uu, vv] else ""
             out.append(Violation(kind, vv, f"{kind.upper()}: {_who(p, vv)} {verb[0]} {spec.name}{_box_str(inter)}"
                                            f"{how}, {verb[1]} {_who(p, uu)} earlier in sequential order, but no wait "

@@ -10,7 +10,10 @@ the counter reaches a target. This module defines
 * the declarations every instruction carries (:class:`Operand`): which buffer, which element box, read or write,
   and whether it may be *prefetched* before the instruction's waits (only static weights may);
 * the program container (:class:`Program`) and its fixed-width int32 encoding (:func:`encode_program`,
-  :func:`decode_program`), which is what the CPU interpreter executes and what the CuTe DSL kernel reads.
+  :func:`decode_program`), which is what the CPU interpreter executes and what the CuTe DSL kernel reads;
+* the weight stage of every instruction and the cross-instruction prefetch descriptor (:func:`assign_stages`):
+  which leading rows of which static weight sit in shared memory, and what the device copies for the *next*
+  instruction of the queue while the current one starts.
 
 The numbers of that encoding — opcodes, modes, buffer kinds, dtype codes, word offsets, argument flags — are
 defined once, in ``kernels/isa.py`` (standard library only), and re-exported here; the device code
@@ -36,7 +39,7 @@ so the launch boundary orders a step's accesses after the previous step's.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 import torch
@@ -51,6 +54,7 @@ from kimik3.kernels.isa import (
     BW_KIND,
     BW_NAME_LEN,
     BW_NAME_OFF,
+    CHUNK_BYTES,
     COUNTER_WORDS,
     CTA_THREADS,
     CTL_WORDS,
@@ -96,10 +100,16 @@ from kimik3.kernels.isa import (
     OW_BUF,
     OW_MODE,
     POLICIES,
+    STAGE_BUFFERS,
+    STAGE_BYTES,
     VERSION,
     W_AMOUNT,
     W_ARGS,
     W_LAYER,
+    W_NEXT_BUF,
+    W_NEXT_CHUNKS,
+    W_NEXT_ELEM_HI,
+    W_NEXT_ELEM_LO,
     W_NOPS,
     W_NWAITS,
     W_OP,
@@ -107,6 +117,9 @@ from kimik3.kernels.isa import (
     W_QPOS,
     W_SIGNAL,
     W_SM,
+    W_STAGE_CHUNKS,
+    W_STAGE_OP,
+    W_STAGE_ROWS,
     W_WAITS,
     Kind,
     Mode,
@@ -114,6 +127,7 @@ from kimik3.kernels.isa import (
     Op,
     Site,
 )
+from kimik3.kernels.mk_addr import elem_offset  # the [b, r, c] offset the device computes
 
 __all__ = [
     "Op",
@@ -126,6 +140,10 @@ __all__ = [
     "Instruction",
     "Counter",
     "Program",
+    "NO_STAGE",
+    "stage_choice",
+    "stage_descriptor",
+    "assign_stages",
     "encode_program",
     "decode_program",
     "instruction_set_table",
@@ -143,6 +161,9 @@ __all__ = [
     "ERR_WATCHDOG",
     "ERR_BAD_PROGRAM",
     "CTA_THREADS",
+    "STAGE_BYTES",
+    "STAGE_BUFFERS",
+    "CHUNK_BYTES",
 ]
 
 # The opcodes, modes, kinds, word offsets and dtype codes are defined once, in ``kernels/isa.py`` (imported above
@@ -217,7 +238,12 @@ class Operand:
 class Instruction:
     """One unit of work. ``waits`` are (counter, per-step target) pairs; ``signal`` is the counter it adds
     ``amount`` to after all its writes are complete (-1: signals nothing). ``sm``/``qpos``: its place in the
-    per-SM queues."""
+    per-SM queues.
+
+    ``stage`` = (operand j, rows, 16-byte chunks): the leading whole rows of operand ``j`` that sit in this
+    instruction's shared-memory stage (words ``W_STAGE_*``); ``next_stage`` = (buffer, element offset, chunks):
+    what the device copies, while this instruction starts, into the stage of the next instruction of the same
+    queue (words ``W_NEXT_*``). Both :data:`NO_STAGE` unless :func:`assign_stages` filled them."""
 
     op: Op
     layer: int
@@ -228,6 +254,8 @@ class Instruction:
     amount: int = 0
     sm: int = -1
     qpos: int = -1
+    stage: tuple[int, int, int] = (-1, 0, 0)
+    next_stage: tuple[int, int, int] = (-1, 0, 0)
 
     def label(self) -> str:
         """Short human-readable description, e.g. ``KDA_STEP L2 h0:2``."""
@@ -309,14 +337,86 @@ class Program:
                          "waits": ", ".join(f"{self.counters[c].name}>={t}" for c, t in ins.waits),
                          "signal": self.counters[ins.signal].name if ins.signal >= 0 else "",
                          "reads": ", ".join(self.describe_operand(o) for o in ins.operands if o.reads),
-                         "writes": ", ".join(self.describe_operand(o) for o in ins.operands if o.writes)})
+                         "writes": ", ".join(self.describe_operand(o) for o in ins.operands if o.writes),
+                         "staged": self.describe_stage(ins)})
         return pd.DataFrame(rows).set_index("id")
+
+    def describe_stage(self, ins: Instruction) -> str:
+        """``name rows r0:r0+n`` of the staged operand, or ``""``."""
+        j, n, _ = ins.stage
+        if not 0 <= j < len(ins.operands):
+            return ""
+        o = ins.operands[j]
+        return f"{self.buffers[o.buf].name} rows {o.box[2]}:{o.box[2] + n}"
 
     def describe_operand(self, o: Operand) -> str:
         b0, b1, r0, r1, c0, c1 = o.box
         spec = self.buffers[o.buf]
         tag = "*" if o.prefetch else ""
         return f"{tag}{spec.name}[{b0}:{b1},{r0}:{r1},{c0}:{c1}]"
+
+
+# ---------------------------------------------------------------------------------------------------- the stage
+
+NO_STAGE = (-1, 0, 0)  # Instruction.stage / next_stage: nothing staged
+
+
+def stage_choice(ins: Instruction, buffers: list[BufferSpec]) -> tuple[int, int, int]:
+    """The stage of one instruction, ``(operand j, rows, 16-byte chunks)`` or :data:`NO_STAGE`: the largest
+    row-contiguous bf16 static weight it declares PREFETCH (one ``D0`` slice, full width, ``d2 % 8 == 0``), whole
+    rows from its box's ``r0`` up to ``STAGE_BYTES``. EMBED stages nothing: its table rows are the token ids.
+
+    Why on the host: the device then copies the rows with no choice loop, and — because the choice is written into
+    the *previous* instruction's words too (:func:`assign_stages`) — before it has waited for anything."""
+    if ins.op == Op.EMBED:
+        return NO_STAGE
+    best, best_el = -1, 0
+    for j, o in enumerate(ins.operands):
+        spec = buffers[o.buf]
+        b0, b1, r0, r1, c0, c1 = o.box
+        d2 = spec.shape[2]
+        el = (r1 - r0) * d2
+        if (o.prefetch and o.reads and not o.writes and spec.kind == Kind.WEIGHT and spec.dtype == torch.bfloat16
+                and b1 - b0 == 1 and c0 == 0 and c1 == d2 and d2 % 8 == 0 and el > best_el):
+            best, best_el = j, el
+    if best < 0:
+        return NO_STAGE
+    d2 = buffers[ins.operands[best].buf].shape[2]
+    rows = min(best_el // d2, STAGE_BYTES // (2 * d2))
+    if rows < 1:  # a single row wider than the stage: stream it from global memory instead
+        return NO_STAGE
+    return best, rows, rows * d2 * 2 // CHUNK_BYTES
+
+
+def stage_descriptor(ins: Instruction, buffers: list[BufferSpec]) -> tuple[int, int, int]:
+    """``(buffer, element offset, chunks)`` of the rows ``ins.stage`` names — what the previous instruction of
+    the queue puts in its ``W_NEXT_*`` words — or :data:`NO_STAGE`."""
+    j, _, chunks = ins.stage
+    if j < 0:
+        return NO_STAGE
+    o = ins.operands[j]
+    _, d1, d2 = buffers[o.buf].shape
+    return o.buf, elem_offset(d1, d2, o.box[0], o.box[2], o.box[4]), chunks  # its first element, as the device's
+
+
+def assign_stages(p: Program) -> Program:
+    """A copy of ``p`` whose instructions carry their stage (:func:`stage_choice`) and, per queue position, the
+    stage of the next instruction of the same queue as ``next_stage`` (the last of a queue: :data:`NO_STAGE`).
+
+    The one place both are decided: the scheduler calls it once the queues are final. A change of queues or
+    operands afterwards must call it again (the hazard checker reports stale descriptors)."""
+    bad = [v for q in p.queues for v in q if not 0 <= v < len(p.instructions)]
+    if bad:
+        raise ValueError(f"assign_stages: the queues hold instruction ids {bad[:5]} outside the program's "
+                         f"{len(p.instructions)}")
+    staged = [replace(ins, stage=stage_choice(ins, p.buffers), next_stage=NO_STAGE) for ins in p.instructions]
+    for q in p.queues:
+        for a, b in zip(q, q[1:]):
+            staged[a] = replace(staged[a], next_stage=stage_descriptor(staged[b], p.buffers))
+    out = Program(p.buffers, staged, [list(q) for q in p.queues], list(p.counters), p.batch, p.max_seq_len,
+                  p.num_layers, p.policy)
+    out.costs = p.costs
+    return out
 
 
 def _pack_strings(strings: list[str]) -> tuple[list[int], list[tuple[int, int]]]:
@@ -387,6 +487,13 @@ def encode_program(p: Program) -> torch.Tensor:
             base = W_OPS + OPERAND_WORDS * j
             r[base + OW_BUF], r[base + OW_MODE] = o.buf, int(o.mode)
             r[base + OW_BOX : base + OW_BOX + 6] = o.box
+        r[W_STAGE_OP], r[W_STAGE_ROWS], r[W_STAGE_CHUNKS] = ins.stage
+        nbuf, elem, nch = ins.next_stage
+        if elem < 0 or elem >= 1 << 63:
+            raise ValueError(f"instruction {i} ({ins.label()}): next-stage element offset {elem} outside int64")
+        lo = elem & 0xFFFFFFFF
+        r[W_NEXT_BUF], r[W_NEXT_ELEM_LO], r[W_NEXT_ELEM_HI], r[W_NEXT_CHUNKS] = (
+            nbuf, lo - (1 << 32) if lo >= 1 << 31 else lo, elem >> 32, nch)
         rows.append(r)
     if N:
         t[off_ins:off_q] = torch.tensor(rows, dtype=torch.int32).flatten()
@@ -430,8 +537,10 @@ def decode_program(t: torch.Tensor) -> Program:
         for j in range(r[W_NOPS]):
             base = W_OPS + OPERAND_WORDS * j
             ops.append(Operand(r[base + OW_BUF], r[base + OW_MODE], tuple(r[base + OW_BOX : base + OW_BOX + 6])))
+        stage = (r[W_STAGE_OP], r[W_STAGE_ROWS], r[W_STAGE_CHUNKS])
+        nxt = (r[W_NEXT_BUF], (r[W_NEXT_ELEM_HI] << 32) | (r[W_NEXT_ELEM_LO] & 0xFFFFFFFF), r[W_NEXT_CHUNKS])
         instructions.append(Instruction(Op(r[W_OP]), r[W_LAYER], tuple(r[W_ARGS : W_ARGS + 4]), tuple(ops), waits,
-                                        r[W_SIGNAL], r[W_AMOUNT], r[W_SM], r[W_QPOS]))
+                                        r[W_SIGNAL], r[W_AMOUNT], r[W_SM], r[W_QPOS], stage, nxt))
     queues = [[i for i in row if i >= 0] for row in t[off_q:off_str].view(S, Q).tolist()] if S * Q else \
         [[] for _ in range(S)]
     return Program(buffers, instructions, queues, counters, batch, max_len, layers, policy)
@@ -519,6 +628,14 @@ def encoding_table() -> pd.DataFrame:
         (f"instr word {W_NOPS}", "", "number of operands"),
         (f"instr word {W_OPS}-{ops_end - 1}", "", f"{MAX_OPERANDS} operands x (buffer, mode 1 R / 2 W / 3 RW / +4 "
                                                   "prefetch, b0, b1, r0, r1, c0, c1)"),
-        (f"instr word {ops_end}-{INSTR_WORDS - 1}", "", "reserved, zero"),
+        (f"instr word {W_STAGE_OP}-{W_STAGE_CHUNKS}", "", "this instruction's stage: operand j (-1 none), whole "
+                                                           f"rows from its box's r0, {CHUNK_BYTES}-byte chunks "
+                                                           f"(at most {STAGE_BYTES} bytes)"),
+        (f"instr word {W_NEXT_BUF}-{W_NEXT_CHUNKS}", "", "the NEXT instruction of this queue's stage, copied while "
+                                                         "this one starts (before its waits; static weights only): "
+                                                         "buffer (-1 none), element offset low word (unsigned "
+                                                         "bits), high word, chunks; stage buffer = queue position "
+                                                         f"mod {STAGE_BUFFERS}"),
+        (f"instr word {W_NEXT_CHUNKS + 1}-{INSTR_WORDS - 1}", "", "reserved, zero"),
     ]
     return pd.DataFrame(rows, columns=["section", "size", "contents"])

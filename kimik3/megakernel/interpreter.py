@@ -14,6 +14,13 @@ Honesty aids:
   in this step gives NaN instead of last step's value;
 * a prefetched operand is read when the SM *arrives* at the instruction, before its waits — for a static weight
   that is a view, for anything else (only a broken program does that) a snapshot, i.e. a stale read;
+* the weight stage runs as on the device: every SM has ``STAGE_BUFFERS`` byte buffers of ``STAGE_BYTES``
+  (poisoned each step); when an SM starts queue position ``q`` — before its waits — it copies the bytes the
+  instruction's next-stage descriptor (``W_NEXT_*``) names into buffer ``(q+1) % 2`` (the head of a queue first
+  copies its own stage into buffer 0), and the instruction's staged operand (``W_STAGE_*``) is then read from
+  buffer ``q % 2`` for its leading rows, whatever those bytes are. A descriptor pointing at an activation is
+  thus read at the moment the device would issue it (stale or poison), and one that disagrees with the next
+  instruction's own stage hands it other rows — a wrong result either way;
 * a deadlock raises :class:`DeadlockError` with a per-SM dump instead of spinning.
 
 ``MegakernelInterpStage`` (stage ``"megakernel-interp"``) puts this behind the :class:`kimik3.Decoder` API: prefill runs
@@ -31,14 +38,18 @@ import torch.nn.functional as F
 
 from kimik3.megakernel.hazards import check_program, format_violations
 from kimik3.megakernel.instructions import (
+    CHUNK_BYTES,
     FFN_LATENT_NORM,
     FFN_MLP,
     FFN_ROUTED,
+    STAGE_BUFFERS,
+    STAGE_BYTES,
     Instruction,
     Kind,
     Op,
     Program,
     decode_program,
+    stage_descriptor,
 )
 from kimik3.megakernel.layout import pack_weights, state_views, weight_view
 from kimik3.megakernel.scheduler import POLICIES, build_program
@@ -114,6 +125,11 @@ class CPUInterpreter:
                 self.lora_eps[i] = (layer.self_attn.q_a_layernorm.eps, layer.self_attn.kv_a_layernorm.eps)
         self.views: list[list[torch.Tensor]] | None = None
         self.ticks: list[int] = []  # execution order of the last step (instruction ids)
+        # per instruction: the bytes its own stage copies at a queue head, and those its next-stage descriptor
+        # copies as it starts (flat byte views of the buffers, cut by bind_state); None = nothing
+        self._own_src: list[torch.Tensor | None] = []
+        self._next_src: list[torch.Tensor | None] = []
+        self.staged_copies = 0  # stage copies performed in the last step
 
     # ------------------------------------------------------------------ binding
     def bind_state(self, state: DecodeState) -> None:
@@ -134,6 +150,49 @@ class CPUInterpreter:
                 vs.append(t[o.slices()])
             views.append(vs)
         self.views = views
+        p = self.program
+        self._own_src = [self._stage_bytes(i, stage_descriptor(ins, p.buffers) if 0 <= ins.stage[0] <
+                                           len(ins.operands) else (-1, 0, 0), "its own stage")
+                         for i, ins in enumerate(p.instructions)]
+        self._next_src = [self._stage_bytes(i, ins.next_stage, "its next-stage descriptor")
+                          for i, ins in enumerate(p.instructions)]
+
+    def _stage_bytes(self, i: int, desc: tuple[int, int, int], what: str) -> torch.Tensor | None:
+        """The bytes a stage descriptor ``(buffer, element offset, 16-byte chunks)`` names, as a view."""
+        buf, elem, chunks = desc
+        if buf < 0:
+            return None
+        p = self.program
+        label = f"#{i} {p.instructions[i].label()}: {what} {desc}"
+        if buf >= len(p.buffers) or chunks * CHUNK_BYTES > STAGE_BYTES or chunks < 1:
+            raise ValueError(f"{label} names no buffer or does not fit the {STAGE_BYTES}-byte stage")
+        t = self.tensors[p.buffers[buf].name]
+        try:
+            flat = t.view(-1).view(torch.uint8)
+        except RuntimeError as e:
+            raise ValueError(f"{label}: buffer {p.buffers[buf].name} is not contiguous ({e})") from None
+        lo = elem * t.element_size()
+        if elem < 0 or lo + chunks * CHUNK_BYTES > flat.numel():
+            raise ValueError(f"{label} reaches past buffer {p.buffers[buf].name}")
+        return flat[lo : lo + chunks * CHUNK_BYTES]
+
+    def _staged_views(self, v: int, views: list[torch.Tensor], stage: torch.Tensor) -> list[torch.Tensor]:
+        """``views`` with the leading rows of instruction ``v``'s staged operand read from ``stage`` (bytes)."""
+        ins = self.program.instructions[v]
+        j, rows, _ = ins.stage
+        if not 0 <= j < len(views):
+            raise ValueError(f"#{v} {ins.label()} stages operand {j} of {len(views)}")
+        view = views[j]
+        n1, r, d2 = view.shape
+        need = rows * d2 * view.element_size()
+        if n1 != 1 or not 1 <= rows <= r or need > stage.numel() or d2 != self.program.buffers[ins.operands[j].buf
+                                                                                             ].shape[2]:
+            raise ValueError(f"#{v} {ins.label()} stages {rows} rows of operand {j} (box {list(view.shape)}): not "
+                             f"whole rows of one slice within the {stage.numel()}-byte stage")
+        staged = stage[:need].view(view.dtype).view(1, rows, d2)
+        out = list(views)
+        out[j] = staged if rows == r else torch.cat([staged, view[:, rows:]], 1)
+        return out
 
     # ------------------------------------------------------------------ running
     @torch.no_grad()
@@ -158,12 +217,23 @@ class CPUInterpreter:
         ins_all = p.instructions
 
         stale = self._stale_prefetch
+        # the shared-memory stage buffers of every SM, poison until something is copied in (0xFF: NaN in bf16/fp32)
+        stages = torch.full((len(queues), STAGE_BUFFERS, STAGE_BYTES), 0xFF, dtype=torch.uint8)
+        own_src, next_src = self._own_src, self._next_src
+        self.staged_copies = 0
 
         def arrive(sm: int) -> None:  # prefetch: read before the waits (a view for weights, a snapshot otherwise)
-            if head[sm] < len(queues[sm]):
-                v = queues[sm][head[sm]]
-                for k in stale[v]:
-                    snap.setdefault(v, {})[k] = self.views[v][k].clone()
+            k = head[sm]
+            if k < len(queues[sm]):
+                v = queues[sm][k]
+                for j in stale[v]:
+                    snap.setdefault(v, {})[j] = self.views[v][j].clone()
+                # the device's stage copies as this instruction starts: its own stage at a queue head, then the
+                # next instruction's (copied now, consumed after this instruction ends)
+                for src, slot in ((own_src[v] if k == 0 else None, k), (next_src[v], k + 1)):
+                    if src is not None:
+                        stages[sm, slot % STAGE_BUFFERS, : src.numel()] = src
+                        self.staged_copies += 1
 
         for sm in range(len(queues)):
             arrive(sm)
@@ -187,6 +257,8 @@ class CPUInterpreter:
                 views = list(views)
                 for k, t in snap.pop(v).items():
                     views[k] = t
+            if ins.stage[0] != -1:
+                views = self._staged_views(v, views, stages[sm, head[sm] % STAGE_BUFFERS])
             _OPS[ins.op](self, ins, views)
             if ins.signal >= 0:
                 counters[ins.signal] += ins.amount

@@ -20,6 +20,8 @@ The pipeline, each step its own function so a notebook can show it:
 5. :func:`compute_waits` turns the dependency edges into counter waits and keeps a wait only if nothing else
    — program order on the SM, or the transitive effect of its other waits — already implies it (a transitive
    reduction), so the GPU spins as little as possible.
+6. :func:`~kimik3.megakernel.instructions.assign_stages` writes each instruction's weight stage and, per queue
+   position, the next instruction's stage (what the device streams in while the current instruction starts).
 
 Waits are on whole groups: a consumer waits until a group's counter reaches the number of its members (in step
 ``s`` of a run, ``s·total + total``). Within a step every edge points forward in dispatch order, so no schedule
@@ -39,7 +41,15 @@ import pandas as pd
 import torch
 
 from kimik3.config import ModelConfig
-from kimik3.megakernel.instructions import BufferSpec, Counter, Instruction, Kind, Operand, Program
+from kimik3.megakernel.instructions import (
+    BufferSpec,
+    Counter,
+    Instruction,
+    Kind,
+    Operand,
+    Program,
+    assign_stages,
+)
 from kimik3.megakernel.step import StepSpec, Tiling, build_step
 
 __all__ = [
@@ -404,7 +414,7 @@ def build_program(cfg: ModelConfig | str, batch: int, num_sms: int, policy: str 
                   max_seq_len: int = 4096, tiling: Tiling | None = None, act_dtype: torch.dtype = torch.bfloat16,
                   context_len: int | None = None, cost_model: CostModel | None = None,
                   expert_dtype: str = "bf16") -> Program:
-    """The whole pipeline: step instructions → hazards → costs → queues → minimal waits → :class:`Program`.
+    """The whole pipeline: step instructions → hazards → costs → queues → minimal waits → stages → :class:`Program`.
 
     Built once per (config, batch, SM count, tiling) and reused for every decode step: counters are monotonic
     across steps, so nothing is reset between launches. The per-instruction costs ride along as
@@ -438,7 +448,8 @@ def build_program(cfg: ModelConfig | str, batch: int, num_sms: int, policy: str 
         instructions.append(replace(
             ins, waits=tuple((cid[w], len(members[w])) for w in waits[v]),
             signal=cid.get(g, -1), amount=1 if g in cid else 0, sm=sm_of[v], qpos=qpos[v]))
-    prog = Program(spec.buffers, instructions, [list(q) for q in queues], counters, batch, max_seq_len,
-                   spec.cfg.num_hidden_layers, policy)
+    # the weight stages are decided last: the next-stage words follow the final queue order
+    prog = assign_stages(Program(spec.buffers, instructions, [list(q) for q in queues], counters, batch, max_seq_len,
+                                 spec.cfg.num_hidden_layers, policy))
     prog.costs = costs
     return prog

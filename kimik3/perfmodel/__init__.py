@@ -7,7 +7,8 @@ round trips counted per instruction, serial loops at the latency each trip waits
 
 * **constants** — ``data/perf/constants.json``: latencies, bandwidths, SM count, each with its source;
 * **a design** — ``data/perf/designs/<name>.json``: per opcode / kernel threads, loads in flight and width,
-  staging, prefetch-ahead, serial loop structure, round trips (``v1`` = today's kernels);
+  staging, prefetch-ahead, serial loop structure, round trips (:data:`CURRENT_DESIGN` = today's kernels; ``v1`` =
+  the kernels before the cross-instruction redesign, kept as a record);
 * **bytes and FLOPs** — never invented here: the megakernel's per-instruction costs from
   :func:`kimik3.megakernel.scheduler.instruction_costs` (calibrated by :func:`kimik3.cost.decode_cost`), the fused
   stage's per-launch counts from :func:`kimik3.launch_cost.launch_bytes`.
@@ -26,13 +27,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kimik3.perfmodel.data import PERF_DIR, Constants, design_names, field, load_constants, load_design
+from kimik3.perfmodel.data import CURRENT_DESIGN, PERF_DIR, Constants, design_names, field, load_constants, load_design
 from kimik3.perfmodel.fused import fused_times
 from kimik3.perfmodel.megakernel import instruction_times, simulate_model, stream_ns
 
-__all__ = ["STAGES", "PERF_DIR", "Constants", "load_constants", "load_design", "design_names", "model_program",
+__all__ = ["STAGES", "PERF_DIR", "CURRENT_DESIGN", "Constants", "load_constants", "load_design", "design_names",
+           "model_program",
            "megakernel_model", "predict", "roofline_ms", "compare_opcodes", "compare_kernels", "opcode_report",
-           "model_columns",
+           "model_columns", "compare_designs",
            "stream_ns", "instruction_times", "simulate_model", "fused_times"]
 
 STAGES = ("megakernel", "fused")
@@ -50,7 +52,7 @@ def model_program(preset: str, batch: int, num_sms: int = 132, max_seq_len: int 
     return prog
 
 
-def megakernel_model(preset: str, batch: int, design: str | dict[str, Any] = "v1",
+def megakernel_model(preset: str, batch: int, design: str | dict[str, Any] = CURRENT_DESIGN,
                      constants: Constants | None = None, context_len: int = 4096,
                      program: Any = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(per-instruction times, simulated timeline) of one megakernel step under a design."""
@@ -94,7 +96,7 @@ def _check(preset: str, stage: str, batch: int, context_len: int) -> None:
     get_preset(preset)  # a clear ValueError for an unknown preset
 
 
-def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1, design: str = "v1",
+def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1, design: str = CURRENT_DESIGN,
             context_len: int = 4096, constants: Constants | None = None) -> dict[str, Any]:
     """``{"predicted_ms", "roofline_ms", "fraction_of_roofline", "by_opcode", ...}`` for one step.
 
@@ -132,14 +134,41 @@ def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1,
             "ceiling_Bps": c.achievable_Bps, "label": "model (not a measurement)", **extra}
 
 
+def compare_designs(preset: str = "k3-shard", batch: int = 1, designs: tuple[str, ...] | None = None,
+                    context_len: int = 4096, constants: Constants | None = None) -> pd.DataFrame:
+    """Designs side by side, opcode by opcode, on the same program and constants: per opcode and design the SM time
+    summed over instructions (start stamp to end stamp, as the kernel's timing buffer records it) and the modelled
+    limit of most of them; ``attrs["summary"]`` holds each design's step time and fraction of the roofline."""
+    names = tuple(designs) if designs is not None else tuple(design_names())
+    if not names:
+        raise ValueError("no design to compare")
+    c = constants or load_constants()
+    roof = roofline_ms(preset, batch, context_len, c)
+    cols, summary = {}, {}
+    for name in names:
+        times, tl = megakernel_model(preset, batch, name, c, context_len)
+        t = times.assign(model_us=(tl["end_ns"] - tl["start_ns"]).to_numpy() / 1e3)
+        g = t.groupby("op", sort=False)
+        cols[(name, "total_us")] = g["model_us"].sum()
+        cols[(name, "limited_by")] = g["limited_by"].agg(lambda s: s.mode().iloc[0])
+        step = (float(tl["end_ns"].max()) + c.kernel_boundary_ns) / 1e6
+        summary[name] = {"predicted_ms": step, "roofline_ms": roof, "fraction_of_roofline": roof / step}
+    out = pd.DataFrame(cols)
+    out.columns = pd.MultiIndex.from_tuples(out.columns, names=["design", "value"])
+    out = out.sort_values((names[0], "total_us"), ascending=False)
+    out.index.name = "op"
+    out.attrs["summary"] = summary
+    return out
+
+
 def model_columns(preset: str, stage: str, batch: int, context_len: int) -> dict[str, Any]:
-    """Bench columns for a modelled stage: ``model_ms`` (design v1 on an H200, a model, not a measurement) and
+    """Bench columns for a modelled stage: ``model_ms`` (the current design on an H200, a model, not a measurement) and
     ``model_roofline_ms``; empty for stages the model does not cover, ``model_note`` when the preset is not
     modelled (say why, do not guess)."""
     if stage not in STAGES:
         return {}
     try:
-        r = predict(preset, stage, batch, "v1", max(1, min(int(context_len), 4096)))
+        r = predict(preset, stage, batch, CURRENT_DESIGN, max(1, min(int(context_len), 4096)))
     except (ValueError, AssertionError) as e:
         return {"model_note": f"not modelled: {e}"}
     return {"model_ms": r["predicted_ms"], "model_roofline_ms": r["roofline_ms"]}
@@ -173,7 +202,7 @@ def compare_opcodes(times: pd.DataFrame | None, model_timeline: pd.DataFrame, me
     return out.sort_values("model_total_us", ascending=False)
 
 
-def opcode_report(program: Any, timings: Any, preset: str, context_len: int = 4096, design: str = "v1"
+def opcode_report(program: Any, timings: Any, preset: str, context_len: int = 4096, design: str = CURRENT_DESIGN
                   ) -> dict[str, Any]:
     """JSON-ready model vs measured per opcode for one measured megakernel step: ``program`` is the one the GPU
     ran (``stage.program``), ``timings`` its ``[N, 3]`` timing buffer (``stage.timings()``)."""
@@ -202,7 +231,7 @@ def compare_kernels(model: pd.DataFrame, measured: Mapping[str, float]) -> pd.Da
     return out
 
 
-def scores(design: str = "v1", preset: str = "k3-shard", batches: tuple[int, ...] = (1, 8, 64),
+def scores(design: str = CURRENT_DESIGN, preset: str = "k3-shard", batches: tuple[int, ...] = (1, 8, 64),
            context_len: int = 4096) -> dict[str, Any]:
     """The committed score table of a design (``data/perf/scores-<design>.json``)."""
     c = load_constants()
@@ -215,7 +244,7 @@ def scores(design: str = "v1", preset: str = "k3-shard", batches: tuple[int, ...
     return out
 
 
-def write_scores(design: str = "v1", path: str | Path | None = None) -> Path:
+def write_scores(design: str = CURRENT_DESIGN, path: str | Path | None = None) -> Path:
     """Write :func:`scores` atomically (temp file + rename)."""
     import json
     import os

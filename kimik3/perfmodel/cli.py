@@ -21,13 +21,15 @@ def _batch(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kimik3.perfmodel import STAGES, design_names, predict
+    from kimik3.perfmodel import CURRENT_DESIGN, STAGES, design_names, predict
 
     ap = argparse.ArgumentParser(prog="python -m kimik3 predict", description=__doc__)
     ap.add_argument("--preset", default="k3-shard")
     ap.add_argument("--stage", required=True, choices=STAGES)
     ap.add_argument("--batch", type=_batch, default=1)
-    ap.add_argument("--design", default="v1", help=f"a design in data/perf/designs ({', '.join(design_names())})")
+    ap.add_argument("--design", default=CURRENT_DESIGN,
+                    help=f"a design in data/perf/designs ({', '.join(design_names())}; default {CURRENT_DESIGN}: "
+                         "today's kernels)")
     ap.add_argument("--context", type=_batch, default=4096, help="cached tokens per sequence (<= 4096)")
     ap.add_argument("--json", action="store_true", help="print the full result as JSON")
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -7,9 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PERF_DIR", "Constants", "load_constants", "load_design", "design_names"]
+__all__ = ["PERF_DIR", "CURRENT_DESIGN", "Constants", "load_constants", "load_design", "design_names"]
 
 PERF_DIR = Path(__file__).resolve().parents[2] / "data" / "perf"
+# The design that describes the device code in kernels/ today (its compiled numbers are checked against the build by
+# tests/test_perfmodel.py); older designs stay as the record of the code they described.
+CURRENT_DESIGN = "v2"
 _REQUIRED = ("sm_count", "hbm_peak_Bps", "hbm_read_efficiency", "hbm_latency_ns", "l2_latency_ns",
              "l1_latency_cycles", "sm_clock_Hz", "issue_slots_per_sm_cycle", "l1_bandwidth_bytes_per_cycle",
              "l2_bandwidth_Bps", "sm_max_bandwidth_bytes_per_cycle", "l1_capacity_bytes", "max_threads_per_sm",
@@ -89,7 +92,7 @@ def design_names() -> list[str]:
     return sorted(p.stem for p in (PERF_DIR / "designs").glob("*.json"))
 
 
-def load_design(name_or_path: str | Path = "v1") -> dict[str, Any]:
+def load_design(name_or_path: str | Path = CURRENT_DESIGN) -> dict[str, Any]:
     """A design by name (``data/perf/designs/<name>.json``) or path; its expressions are parsed (not run) here."""
     from kimik3.perfmodel.expr import check
 

@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from kimik3.perfmodel.data import load_constants, load_design
+from kimik3.perfmodel.data import CURRENT_DESIGN, load_constants, load_design
 
 __all__ = ["megakernel_opcode_report", "fused_kernel_report"]
 
 
-def megakernel_opcode_report(model: Any, batch: int, prompt_len: int, design: str = "v1", steps: int = 3,
+def megakernel_opcode_report(model: Any, batch: int, prompt_len: int, design: str = CURRENT_DESIGN,
+                             steps: int = 3,
                              prebuilt: str | None = None, seed: int = 0, check: bool = True) -> dict[str, Any]:
     """Decode ``steps`` steps with stage ``megakernel`` after a random ``prompt_len``-token prompt; the last
     step's timing buffer against the model (context = the last step's position + 1). Needs CUDA. ``check``:
@@ -61,7 +62,7 @@ def megakernel_opcode_report(model: Any, batch: int, prompt_len: int, design: st
 
 
 def fused_kernel_report(kernel_records: Sequence[dict[str, Any]], preset: str, batch: int, context_len: int,
-                        cache_len: int, design: str = "v1", expert_format: str = "bf16") -> dict[str, Any]:
+                        cache_len: int, design: str = CURRENT_DESIGN, expert_format: str = "bf16") -> dict[str, Any]:
     """Per measured launch (``{"launch", "family", "seconds", "batch"}`` records, as the device check writes them):
     the model's time for that launch (sum of its kernels, kernel boundary included — the measurement times
     back-to-back launches in a graph) and measured ÷ model; plus per family the sums over the measured launches."""

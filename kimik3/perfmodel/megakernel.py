@@ -5,8 +5,9 @@ One instruction on one SM (``kernels/megakernel.py``'s loop), in the order the d
 1. **fetch** — dependent global round trips before anything else can start (instruction row, operand table, the
    prefetch choice): ``fetch_round_trips_hbm × HBM latency + fetch_round_trips_l2 × L2 latency``;
 2. **stage** — the largest row-contiguous bf16 PREFETCH weight operand, whole rows up to ``stage_bytes``, all in
-   flight at once: ``latency + staged / SM share``. Fetch and stage overlap the wait for the producers (and, with
-   ``prefetch_ahead``, the previous instruction's body too);
+   flight at once (a design with ``stage_choice = host`` reads the rows the host wrote into the instruction's
+   ``W_STAGE_*`` words instead of re-deriving them): ``latency + staged / SM share``. Fetch and stage overlap the
+   wait for the producers (and, with ``prefetch_ahead``, the previous instruction's body too);
 3. **wait** — until every awaited counter is reached (the simulation), then ``wait_round_trips_l2`` L2 round trips;
    with ``stage_wait = all`` nothing starts before the whole stage has landed;
 4. **body** — per opcode from the design: byte *streams* (Little's law: in flight = threads × loads × width per
@@ -31,19 +32,21 @@ import numpy as np
 import pandas as pd
 import torch
 
+from kimik3.kernels.mk_addr import gemv_batch_tile
 from kimik3.megakernel.instructions import Kind, Mode, Op, Program
 from kimik3.perfmodel.data import Constants, field
 from kimik3.perfmodel.expr import evaluate
 
 __all__ = ["SYMBOLS", "instruction_symbols", "stream_ns", "instruction_times", "simulate_model"]
 
-SYMBOLS = ("B", "bt", "nbt", "NT", "NW", "nops", "nwaits", "rows", "row_bytes", "heads", "nb", "positions",
-           "splits", "slots", "pairs", "distinct", "k", "E", "Dmax", "H", "dk", "nope", "kvl", "rope", "ql", "qk",
-           "dv", "Ie", "Dl", "Is", "tiles", "weight_bytes", "state_bytes", "act_bytes", "flops", "shfl")
+SYMBOLS = ("B", "bt", "nbt", "gbt", "gnbt", "NT", "NW", "nops", "nwaits", "rows", "row_bytes", "heads", "nb",
+           "positions", "splits", "slots", "pairs", "distinct", "k", "E", "Dmax", "H", "dk", "nope", "kvl", "rope",
+           "ql", "qk", "dv", "Ie", "Dl", "Is", "tiles", "weight_bytes", "state_bytes", "act_bytes", "flops", "shfl")
 
 
 def _bt(B: int) -> int:
-    """Batch rows per GEMV pass of the megakernel (``MKConfig.bt``: the largest divisor of B up to 4)."""
+    """Batch rows per pass of the megakernel's MLA opcodes (``MKConfig.bt``: the largest divisor of B up to 4; v1's
+    GEMV opcodes too). ``gbt`` is the GEMV opcodes' pass of the current device code (``mk_addr.gemv_batch_tile``)."""
     return max(d for d in range(1, min(B, 4) + 1) if B % d == 0)
 
 
@@ -105,6 +108,7 @@ def instruction_symbols(program: Program, costs: pd.DataFrame, i: int, context_l
     cfg = program_cfg(program)
     B = program.batch
     bt = _bt(B)
+    gbt = gemv_batch_tile(B)
     a = ins.args
     weights = [(o, program.buffers[o.buf]) for o in ins.operands if program.buffers[o.buf].kind == Kind.WEIGHT]
     big = max(weights, key=lambda w: (w[0].box[3] - w[0].box[2]) * w[1].shape[2] * (w[0].box[1] - w[0].box[0]),
@@ -141,7 +145,8 @@ def instruction_symbols(program: Program, costs: pd.DataFrame, i: int, context_l
     distinct = E * (1.0 - (1.0 - k / E) ** B) if E else 0.0
     c = costs[i] if isinstance(costs, list) else costs.iloc[i]
     return {
-        "B": float(B), "bt": float(bt), "nbt": float(B // bt), "NT": float(threads), "NW": float(threads // 32),
+        "B": float(B), "bt": float(bt), "nbt": float(B // bt), "gbt": float(gbt), "gnbt": float(B // gbt),
+        "NT": float(threads), "NW": float(threads // 32),
         "nops": float(len(ins.operands)), "nwaits": float(len(ins.waits)), "rows": rows, "row_bytes": row_bytes,
         "heads": heads, "nb": nb, "positions": positions, "splits": splits, "slots": slots,
         "pairs": (B * k / Dmax) if Dmax else 0.0, "distinct": distinct, "k": float(k), "E": float(E),
@@ -174,6 +179,7 @@ def instruction_times(program: Program, design: dict[str, Any], consts: Constant
     threads = int(field(mk["threads"]))
     ctas = int(field(mk.get("ctas_per_sm", {"value": 1})))  # each resident CTA streams its own instruction
     stage_bytes = int(field(mk["stage_bytes"]))
+    host_stage = field(mk.get("stage_choice", {"value": "device"})) == "host"
     shared = field(mk.get("shared_bytes", {"value": {}}))
     smem = float(shared.get(str(program.batch), max(shared.values(), default=0))) if isinstance(shared, dict) \
         else float(shared)
@@ -187,7 +193,10 @@ def instruction_times(program: Program, design: dict[str, Any], consts: Constant
         spec = mk["opcodes"].get(ins.op.name)
         if spec is None:
             raise ValueError(f"design {design['name']}: no entry for opcode {ins.op.name}")
-        staged, _ = _staged_bytes(program, ins, stage_bytes)
+        if host_stage:  # the host decided (instruction words W_STAGE_*): read it, do not re-derive it
+            staged = float(ins.stage[2] * 16) if ins.stage[0] >= 0 else 0.0
+        else:
+            staged, _ = _staged_bytes(program, ins, stage_bytes)
         staged = min(staged, env["weight_bytes"]) if env["weight_bytes"] > 0 else 0.0
         fetch = evaluate(field(mk["fetch_round_trips_hbm"]), env) * lat + \
             evaluate(field(mk["fetch_round_trips_l2"]), env) * consts.l2_latency_ns
@@ -215,7 +224,7 @@ def instruction_times(program: Program, design: dict[str, Any], consts: Constant
         act_ns = env["act_bytes"] / consts.l2_share_Bps * 1e9
         reread_ns = l1_bytes / consts.l1_Bps * 1e9 + l2_bytes / consts.l2_share_Bps * 1e9
         fmas = evaluate(spec.get("fmas", 0), env)
-        fma_ns = fmas * float(spec.get("issue_per_fma", 1.0)) / (consts.issue_slots_per_sm_cycle
+        fma_ns = fmas * evaluate(spec.get("issue_per_fma", 1.0), env) / (consts.issue_slots_per_sm_cycle
                                                                  * consts.sm_clock_Hz) * 1e9
         serial_ns = 0.0
         for s in spec.get("serial", []):

@@ -1,0 +1,171 @@
+"""The router's top-k and the megakernel's MoE and misc opcodes executed on the host (``host_exec_router``).
+
+The fused router's ``topk_kernel`` and the megakernel's ROUTER, EXPERT_GATE_UP, EXPERT_DOWN, EMBED, ATTN_RES_MIX and
+ARGMAX run the same ``@cute.jit`` helpers the GPU code calls (candidates, lane arg-max, the tie-break, retirement,
+weights, slot weights / use flags; which slot, expert, row and token a warp and lane handle, the per-lane dots, the
+fp32 combine; the embedding row, the AttnRes partial sums and mix, the arg-max pick) over every warp / lane / thread
+of real launches; the butterfly exchanges are replayed in the shuffle order, the router's ballot compaction and the
+epilogues in Python, stores counted into poisoned outputs. References: the model's router and a stable top-k
+specification (fused router), the CPU interpreter's opcode bodies on the same buffers (megakernel). Host runs go
+through a subprocess: a device-only instruction reached on the host aborts the process.
+
+Whole programs at ``micro`` and ``tiny``; at ``k3-shard`` the first MoE layer's tile corners (first / last slot x
+first / last row tile, every lane) and the misc opcodes; the full ``tiny`` batch-8 / ``k3-shard`` layers are slow.
+Planted mutants (docs/planted-bugs.md) must fail.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from host_exec_runner import run_cases
+
+pytestmark = pytest.mark.host
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUPED = {"n_group": 4, "topk_group": 2}
+
+
+def _cases_ci() -> list[dict]:
+    cases = [{"family": "router", "preset": p, "batch": b} for p, b in (("micro", 1), ("tiny", 8))]
+    # k3-shard: the top-k at E = 56, k = 16 (two candidates per lane) from the reference scores
+    cases += [{"family": "router", "preset": "k3-shard", "batch": 64, "gemv": False}]
+    cases += [{"family": "router.ties", "preset": "tiny", "batch": 8}]
+    # grouped routing (no preset uses it; the kernel compiles it for n_group > topk_group): 4 groups, the best 2
+    cases += [{"family": f, "preset": "tiny", "batch": 8, "shapes": GROUPED} for f in ("router", "router.ties")]
+    # mk.moe: ROUTER -> EXPERT_GATE_UP -> EXPERT_DOWN all host-executed; mk.<OPCODE>: that opcode, its producers by
+    # the reference (batch 64: two combine accumulators per lane, experts with many tokens)
+    cases += [{"family": "mk.moe", "preset": p, "batch": b} for p, b in (("micro", 64), ("tiny", 1))]
+    cases += [{"family": "mk.ROUTER", "preset": "micro", "batch": 8, "ties": True},
+              {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}]
+    cases += [{"family": "mk.misc", "preset": p, "batch": b} for p, b in (("micro", 8), ("tiny", 1))]
+    cases += [{"family": "mk.moe", "preset": "k3-shard", "batch": 1, "layers": "first_moe", "sample": "corners"},
+              {"family": "mk.misc", "preset": "k3-shard", "batch": 1}]
+    return cases
+
+
+def _cases_slow() -> list[dict]:
+    cases = [{"family": "mk.moe", "preset": "tiny", "batch": b} for b in (8, 64)]
+    cases += [{"family": "mk.misc", "preset": "tiny", "batch": 64}]
+    cases += [{"family": "mk.moe", "preset": "k3-shard", "batch": b, "layers": "first_moe"} for b in (1, 8)]
+    cases += [{"family": "router", "preset": "k3-shard", "batch": b} for b in (1, 8, 64)]
+    return cases
+
+
+# Planted bugs (docs/planted-bugs.md): (module, [(original, mutated)]) and the case that must then fail. Each mutated
+# line is the real one in the kernel module, so a refactor that moves it fails load_mutant loudly.
+MUTANTS: dict[str, tuple[list, dict]] = {
+    "topk-tie-break": (["router", [["return (v > bv) | ((v == bv) & (i < bi))",
+                                    "return (v > bv) | ((v == bv) & (i > bi))"]]],
+                       {"family": "router.ties", "preset": "tiny", "batch": 8}),
+    "topk-group-keep": (["router", [["keep = keep | ((ix[j] // GS == g) & (rank < TOPK_GROUP))",
+                                     "keep = keep | ((ix[j] // GS == g) & (rank <= TOPK_GROUP))"]]],
+                        {"family": "router", "preset": "tiny", "batch": 8, "shapes": GROUPED}),
+    "mk-router-tie-break": (["mk_moe", [["return (ov > v) | ((ov == v) & (oi < i))",
+                                         "return (ov > v) | ((ov == v) & (oi > i))"]]],
+                            {"family": "mk.ROUTER", "preset": "micro", "batch": 8, "ties": True}),
+    "mk-router-compaction": (["mk_moe", [["return base + cute.arch.popc(bal & below)",
+                                          "return base + cute.arch.popc(bal & ~below)"]]],
+                             {"family": "mk.ROUTER", "preset": "micro", "batch": 8, "ties": True}),
+    "mk-down-expert-stride": (["mk_moe", [[
+        "return gchunks(ctx.s_addr[4] + expert_row_offset(ctx.s_d1[4], ctx.s_d2[4], e, r, Int64) * 2)",
+        "return gchunks(ctx.s_addr[4] + (Int64(e) + Int64(r)) * Int64(ctx.s_d2[4]) * 2)"]]],
+        {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
+    "mk-down-slot-row": (["mk_moe", [["(b * ctx.s_d1[0] + j) * hs", "(b * ctx.s_d1[0]) * hs"]]],
+                         {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
+    "mk-down-list-weight": (["mk_moe", [["mw[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), j)]",
+                                         "mw[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), p)]"]]],
+                            {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
+    "mk-down-out-col": (["mk_moe", [["return _eoff(ctx.s_d1[5], ctx.s_d2[5], b, Int32(0), r)",
+                                     "return _eoff(ctx.s_d1[5], ctx.s_d2[5], b, Int32(0), r + 1)"]]],
+                        {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
+    "mk-argmax-last-max": (["mk_misc", [["take = v > best", "take = v >= best"]]],
+                           {"family": "mk.misc", "preset": "micro", "batch": 8}),
+}
+
+
+def _run(cases: list[dict], tmp: Path, timeout: int) -> list[dict]:
+    return run_cases("kimik3.kernels.host_exec_router", cases, tmp, timeout)
+
+
+def _name(c: dict) -> str:
+    extra = "".join(f"-{k}" if v is True else f"-{k}={v}" for k, v in c.items()
+                    if k not in ("family", "preset", "batch", "mutant"))
+    return f"{c['family']}/{c['preset']}/b{c['batch']}{extra}"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], list[dict]]:
+    """The CI cases and the mutants in one subprocess (one import of torch and the DSL); none of the mutants
+    reaches a device-only instruction."""
+    ci = _cases_ci()
+    res = _run(ci + [{**case, "mutant": mut} for mut, case in MUTANTS.values()], tmp_path_factory.mktemp("host"),
+               timeout=1200)
+    return res[:len(ci)], res[len(ci):]
+
+
+@pytest.fixture(scope="module")
+def ci_results(results: tuple[list[dict], list[dict]]) -> dict[str, dict]:
+    return {_name(r["case"]): r for r in results[0]}
+
+
+@pytest.fixture(scope="module")
+def mutant_results(results: tuple[list[dict], list[dict]]) -> dict[str, dict]:
+    return dict(zip(MUTANTS, results[1]))
+
+
+@pytest.mark.parametrize("name", [_name(c) for c in _cases_ci()])
+def test_router_moe_host_execution_matches_reference(name: str, ci_results: dict[str, dict]) -> None:
+    r = ci_results[name]
+    assert r["ok"], f"{name}: problems {r['problems']}, errors {r['errors']} (tolerance {r['tol']})"
+    assert r["lanes"] > 0 and r["errors"], r  # something was executed and compared
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_router_moe_planted_mutant_is_caught(mutant: str, mutant_results: dict[str, dict],
+                                             ci_results: dict[str, dict]) -> None:
+    r = mutant_results[mutant]
+    clean = _name(MUTANTS[mutant][1])
+    # the same case without the mutant is in the CI set and passes: the failure is the mutant's
+    assert clean in ci_results and ci_results[clean]["ok"], clean
+    assert not r["ok"], f"planted bug {mutant} not caught: errors {r['errors']}, problems {r['problems']}"
+
+
+def test_down_output_column_mutant_is_a_store_outside_the_box(mutant_results: dict[str, dict]) -> None:
+    """The write check, not only the values: each EXPERT_DOWN tile's column r1 is stored (outside its declared box,
+    into the next tile's first column) and its column r0 never."""
+    problems = " ".join(mutant_results["mk-down-out-col"]["problems"])
+    assert "outside the declared box" in problems and "not written exactly once" in problems, problems
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _cases_slow(), ids=_name)
+def test_router_moe_host_execution_full(case: dict, tmp_path: Path) -> None:
+    (r,) = _run([case], tmp_path, timeout=3600)
+    assert r["ok"], f"{_name(case)}: problems {r['problems']}, errors {r['errors']} (tolerance {r['tol']})"
+
+
+def test_topk_spec_orders_ties_by_expert_id() -> None:
+    import torch
+    from kimik3.kernels.host_exec_router import topk_spec
+
+    s = torch.tensor([[0.5, 0.7, 0.5, 0.7, 0.1]])
+    ids, w = topk_spec(s, torch.zeros(5), 3)
+    assert ids.tolist() == [[1, 3, 0]]  # equal choice scores in ascending id
+    assert torch.allclose(w, torch.tensor([[0.7, 0.7, 0.5]]) / (1.9 + 1e-20))
+    ids, _ = topk_spec(s, torch.tensor([0.0, 0.0, 0.3, 0.0, 0.0]), 1)  # the bias chooses, the weight is unbiased
+    assert ids.tolist() == [[2]]
+    # groups {0, 1}, {2, 3}, {4, 5} with two-best sums 1.2, 1.2, 0.2: the lower of the tied groups is kept
+    ids, _ = topk_spec(torch.tensor([[0.5, 0.7, 0.5, 0.7, 0.1, 0.1]]), torch.zeros(6), 2, n_group=3, topk_group=1)
+    assert ids.tolist() == [[1, 0]]
+
+
+def test_run_topk_rejects_bad_arguments() -> None:
+    import torch
+    from kimik3.kernels.host_exec_router import run_topk
+
+    with pytest.raises(ValueError, match="topk"):
+        run_topk(torch.zeros(2, 8), torch.zeros(8), topk=9)
+    with pytest.raises(ValueError, match="n_group"):
+        run_topk(torch.zeros(2, 8), torch.zeros(8), topk=2, n_group=3, topk_group=1)
