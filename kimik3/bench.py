@@ -171,7 +171,7 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
             bar.set_postfix_str(f"repeat {r + 1}/{repeats} B={batch}")
             for stage in order[r % len(order):] + order[:r % len(order)]:
                 _sync(dev)
-                if dev.type == "cpu":
+                if dev == "cpu":
                     # the previous stage's OpenMP workers spin for a while after their last parallel region; let
                     # them go to sleep so they do not compete with the next stage's threads for the cores
                     time.sleep(CPU_SETTLE_S)
