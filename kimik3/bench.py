@@ -28,7 +28,7 @@ import kimik3
 from kimik3.atomic import atomic_write_text, check_writable
 from kimik3.clilog import compiler_output_to
 from kimik3.cost import decode_cost
-from kimik3.hardware import measure_local, read_ceiling_Bps
+from kimik3.hardware import measure_bandwidth, measure_local, read_ceiling_Bps
 from kimik3.profiling import Timing
 from kimik3.provenance import provenance
 from kimik3.validation.metric import rel_error
@@ -183,6 +183,17 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
         cost = decode_cost(cfg, batch_size=batch, context_len=context + steps * (warmup + repeats // 2),
                            weight_dtype="bf16" if dt == torch.bfloat16 else "fp32")
         nbytes = cost.total_bytes
+        ceiling_bw = read_bw
+        if dev == "cpu":
+            # a CPU's last-level cache can hold much of a small model's step: the ceiling for re-reading the same
+            # bytes every step is measured on buffers of the step's size, and a summing read does not saturate
+            # every CPU's memory system, so the best of read and triad (bytes as STREAM counts them) bounds it
+            ws = measure_bandwidth("cpu", nbytes=max(int(nbytes), 2**20), repeats=5, warmup=2)
+            ceiling_bw = max(read_bw, ws["read_bandwidth_Bps"], ws["triad_bandwidth_Bps"])
+            ceiling.setdefault("step_working_set", {})[str(batch)] = {
+                "buffer_bytes": max(int(nbytes), 2**20), "read_Bps": ws["read_bandwidth_Bps"],
+                "triad_Bps": ws["triad_bandwidth_Bps"], "ceiling_Bps": ceiling_bw,
+                "rule": "max(read at the default buffer, read and triad on buffers of the step's bytes)"}
         for stage, row in batch_rows.items():
             if stage in samples:
                 t = Timing(clock, samples[stage])
@@ -190,7 +201,7 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
                            ms_max=t.spread[1] * 1e3, repeats=len(t.samples), clock=t.clock,
                            tokens_per_s=batch / t.median, tokens_per_s_per_user=1 / t.median,
                            gb_per_s=nbytes / t.median / 1e9,
-                           pct_read_bw=100 * nbytes / t.median / read_bw, bytes_per_step=nbytes,
+                           pct_read_bw=100 * nbytes / t.median / ceiling_bw, bytes_per_step=nbytes,
                            flops_per_step=cost.total_flops)
                 if row["pct_read_bw"] > 100:  # unclamped, so an impossible figure shows as one
                     row["status"] = (f"measurement problem: {row['pct_read_bw']:.0f}% of the measured read bandwidth "

@@ -71,6 +71,9 @@ def test_roofline_figure_never_shows_a_point_above_its_ceiling_as_a_result():
 @pytest.mark.parametrize("ceiling_Bps, flagged", [(1.0, True), (1e18, False)])
 def test_bench_row_above_its_ceiling_is_flagged_not_recorded(tmp_path, monkeypatch, ceiling_Bps, flagged):
     monkeypatch.setattr(bench, "measure_local", lambda **kw: {"read_bandwidth_Bps": ceiling_Bps})
+    # the CPU ceiling at the step's working-set size (read and triad): the same planted value
+    monkeypatch.setattr(bench, "measure_bandwidth", lambda *a, **kw: {"read_bandwidth_Bps": ceiling_Bps,
+                                                                       "triad_bandwidth_Bps": ceiling_Bps})
     out = tmp_path / "b.json"
     df = bench.run_bench("micro", ["absorbed"], [1], context=8, steps=1, repeats=1, warmup=1, include_hf=False,
                          out=out, progress=False)
