@@ -115,11 +115,14 @@ def _recorded_points(recorded_dir: str | Path) -> pd.DataFrame:
 
 
 def _record_ceiling(r: Mapping) -> float:
-    """The bandwidth ceiling a record was measured against (the read bandwidth where it has one; older records
-    carry only a copy figure), NaN when it carries none."""
+    """The bandwidth ceiling a record was measured against (a CPU bench's ceiling at the step's working-set size,
+    else the read bandwidth where it has one; older records carry only a copy figure), NaN when it carries none."""
     for key in ("bandwidth_ceiling", "copy_bandwidth"):
         m = r.get(key)
         if isinstance(m, Mapping):
+            ws = m.get("step_working_set")  # a CPU bench: the ceiling measured at this batch's step size
+            if isinstance(ws, Mapping) and str(r.get("batch_size", r.get("batch"))) in ws:
+                return float(ws[str(r.get("batch_size", r.get("batch")))]["ceiling_Bps"])
             v = m.get("read_bandwidth_Bps") or m.get("copy_bandwidth_Bps")
             if v:
                 return float(v)

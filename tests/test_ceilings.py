@@ -86,3 +86,11 @@ def test_bench_row_above_its_ceiling_is_flagged_not_recorded(tmp_path, monkeypat
         assert rec["records"] == [] and len(rec["flagged"]) == 1
     else:
         assert row["status"] == "ok" and len(rec["records"]) == 1 and rec["flagged"] == []
+
+
+def test_a_cpu_bench_record_is_placed_against_its_working_set_ceiling():
+    from kimik3.roofline import _record_ceiling
+
+    ceiling = {"read_bandwidth_Bps": 2e10, "step_working_set": {"8": {"ceiling_Bps": 3e10}}}
+    assert _record_ceiling({"bandwidth_ceiling": ceiling, "batch_size": 8}) == 3e10
+    assert _record_ceiling({"bandwidth_ceiling": ceiling, "batch_size": 1}) == 2e10  # no entry: the read ceiling
