@@ -188,10 +188,12 @@ launches
 #
 # One process, one machine, the same weights: ms per decode step (median over repeats, interleaved across the
 # stages so drift in the machine's speed hits all of them alike; warm-up and compilation excluded), achieved GB/s
-# (cost-model bytes over time), % of this machine's measured read bandwidth (decode's ceiling, STREAM-style;
-# unclamped, so a row above 100 % is flagged as a measurement problem, not shown as a result), speedups, and each
-# stage's first-step logits against `naive` (`rel_err_vs_naive`: a fast row that computes something else would show
-# it).
+# (cost-model bytes over time), % of this machine's measured bandwidth ceiling (STREAM-style, unclamped, so a row
+# above 100 % is flagged as a measurement problem, not shown as a result; on a CPU measured on buffers of the step's
+# own size, the best of read and triad: a last-level cache can hold much of a small model's step, and a summing read
+# does not saturate every CPU's memory system — our own executor once ran above the plain read figure), speedups,
+# and each stage's first-step logits against `naive` (`rel_err_vs_naive`: a fast row that computes something else
+# would show it).
 #
 # `compile_setting = "quick"` compiles with the default Inductor settings (seconds). `"strongest"` is what the
 # benchmark CLI holds up as the baseline (`kimik3.bench.strongest_compile_options`): on a CPU, Inductor *freezing*
