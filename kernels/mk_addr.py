@@ -48,7 +48,7 @@ from typing import Any
 
 from .isa import BT_MAX, CHUNK_BYTES, STAGE_BYTES, Kind, Mode, Op
 
-__all__ = ["GEMV_BT", "GEMV_UNROLL", "gemv_batch_tile", "elem_offset", "tile_rows", "expert_row_offset",
+__all__ = ["GEMV_BT", "GEMV_UNROLL", "gemv_unroll", "gemv_batch_tile", "elem_offset", "tile_rows", "expert_row_offset",
            "Finding", "ReplayReport", "replay"]
 
 VEC = 8  # bf16 elements per 16-byte chunk (the device code's VEC)
@@ -61,6 +61,14 @@ VEC = 8  # bf16 elements per 16-byte chunk (the device code's VEC)
 # pass's rows in a loop (one row's x chunks live at a time).
 GEMV_BT = 8
 GEMV_UNROLL = 8  # 16-byte weight loads in flight per lane per step: 12 warps x 32 lanes x 8 x 16 B = 48 KiB per SM
+# sm_100a's ptxas spills the whole megakernel with 8 or 4 (it allocates the widest branch differently); 2 there
+GEMV_UNROLL_BY_ARCH = {"sm_100a": 2}
+
+
+def gemv_unroll(arch: str | None = None) -> int:
+    """16-byte weight loads in flight per lane per step of the GEMV opcodes for ``arch`` (the compile target,
+    ``CUTE_DSL_ARCH`` at trace time; ``None``: the sm_90a figure, which the host execution and the replay use)."""
+    return GEMV_UNROLL_BY_ARCH.get(arch or "", GEMV_UNROLL)
 
 
 def gemv_batch_tile(batch: int) -> int:

@@ -9,6 +9,7 @@ per round trip."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import cutlass
@@ -59,7 +60,7 @@ def _gemv_prologue(ctx: _Ctx, xop: Int32, eps: cutlass.Constexpr) -> tuple[Any, 
 @cute.jit
 def op_norm_proj(ctx: _Ctx) -> None:
     cfg = ctx.cfg
-    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.GEMV_UNROLL
+    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.gemv_unroll(os.environ.get("CUTE_DSL_ARCH"))
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
     fp32 = ctx.s_ins[W_ARGS]
     n = tile_rows(_bx(ctx, 2, R0), _bx(ctx, 2, R1))
@@ -90,7 +91,7 @@ def op_norm_proj(ctx: _Ctx) -> None:
 @cute.jit
 def op_mlp_gate_up(ctx: _Ctx) -> None:
     cfg = ctx.cfg
-    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.GEMV_UNROLL
+    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.gemv_unroll(os.environ.get("CUTE_DSL_ARCH"))
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
     n = tile_rows(_bx(ctx, 2, R0), _bx(ctx, 2, R1))
     nch = ctx.s_d2[2] // VEC
@@ -121,7 +122,7 @@ def op_mlp_gate_up(ctx: _Ctx) -> None:
 @cute.jit
 def op_o_proj_residual(ctx: _Ctx) -> None:
     cfg = ctx.cfg
-    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.GEMV_UNROLL
+    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.gemv_unroll(os.environ.get("CUTE_DSL_ARCH"))
     accumulate = ctx.s_ins[W_ARGS]
     xaddr = _row0(ctx, 0)
     xs = ctx.s_d1[0] * ctx.s_d2[0] // VEC
@@ -153,7 +154,7 @@ def op_ffn_out(ctx: _Ctx) -> None:
     """Operand order (scheduler ``out_cols``): [latent sum, (latent norm), up rows] if routed, [mlp hidden,
     down rows] if mlp, stream column tile last."""
     cfg = ctx.cfg
-    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.GEMV_UNROLL
+    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.gemv_unroll(os.environ.get("CUTE_DSL_ARCH"))
     flags = ctx.s_ins[W_ARGS]
     routed = (flags & FFN_ROUTED) != 0
     mlp = (flags & FFN_MLP) != 0
@@ -218,7 +219,7 @@ def op_ffn_out(ctx: _Ctx) -> None:
 @cute.jit
 def op_lm_head(ctx: _Ctx) -> None:
     cfg = ctx.cfg
-    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.GEMV_UNROLL
+    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.gemv_unroll(os.environ.get("CUTE_DSL_ARCH"))
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
     ti, r0 = ctx.s_ins[W_ARGS], ctx.s_ins[W_ARGS + 2]
     n = tile_rows(r0, ctx.s_ins[W_ARGS + 3])
