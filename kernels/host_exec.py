@@ -677,6 +677,17 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         tol = "kernel_bf16"
     else:
         raise ValueError(f"run_case: unknown family {family!r}")
+    return case_result(case, run, errors, tol, t0)
+
+
+def case_result(case: dict[str, Any], run: HostRun, errors: dict[str, float], tol: str | float,
+                t0: float) -> dict[str, Any]:
+    """The JSON line of one host-execution case: problems, errors against the reference, the tolerance (a
+    ``validation.metric.TOL`` key or a number) and ``ok`` when nothing was reported and every error is within it."""
+    import time
+
+    from kimik3.validation.metric import TOL
+
     bound = TOL[tol] if isinstance(tol, str) else tol
     ok = not run.problems and all(e <= bound for e in errors.values())
     return {"case": case, "problems": run.problems, "errors": errors, "tol": bound, "ok": ok,

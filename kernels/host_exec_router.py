@@ -38,7 +38,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from . import router as _router
 from ._trace import host_trace
-from .host_exec import LANES, HostRun, _t, _Writes, cases_main, load_mutant, warp_sum
+from .host_exec import LANES, HostRun, _t, _Writes, case_result, cases_main, load_mutant, warp_sum
 
 __all__ = ["run_topk", "topk_spec", "run_case", "main"]
 
@@ -998,7 +998,6 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     import time
 
     from kimik3.config import get_preset
-    from kimik3.validation.metric import TOL
 
     from . import registry
 
@@ -1016,10 +1015,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         run, errors, tol = _mk_case(case, mname, mod)
     else:
         raise ValueError(f"run_case: unknown family {family!r}")
-    bound = TOL[tol] if isinstance(tol, str) else tol
-    ok = not run.problems and all(e <= bound for e in errors.values())
-    return {"case": case, "problems": run.problems, "errors": errors, "tol": bound, "ok": ok,
-            "lanes": run.lanes_run, "seconds": round(time.perf_counter() - t0, 2)}
+    return case_result(case, run, errors, tol, t0)
 
 
 def main(argv: list[str] | None = None) -> int:
