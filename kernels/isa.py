@@ -27,7 +27,7 @@ import enum
 __all__ = [
     "Op", "Kind", "Mode", "NormRole", "Site",
     "MAGIC", "VERSION", "HEADER_WORDS", "MAX_WAITS", "MAX_OPERANDS", "OPERAND_WORDS", "INSTR_WORDS",
-    "BUFFER_WORDS", "COUNTER_WORDS", "POLICIES", "DTYPE_CODES",
+    "BUFFER_WORDS", "COUNTER_WORDS", "POLICIES", "EXPERT_FORMATS", "MXFP4_OPERANDS", "DTYPE_CODES",
     "FFN_ROUTED", "FFN_MLP", "FFN_LATENT_NORM",
     "ERROR_WORDS", "CTL_WORDS", "ERR_WATCHDOG", "ERR_BAD_PROGRAM", "CTA_THREADS", "BT_MAX",
     "STAGE_BYTES", "STAGE_BUFFERS", "CHUNK_BYTES", "W_STAGE_OP", "W_STAGE_ROWS", "W_STAGE_CHUNKS", "W_NEXT_BUF",
@@ -110,15 +110,22 @@ COUNTER_WORDS = 4  # total, name offset, name length, 0
 H_MAGIC, H_VERSION, H_HEADER_WORDS, H_N, H_INSTR_WORDS, H_S, H_Q, H_C, H_NB = range(9)
 H_BATCH, H_MAX_SEQ, H_LAYERS, H_POLICY = 9, 10, 11, 12
 H_OFF_BUF, H_OFF_CTR, H_OFF_INS, H_OFF_Q, H_OFF_STR, H_NSTR, H_TOTAL = 13, 14, 15, 16, 17, 18, 19
-H_MAX_WAITS, H_MAX_OPERANDS = 20, 21  # words 22..31 reserved (zero)
+H_MAX_WAITS, H_MAX_OPERANDS = 20, 21
+H_EXPERT_FORMAT = 22  # words 23..31 reserved (zero)
 POLICIES = ("round_robin", "critical_path", "custom")  # header word H_POLICY is an index into this
+# How the routed experts are stored (header word H_EXPERT_FORMAT is an index into this): "dense" stacks w1 / w3 / w2
+# in the activation dtype; "mxfp4" holds them as the K3 release does (compressed-tensors mxfp4-pack-quantized): uint8
+# codes, two E2M1 values per byte (low nibble = even column), and one E8M0 uint8 scale (2^(e-127)) per 32 columns.
+# A kernel is compiled for one of them and refuses a program of the other (ERR_BAD_PROGRAM).
+EXPERT_FORMATS = ("dense", "mxfp4")
 
 # ---------------------------------------------------------------------------------------------------- tables
 BW_KIND, BW_DTYPE, BW_D0, BW_D1, BW_D2, BW_NAME_OFF, BW_NAME_LEN = range(7)  # a buffer-table row
 CW_TOTAL, CW_NAME_OFF, CW_NAME_LEN = range(3)  # a counter-table row: per-step total, then its name
 # buffer-table word BW_DTYPE (names as torch spells them; the host maps them to torch dtypes)
-DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int64": 3, "int32": 4, "bool": 5, "float64": 6}
-DTYPE_F32, DTYPE_BF16 = DTYPE_CODES["float32"], DTYPE_CODES["bfloat16"]
+DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int64": 3, "int32": 4, "bool": 5, "float64": 6,
+               "uint8": 7}
+DTYPE_F32, DTYPE_BF16, DTYPE_U8 = DTYPE_CODES["float32"], DTYPE_CODES["bfloat16"], DTYPE_CODES["uint8"]
 
 # ---------------------------------------------------------------------------------------------------- instruction
 # word offsets inside one instruction row
@@ -155,6 +162,15 @@ B0, B1, R0, R1, C0, C1 = range(6)  # box fields, relative to OW_BOX
 # ---------------------------------------------------------------------------------------------------- arguments
 # FFN_OUT arg 0 flags: which sources the column tile sums (and whether the routed one is latent-normed)
 FFN_ROUTED, FFN_MLP, FFN_LATENT_NORM = 1, 2, 4
+
+# ---------------------------------------------------------------------------------------------------- operands
+# The expert opcodes of an "mxfp4" program: (codes operand, its scales operand) per weight. Operands 0..5 are the
+# dense layout with uint8 codes where the dense weights were; the scales follow:
+#   EXPERT_GATE_UP  0 latent x R | 1 slot experts R | 2 slot use R | 3 w1 codes* (0,E, r0,r1, 0,Dl/2) | 4 w3 codes*
+#                   | 5 expert hidden W | 6 w1 scales* (0,E, r0,r1, 0,Dl/32) | 7 w3 scales*
+#   EXPERT_DOWN     0 expert hidden R | 1 slot experts R | 2 slot use R | 3 slot weights R | 4 w2 codes*
+#                   (0,E, r0,r1, 0,Ie/2) | 5 latent sum W | 6 w2 scales* (0,E, r0,r1, 0,Ie/32)
+MXFP4_OPERANDS = {Op.EXPERT_GATE_UP: ((3, 6), (4, 7)), Op.EXPERT_DOWN: ((4, 6),)}
 
 # ---------------------------------------------------------------------------------------------------- launch
 ERROR_WORDS = 8  # error[0] code, [1] instruction, [2] counter, [3] target, [4] value seen, [5] CTA, [6] SM, [7] step

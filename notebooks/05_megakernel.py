@@ -334,8 +334,12 @@ if native is not None:
 # (`data/perf/constants.json`) each carry a source and are the same for every design. Two designs are committed:
 # `v1`, the kernels before the redesign (one 64 KiB stage filled for the *current* instruction after its fetch, every
 # thread stalled on `cp.async.wait_group 0`, 24 KiB of weight loads in flight per SM, a scalar-load MLA absorption),
-# and `v2`, today's kernels (`data/perf/designs/v2.json`; scores in `data/perf/scores-v2.json`). Same command-line
-# view: `python -m kimik3 predict --preset k3-shard --stage megakernel --batch 1 --json` (`--design v1` for the record).
+# and `v2`, today's kernels (`data/perf/designs/v2.json`; scores in `data/perf/scores-v2.json`). Each design is scored
+# on the program it was built for (v1's MLA_PARTIAL took all 96 heads of a split; today's program cuts them into
+# tiles when SMs are left over), and `v2` also with the routed experts stored as MXFP4 (the K3 release's format: the
+# program carries the codes and scales, its expert opcodes decode them; the roofline then moves MXFP4 bytes). Same
+# command-line view: `python -m kimik3 predict --preset k3-shard --stage megakernel --batch 1 --json` (`--experts
+# mxfp4`, `--design v1` for the record).
 
 # %%
 import json
@@ -345,12 +349,13 @@ from kimik3.perfmodel import roofline_ms as model_roofline_ms
 
 PC = load_constants()
 # the committed scores of both designs (tests/test_perfmodel.py recomputes them and fails when they are stale)
-scores = pd.concat([pd.DataFrame([{"design": d, "stage": r["stage"], "batch": r["batch"], "model ms": r["predicted_ms"],
+scores = pd.concat([pd.DataFrame([{"design": d, "stage": r["stage"], "batch": r["batch"],
+                                   "experts": r.get("experts", "bf16"), "model ms": r["predicted_ms"],
                                    "roofline ms": r["roofline_ms"], "% of roofline": 100 * r["fraction_of_roofline"]}
                                   for r in json.loads((PERF_DIR / f"scores-{d}.json").read_text())["results"]
                                   if r["preset"] == SHARD]) for d in ("v1", CURRENT_DESIGN)])
-scores = scores.set_index(["stage", "batch", "design"]).sort_index()
-scores_now = scores.xs(CURRENT_DESIGN, level="design")
+scores = scores.set_index(["stage", "batch", "experts", "design"]).sort_index()
+scores_now = scores.xs((CURRENT_DESIGN, "bf16"), level=("design", "experts"))
 rec = load_recorded("data/measurements")
 meas = rec[(rec["block"] == "step") & (rec["preset"] == SHARD)
            & rec["device"].astype(str).str.contains("H200", case=False)] if not rec.empty else rec
@@ -361,7 +366,8 @@ def measured_ms(st: str, b: int) -> float:
     return float(m["seconds"].min() * 1e3) if len(m) else float("nan")
 
 
-scores["measured ms"] = [measured_ms(st, b) if d == CURRENT_DESIGN else float("nan") for st, b, d in scores.index]
+scores["measured ms"] = [measured_ms(st, b) if d == CURRENT_DESIGN and e == "bf16" else float("nan")
+                         for st, b, e, d in scores.index]
 print(f"roofline = step bytes / achievable HBM read bandwidth ({PC.achievable_Bps / 1e12:.2f} TB/s); "
       f"measured ({CURRENT_DESIGN}, today's kernels): NaN until a GPU run records it")
 display(scores.round(3))
@@ -428,6 +434,33 @@ print("batch 8 with every GEMV x re-read from L2:",
 fig
 
 # %% [markdown]
+# ### MXFP4 experts
+#
+# Stored as MXFP4 the routed experts cost 4.25 bits per weight instead of 16, so the step's bytes (and the roofline)
+# shrink; the expert opcodes read the codes and the scale bytes and expand every weight on the CUDA cores before its
+# FMA. Per weight that is a few integer operations and a conversion on top of the FMA, for a quarter of the bytes: the
+# table below says, per expert opcode, whether the HBM stream or the instruction issue sets the pace (mean µs per
+# instruction in the calibrated model).
+
+# %%
+rows, parts = [], []
+for b in (1, 8):
+    for e in ("bf16", "mxfp4"):
+        r = predict(SHARD, "megakernel", b, CURRENT_DESIGN, constants=PC, experts=e)
+        rows.append({"batch": b, "experts": e, "model ms": r["predicted_ms"], "roofline ms": r["roofline_ms"],
+                     "% of roofline": 100 * r["fraction_of_roofline"]})
+        t, _ = megakernel_model(SHARD, b, CURRENT_DESIGN, PC, experts=e)
+        t = t[t["op"].str.startswith("EXPERT")]
+        g = t.groupby("op").agg(hbm_us=("hbm_ns", "mean"), fma_issue_us=("fma_ns", "mean"),
+                                rereads_us=("reread_ns", "mean"), serial_us=("serial_ns", "mean"),
+                                limited_by=("limited_by", lambda v: v.mode().iloc[0]))
+        for c in ("hbm_us", "fma_issue_us", "rereads_us", "serial_us"):
+            g[c] = g[c] / 1e3
+        parts.append(g.assign(batch=b, experts=e).reset_index().set_index(["batch", "op", "experts"]))
+display(pd.DataFrame(rows).set_index(["batch", "experts"]).round(3))
+display(pd.concat(parts).sort_index().round(1))
+
+# %% [markdown]
 # ### Against the review's estimate, opcode by opcode
 #
 # A review of the device code estimated 52–64 % of the roofline at batch 1 and about 30 % at batch 8. The model's
@@ -452,8 +485,8 @@ fig
 #   re-reads in L2 (the 12 warps' rows do not fit in the L1 left next to 112 KiB of shared memory), plus a dependent
 #   load of the use flag per (row, token). If the re-reads went to HBM instead (an L2 that the weight stream evicts),
 #   batch 8 would be far slower — the review's figure may assume that; the model does not.
-# * The review's "~12 KiB in flight per SM" for MXFP4 experts concerns the *fused* MXFP4 kernel; the megakernel has no
-#   MXFP4 path and v1 is scored with bf16 experts.
+# * The review's "~12 KiB in flight per SM" for MXFP4 experts concerns the *fused* MXFP4 kernel; v1's megakernel had
+#   no MXFP4 path and is scored with bf16 experts only.
 #
 # The least certain constant is the HBM latency under load (Little's law divides by it). The last table varies it —
 # a sensitivity check, not a fit: even at twice the constant the model stays above the review's batch-8 figure, so

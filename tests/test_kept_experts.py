@@ -189,7 +189,7 @@ def test_naive_on_kept_experts_is_bitwise_the_dequantised_model(mx_ckpt):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-@pytest.mark.parametrize("stage", ["absorbed", "compiled", "megakernel-interp"])
+@pytest.mark.parametrize("stage", ["absorbed", "compiled"])
 def test_other_stages_refuse_kept_experts_with_the_way_out(mx_ckpt, stage):
     kept = from_pretrained(mx_ckpt, quantized_experts="keep")
     with pytest.raises(ValueError, match=rf"stage '{stage}' reads dense routed experts.*dequantize_experts\(\).*"

@@ -12,12 +12,14 @@ import pandas as pd
 import pytest
 import torch
 
+from kimik3.config import get_preset
 from kimik3.megakernel.instructions import BufferSpec, Counter, Instruction, Kind, Mode, Op, Operand, Program
 from kimik3.perfmodel import (
     CURRENT_DESIGN,
     PERF_DIR,
     compare_kernels,
     compare_opcodes,
+    design_expert_formats,
     design_names,
     instruction_times,
     load_constants,
@@ -137,8 +139,16 @@ def test_constants_have_sources_and_no_design_is_missing_an_opcode():
     for k, e in raw.items():
         assert e["source"] and "verified" in e, k
     assert C.achievable_Bps < C.hbm_peak_Bps  # the ceiling is the achievable bandwidth, not the datasheet
+    expert_ops = {"EXPERT_GATE_UP", "EXPERT_DOWN"}
     for name in design_names():
-        assert set(load_design(name)["megakernel"]["opcodes"]) == {op.name for op in Op if op.value > 0}, name
+        ops = set(load_design(name)["megakernel"]["opcodes"])
+        base = {k for k in ops if "." not in k}
+        assert base == {op.name for op in Op if op.value > 0}, name
+        fp4 = {k for k in ops if k.endswith(".mxfp4")}
+        assert ops == base | fp4, name  # no other variant entries
+        # a design that scores MXFP4 experts describes both expert opcodes for them, and only those
+        want = {f"{op}.mxfp4" for op in expert_ops} if "mxfp4" in design_expert_formats(name) else set()
+        assert fp4 == want, name
 
 
 @pytest.mark.parametrize("design", ["v1", "v2"])
@@ -146,11 +156,14 @@ def test_constants_have_sources_and_no_design_is_missing_an_opcode():
 def test_predict_both_stages_all_batches_match_committed_scores(stage, design):
     committed = json.loads((PERF_DIR / f"scores-{design}.json").read_text())
     assert committed["constants"] == "data/perf/constants.json" and committed["design"] == design
-    for b in (1, 8, 64):
-        r = predict("k3-shard", stage, b, design)
+    fmts = design_expert_formats(design)
+    assert {x.get("experts", "bf16") for x in committed["results"]} == set(fmts)
+    for experts, b in [(f, b) for f in fmts for b in (1, 8, 64)]:
+        r = predict("k3-shard", stage, b, design, experts=experts)
         assert set(r) >= {"predicted_ms", "roofline_ms", "fraction_of_roofline", "by_opcode"}
         assert 0 < r["fraction_of_roofline"] <= 1.0  # never faster than the achievable-bandwidth roofline
-        want = next(x for x in committed["results"] if x["stage"] == stage and x["batch"] == b)
+        want = next(x for x in committed["results"] if x["stage"] == stage and x["batch"] == b
+                    and x.get("experts", "bf16") == experts)
         assert r["predicted_ms"] == pytest.approx(want["predicted_ms"], rel=1e-6), \
             f"data/perf/scores-{design}.json is stale: regenerate with kimik3.perfmodel.write_scores('{design}')"
         assert r["roofline_ms"] == pytest.approx(want["roofline_ms"], rel=1e-9)
@@ -164,6 +177,46 @@ def test_current_design_is_the_default_and_v1_keeps_its_record():
     v1 = json.loads((PERF_DIR / "scores-v1.json").read_text())["results"]
     want = next(x for x in v1 if x["stage"] == "megakernel" and x["batch"] == 1)
     assert predict("k3-shard", "megakernel", 1, "v1")["fraction_of_roofline"] == want["fraction_of_roofline"]
+
+
+def test_a_design_carries_the_tiling_it_was_scored_on():
+    """v1 was scored on a program whose MLA_PARTIAL took every head; today's program cuts the heads into tiles when
+    the (sequence, split) tiles leave SMs free (batch 1). The model builds each design's own program."""
+    from kimik3.perfmodel import design_tiling, model_program
+
+    assert design_tiling(V1) == (("mla_partial_heads", "all"),) and design_tiling(CUR) == ()
+    nh = get_preset("k3-shard").num_attention_heads
+
+    def heads(prog):
+        return {x.args[1] - x.args[0] for x in prog.instructions if x.op == Op.MLA_PARTIAL}
+
+    assert heads(model_program("k3-shard", 1, tiling=design_tiling(V1))) == {nh}
+    assert max(heads(model_program("k3-shard", 1))) < nh
+    bad = copy.deepcopy(V1)
+    bad["megakernel"]["tiling"] = {"value": {"no_such_tile": 3}}
+    with pytest.raises(ValueError, match="unknown tiling field"):
+        design_tiling(bad)
+    bad["megakernel"]["tiling"] = {"value": {"kda_heads": 0}}
+    with pytest.raises(ValueError, match="positive int"):
+        design_tiling(bad)
+
+
+def test_mxfp4_experts_are_scored_on_an_mxfp4_program():
+    """The MXFP4 score runs the program that stores the routed experts as MXFP4 (its expert opcodes read the design's
+    .mxfp4 entries) against the roofline of the same bytes; a design without MXFP4 entries refuses it."""
+    from kimik3.perfmodel import megakernel_model, roofline_ms
+
+    assert roofline_ms("k3-shard", 1, experts="mxfp4") < roofline_ms("k3-shard", 1)
+    times, _ = megakernel_model("k3-shard", 1, CURRENT_DESIGN, C, experts="mxfp4")
+    dense, _ = megakernel_model("k3-shard", 1, CURRENT_DESIGN, C)
+    e = times["op"] == "EXPERT_GATE_UP"
+    assert times.loc[e, "weight_bytes"].sum() < 0.3 * dense.loc[dense["op"] == "EXPERT_GATE_UP", "weight_bytes"].sum()
+    r = predict("k3-shard", "megakernel", 1, experts="mxfp4")
+    assert r["experts"] == "mxfp4" and 0 < r["fraction_of_roofline"] <= 1
+    with pytest.raises(ValueError, match="MXFP4"):
+        predict("k3-shard", "megakernel", 1, "v1", experts="mxfp4")
+    with pytest.raises(ValueError, match="experts must be one of"):
+        predict("k3-shard", "megakernel", 1, experts="fp3")
 
 
 def test_compare_designs_side_by_side():
@@ -234,6 +287,10 @@ def test_predict_cli_json_and_bad_input(capsys):
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["stage"] == "megakernel" and out["design"] == "v1" and out["label"].startswith("model")
+    assert main(["predict", "--preset", "k3-shard", "--stage", "megakernel", "--batch", "8", "--experts", "mxfp4",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["experts"] == "mxfp4" and out["design"] == CURRENT_DESIGN
     assert main(["predict", "--stage", "fused", "--batch", "1", "--design", "nope"]) == 2
     assert "unknown design" in capsys.readouterr().err
     with pytest.raises(ValueError, match="context"):

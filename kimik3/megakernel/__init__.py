@@ -2,7 +2,8 @@
 interpreter and timelines.
 
 * :mod:`~kimik3.megakernel.instructions` — opcodes, operand declarations, the int32 program encoding;
-* :mod:`~kimik3.megakernel.layout` — buffer names and the packed weight layout;
+* :mod:`~kimik3.megakernel.layout` — buffer names, the packed weight layout and the routed experts' formats
+  (:data:`EXPERT_FORMATS`: dense, or MXFP4 codes + scales as the K3 release ships them);
 * :mod:`~kimik3.megakernel.step` — one decode step of the model as instructions in sequential order (tiling,
   operand declarations, groups);
 * :mod:`~kimik3.megakernel.scheduler` — the generic rest: hazards, costs, SM queues, waits, the program for a
@@ -16,12 +17,20 @@ interpreter and timelines.
 """
 
 from kimik3.megakernel.hazards import Violation, check_program, redundant_waits
-from kimik3.megakernel.instructions import Op, Program, decode_program, encode_program, instruction_set_table
+from kimik3.megakernel.instructions import (
+    EXPERT_FORMATS,
+    Op,
+    Program,
+    decode_program,
+    encode_program,
+    instruction_set_table,
+)
 from kimik3.megakernel.scheduler import POLICIES, CostModel, build_program, instruction_costs
 from kimik3.megakernel.step import StepSpec, Tiling, build_step
 from kimik3.megakernel.timeline import gantt, simulate, summary
 
 __all__ = [
+    "EXPERT_FORMATS",
     "POLICIES",
     "CostModel",
     "Op",

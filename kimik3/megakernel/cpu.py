@@ -42,8 +42,16 @@ import torch
 
 from kimik3.megakernel import instructions as enc
 from kimik3.megakernel.hazards import check_program, format_violations
-from kimik3.megakernel.instructions import FFN_LATENT_NORM, FFN_MLP, FFN_ROUTED, Kind, Program, encode_program
-from kimik3.megakernel.layout import check_supported, program_tensors, state_views
+from kimik3.megakernel.instructions import (
+    EXPERT_FORMATS,
+    FFN_LATENT_NORM,
+    FFN_MLP,
+    FFN_ROUTED,
+    Kind,
+    Program,
+    encode_program,
+)
+from kimik3.megakernel.layout import check_supported, expert_weight_names, program_tensors, state_views
 from kimik3.megakernel.scheduler import POLICIES, build_program
 from kimik3.megakernel.step import Tiling
 from kimik3.megakernel.timeline import from_timings
@@ -71,9 +79,9 @@ SOURCE = Path(__file__).with_name("cpu_executor.cpp")
 MAX_BATCH = 64  # the executor's capacity (cpu_executor.cpp MAX_BATCH)
 ABI_VERSION = 2
 DEFAULT_TIMEOUT_S = 10.0  # a wait that spins this long is a hang: the step fails with a per-worker dump
-# "dense": the routed experts stream in the model's dtype; "mxfp4": as MXFP4 (E2M1 codes + an E8M0 scale per 32
-# weights, 4.25 bits per weight, the K3 release's expert format), packed once by kimik3.quant.mxfp4_quantize
-EXPERT_FORMATS = ("dense", "mxfp4")
+# EXPERT_FORMATS (the program's, kernels/isa.py): option experts="dense" streams the routed experts in the model's
+# dtype; "mxfp4" as MXFP4 (E2M1 codes + an E8M0 scale per 32 weights, 4.25 bits per weight, the K3 release's expert
+# format): the model's held bytes, or packed once by kimik3.quant.mxfp4_quantize from dense experts
 _EXPERT_SUFFIXES = ("experts.w1", "experts.w2", "experts.w3")
 
 # The program header, word by word, in the order encode_program writes it.
@@ -309,6 +317,13 @@ class CPUMegakernel:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
         if experts not in EXPERT_FORMATS:
             raise ValueError(f"experts must be one of {', '.join(EXPERT_FORMATS)}, got {experts!r}")
+        if model.expert_storage == "mxfp4" and experts != "mxfp4":
+            raise ValueError("this model holds its routed experts as MXFP4: run megakernel-cpu with experts='mxfp4' "
+                             "(the executor then streams the held codes and scales as they are) or call "
+                             f"model.dequantize_experts() first ({model.expert_memory()})")
+        if program is not None and program.expert_format != "dense":
+            raise ValueError(f"the CPU executor reads programs with dense expert operands (got expert_format "
+                             f"{program.expert_format!r}); MXFP4 experts stream through experts='mxfp4' instead")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         cfg = model.config
@@ -329,7 +344,10 @@ class CPUMegakernel:
                 raise ValueError("megakernel program failed the hazard check:\n" + format_violations(bad))
         self.encoded = encode_program(self.program)
         self.timeout_s = float(timeout_s)
-        self.tensors: dict[str, torch.Tensor] = program_tensors(self.program.buffers, model)
+        # experts the model holds as MXFP4: {dense buffer name: (codes, scales)}, the model's own bytes
+        self._held = self._held_experts(model)
+        self.tensors: dict[str, torch.Tensor] = program_tensors(
+            [b for b in self.program.buffers if b.name not in self._held], model)
         for spec in self.program.buffers:
             if spec.name in self.tensors:
                 self._check_buffer(spec.name, self.tensors[spec.name], spec.shape, spec.dtype)
@@ -343,7 +361,10 @@ class CPUMegakernel:
 
             for k, spec in enumerate(self.program.buffers):
                 if spec.kind == Kind.WEIGHT and spec.name.endswith(_EXPERT_SUFFIXES):
-                    packed, scale = mxfp4_quantize(self.tensors[spec.name])  # ValueError: width not a multiple of 32
+                    if spec.name in self._held:
+                        packed, scale = self._held[spec.name]
+                    else:  # ValueError: width not a multiple of 32
+                        packed, scale = mxfp4_quantize(self.tensors[spec.name])
                     self._mx[spec.name] = (packed.contiguous(), scale.contiguous())
                     self._mx_addr[2 * k], self._mx_addr[2 * k + 1] = packed.data_ptr(), scale.data_ptr()
             if not self._mx:
@@ -363,6 +384,22 @@ class CPUMegakernel:
 
     # ------------------------------------------------------------------ buffers
     @staticmethod
+    def _held_experts(model: KimiForCausalLM) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Routed experts the model holds as MXFP4, by the dense buffer name the program declares: (codes, scales)
+        [E, rows, cols/2] / [E, rows, cols/32] uint8, the model's own buffers (empty for a dense model)."""
+        if model.expert_storage != "mxfp4":
+            return {}
+        held = dict(model.named_buffers())
+        out = {}
+        for i in range(model.config.num_hidden_layers):
+            if model.config.ffn(i) != "moe":
+                continue
+            mx = expert_weight_names(i, "mxfp4")
+            for w, (dense,) in expert_weight_names(i, "dense").items():
+                out[dense] = (held[mx[w][0]], held[mx[w][1]])
+        return out
+
+    @staticmethod
     def _check_buffer(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
             raise ValueError(f"buffer {name}: program declares {list(shape)} {dtype}, got {list(t.shape)} {t.dtype}")
@@ -376,6 +413,9 @@ class CPUMegakernel:
                 st.conv, st.S = st.conv.contiguous(), st.S.contiguous()
         self.tensors.update(state_views(self.cfg, state))
         for k, spec in enumerate(self.program.buffers):
+            if spec.name in self._held:  # never dereferenced: the executor streams these from the MXFP4 table
+                self._addr[k] = self._mx[spec.name][0].data_ptr()
+                continue
             t = self.tensors.get(spec.name)
             if t is None:
                 raise ValueError(f"state buffer {spec.name} is not bound")
@@ -486,13 +526,15 @@ class MegakernelCPUStage(Stage):
     the cores this process may use), ``policy`` ("critical_path" or "round_robin"), ``tiling``, ``check``
     (hazard-check the program once), ``pin`` (pin workers to cores), ``timeout_s`` (watchdog), ``poison``
     (NaN-fill scratch before each step, for tests), ``experts`` ("dense", or "mxfp4": the routed experts stream
-    as MXFP4 — exact for a model whose experts came from an MXFP4 checkpoint, a quantisation otherwise). Prefill
+    as MXFP4 — exact for a model whose experts came from an MXFP4 checkpoint, a quantisation otherwise; a model
+    holding its experts as MXFP4 needs "mxfp4", and its held bytes stream as they are). Prefill
     runs through the naive path token by token; the decode state is then shared with the executor, which updates
     it in place. Deterministic: every element is computed by one instruction in a fixed order, whatever the
     timing."""
 
     name = "megakernel-cpu"
-    support = StageSupport(dtypes=(torch.float32, torch.bfloat16), max_batch=MAX_BATCH, devices=("cpu",))
+    support = StageSupport(dtypes=(torch.float32, torch.bfloat16), max_batch=MAX_BATCH, devices=("cpu",),
+                           kept_experts=("mxfp4",))
 
     def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, num_sms: int | None = None,
                  policy: str = "critical_path", tiling: Tiling | None = None, check: bool = True, pin: bool = True,

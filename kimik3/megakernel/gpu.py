@@ -12,8 +12,13 @@ co-resident), read the error word. Counters are never reset between steps (waits
 
 Refusals are ``ValueError`` with the reason, never a fallback: not on a CUDA device, not bf16, batch outside
 1..64, an architecture the kernel is not built for (sm_90a, sm_100a), grouped routing, a program that breaks the
-device contract. A tripped watchdog raises :class:`MegakernelError` naming the instruction and the counter it
-waited on; the stage then refuses further steps until ``reset()``.
+device contract, a program whose expert format (dense / MXFP4) is not the kernel's or the model's. A tripped
+watchdog raises :class:`MegakernelError` naming the instruction and the counter it waited on; the stage then refuses
+further steps until ``reset()``.
+
+Routed experts: the program carries them as the model holds them (``model.expert_storage``): dense bf16 stacks, or
+MXFP4 (uint8 codes + E8M0 scales, ``model.quantize_experts()`` or a load with ``quantized_experts="keep"``), which
+the kernel compiled with ``fp4=True`` (variant ``megakernel/{preset}/b{B}-mxfp4``) reads as they are.
 
 The host side (program, contract check, static shapes) is tested on a CPU; the launch itself is checked by
 ``tests/test_megakernel_gpu.py``, which needs a GPU (what is still to be measured on one is listed in
@@ -49,9 +54,11 @@ from kimik3.megakernel.instructions import (
     ERR_BAD_PROGRAM,
     ERR_WATCHDOG,
     ERROR_WORDS,
+    EXPERT_FORMATS,
     FFN_LATENT_NORM,
     FFN_MLP,
     FFN_ROUTED,
+    MXFP4_OPERANDS,
     Op,
     Program,
     encode_program,
@@ -95,11 +102,18 @@ DEFAULT_SLEEP_NS = 64
 # program encoding in kernels/isa.py (the device code reads the same definitions)
 
 
+def _check_format(expert_format: str) -> None:
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"unknown expert_format {expert_format!r}; known: {', '.join(EXPERT_FORMATS)}")
+
+
 def static_shapes(cfg: ModelConfig | str, batch: int, prog_words: int = PROG_WORDS, max_instr: int = MAX_INSTR,
-                  max_bufs: int = MAX_BUFS, max_ctrs: int = MAX_CTRS) -> dict[str, Any]:
+                  max_bufs: int = MAX_BUFS, max_ctrs: int = MAX_CTRS, expert_format: str = "dense") -> dict[str, Any]:
     """The megakernel's compile-time shapes for a config and batch size (the fields of ``MKConfig``): widths and
-    constants of the model, the batch, and the parameter capacities. JSON-serialisable; the registry's
-    ``megakernel`` family and the prebuilt manifest use it as the variant's shapes."""
+    constants of the model, the batch, the parameter capacities and whether the routed experts are MXFP4
+    (``fp4``). JSON-serialisable; the registry's ``megakernel`` family and the prebuilt manifest use it as the
+    variant's shapes."""
+    _check_format(expert_format)
     cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     return dict(
@@ -115,22 +129,32 @@ def static_shapes(cfg: ModelConfig | str, batch: int, prog_words: int = PROG_WOR
         E=E, topk=k, dmax=min(E, batch * k) if E else 0, renorm=bool(cfg.norm_topk_prob),
         route_scale=float(cfg.routed_scaling_factor), latent_norm=bool(cfg.moe_latent_norm),
         kmax=cfg.attn_res_slots + 1, prog_words=int(prog_words), max_instr=int(max_instr), max_bufs=int(max_bufs),
-        max_ctrs=int(max_ctrs))
+        max_ctrs=int(max_ctrs), fp4=expert_format == "mxfp4")
 
 
-def variant_name(cfg: ModelConfig | str, batch: int) -> str:
-    """The registry / prebuilt name of the megakernel for a preset and batch (``megakernel/tiny/b8``)."""
+def variant_name(cfg: ModelConfig | str, batch: int, expert_format: str = "dense") -> str:
+    """The registry / prebuilt name of the megakernel for a preset, batch and expert format
+    (``megakernel/tiny/b8``, ``megakernel/tiny/b8-mxfp4``)."""
+    _check_format(expert_format)
     name = cfg if isinstance(cfg, str) else cfg.name
-    return f"megakernel/{name}/b{batch}"
+    return f"megakernel/{name}/b{batch}" + ("" if expert_format == "dense" else f"-{expert_format}")
 
 
 # ================================================================================================ device contract
 
-_F32, _BF16, _I64, _BOOL = torch.float32, torch.bfloat16, torch.int64, torch.bool
+_F32, _BF16, _I64, _BOOL, _U8 = torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8
 
 
-def _expected_dtypes(op: Op, args: tuple[int, ...], n: int) -> list[torch.dtype] | None:
-    """The dtype the device code assumes for each operand of an instruction (None: opcode not known)."""
+def _expected_dtypes(op: Op, args: tuple[int, ...], n: int, fp4: bool = False) -> list[torch.dtype] | None:
+    """The dtype the device code assumes for each operand of an instruction (None: opcode not known); ``fp4``: the
+    kernel reads the routed experts as MXFP4 (uint8 codes where the dense weights were, uint8 scales appended)."""
+    if fp4 and op in MXFP4_OPERANDS:
+        dense = _expected_dtypes(op, args, n)
+        pairs = MXFP4_OPERANDS[op]
+        out = dense + [_U8] * len(pairs)
+        for j, js in pairs:
+            out[j] = out[js] = _U8
+        return out
     table: dict[Op, list[torch.dtype]] = {
         Op.EMBED: [_I64, _BF16, _BF16],
         Op.ATTN_RES_MIX: [_BF16] * 4,
@@ -154,7 +178,9 @@ def _expected_dtypes(op: Op, args: tuple[int, ...], n: int) -> list[torch.dtype]
 
 def _vector_operands(op: Op, n: int) -> list[int]:
     """Operands the device code reads (or writes) as rows of 16-byte chunks: their rows must start 16-byte
-    aligned (innermost extent and first column multiples of 8 bf16)."""
+    aligned (innermost extent and first column multiples of 8 elements; 16 for uint8). MXFP4 codes sit where the
+    dense expert weights do (``MXFP4_OPERANDS``), so they are checked the same way; the scales are read byte by
+    byte."""
     return {
         Op.EMBED: [1, 2], Op.ATTN_RES_MIX: [0, 1, 2, 3], Op.NORM_PROJ: [0, 1, 2], Op.MLP_GATE_UP: [0, 1, 2, 3],
         Op.O_PROJ_RESIDUAL: [0, 1], Op.FFN_OUT: list(range(n - 1)), Op.LM_HEAD: [0, 1, 2], Op.MLA_Q: [1, 2, 3],
@@ -166,10 +192,14 @@ def check_device_contract(program: Program, cfg: ModelConfig, batch: int, shapes
                           ) -> list[str]:
     """Everything the device code takes for granted about a program, checked on the host (CPU-testable): the
     kernel would silently compute garbage otherwise. Returns readable problems (empty: the program fits)."""
-    shapes = shapes or static_shapes(cfg, batch)
+    shapes = shapes or static_shapes(cfg, batch, expert_format=program.expert_format)
     out: list[str] = []
     if program.batch != batch:
         out.append(f"program built for batch {program.batch}, kernel for {batch}")
+    fp4 = bool(shapes.get("fp4", False))
+    if (program.expert_format == "mxfp4") != fp4:
+        out.append(f"program carries {program.expert_format} routed experts, the kernel is compiled for "
+                   f"{'mxfp4' if fp4 else 'dense'} (fp4={fp4}): the device refuses it (ERR_BAD_PROGRAM)")
     if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
         out.append("grouped routing (n_group > 1) is not implemented in the megakernel's ROUTER")
     if cfg.kda_layers and cfg.kda_head_dim > CTA_THREADS:
@@ -182,7 +212,7 @@ def check_device_contract(program: Program, cfg: ModelConfig, batch: int, shapes
     out += [f"{what}: {have} > capacity {cap}" for what, have, cap in caps if have > cap]
     bufs = program.buffers
     for i, ins in enumerate(program.instructions):
-        want = _expected_dtypes(ins.op, ins.args, len(ins.operands))
+        want = _expected_dtypes(ins.op, ins.args, len(ins.operands), fp4)
         if want is None:
             if ins.op != Op.NOP:
                 out.append(f"#{i} {ins.label()}: opcode without device code")
@@ -196,8 +226,8 @@ def check_device_contract(program: Program, cfg: ModelConfig, batch: int, shapes
                            f"code reads {dt}")
         for j in _vector_operands(ins.op, len(ins.operands)):
             o = ins.operands[j]
-            d2 = bufs[o.buf].shape[2]
-            if d2 % 8 or o.box[4] % 8:
+            d2, per = bufs[o.buf].shape[2], 16 if bufs[o.buf].dtype == _U8 else 8  # 16 bytes of codes / 8 bf16
+            if d2 % per or o.box[4] % per:
                 out.append(f"#{i} {ins.label()}: operand {j} ({bufs[o.buf].name}) rows of {d2} elements from column "
                            f"{o.box[4]} are not 16-byte aligned (vector loads)")
         if ins.op == Op.ATTN_RES_MIX and ins.args[1] > shapes["kmax"]:
@@ -296,8 +326,15 @@ class MegakernelRunner:
         self.arch = _device_arch(dev)
         self.model, self.cfg, self.batch, self.device = model, cfg, batch_size, dev
         self.num_sms = int(num_sms or torch.cuda.get_device_properties(dev).multi_processor_count)
+        # the kernel is compiled for the experts as the model holds them (its buffers are what gets uploaded)
+        self.expert_format = model.expert_storage
         self.program = program if program is not None else build_program(
-            cfg, batch_size, self.num_sms, policy, max_seq_len, tiling, act_dtype=torch.bfloat16)
+            cfg, batch_size, self.num_sms, policy, max_seq_len, tiling, act_dtype=torch.bfloat16,
+            expert_format=self.expert_format)
+        if self.program.expert_format != self.expert_format:
+            raise ValueError(f"program carries {self.program.expert_format} routed experts, but the model holds them "
+                             f"{self.expert_format} (the kernel is compiled for the model's: "
+                             f"{variant_name(cfg, batch_size, self.expert_format)})")
         if self.program.num_sms > self.num_sms:
             raise ValueError(f"program has {self.program.num_sms} queues but the launch has {self.num_sms} CTAs")
         if check:
@@ -310,15 +347,16 @@ class MegakernelRunner:
                           ("max_bufs", len(self.program.buffers)), ("max_ctrs", max(1, len(self.program.counters)))):
             while caps[key] < need:  # grow (and compile in-process): never truncate a program
                 caps[key] *= 2
-        self.shapes = static_shapes(cfg, batch_size, **caps)
+        self.shapes = static_shapes(cfg, batch_size, **caps, expert_format=self.expert_format)
         problems = check_device_contract(self.program, cfg, batch_size, self.shapes)
         if problems:
             raise ValueError("megakernel program does not fit the device code:\n  " + "\n  ".join(problems[:20]))
-        self.name = variant_name(cfg, batch_size)
+        self.name = variant_name(cfg, batch_size, self.expert_format)
         self.fn = _compile(self.arch, self.shapes, prebuilt if caps == dict(
             prog_words=PROG_WORDS, max_instr=MAX_INSTR, max_bufs=MAX_BUFS, max_ctrs=MAX_CTRS) else None, self.name)
         self.max_spins, self.sleep_ns = int(max_spins), int(sleep_ns)
-        # ---- tensors: weights (views of the model's parameters + packed copies), scratch, the address table
+        # ---- tensors: weights (views of the model's parameters and MXFP4 expert buffers + packed copies), scratch,
+        # the address table
         self.tensors: dict[str, torch.Tensor] = program_tensors(self.program.buffers, model, dev)
         for spec in self.program.buffers:
             if spec.name in self.tensors:
@@ -394,7 +432,7 @@ class MegakernelRunner:
         if words[0] == 0:
             return
         if words[0] == ERR_BAD_PROGRAM:
-            msg = "megakernel rejected the program header (magic / instruction width)"
+            msg = "megakernel rejected the program header (magic / instruction width / expert format)"
         else:
             v, c = words[1], words[2]
             label = self.program.instructions[v].label() if 0 <= v < self.n else "?"
@@ -425,10 +463,12 @@ class MegakernelStage(Stage):
     ``num_sms`` (default: the GPU's SM count; one CTA per SM), ``tiling``, ``check`` (hazard-check the program
     once), ``max_spins`` / ``sleep_ns`` (watchdog), ``prebuilt`` (a directory from ``python -m kimik3 kernels
     build``; default: compile with the DSL in-process). Prefill runs through the naive path token by token; the
-    decode state is then shared with the kernel, which updates it in place."""
+    decode state is then shared with the kernel, which updates it in place. A model holding its routed experts as
+    MXFP4 runs the ``-mxfp4`` kernel variant on the held codes and scales."""
 
     name = "megakernel"
-    support = StageSupport(dtypes=(torch.bfloat16,), max_batch=64, devices=("cuda",), archs=ARCHS)
+    support = StageSupport(dtypes=(torch.bfloat16,), max_batch=64, devices=("cuda",), archs=ARCHS,
+                           kept_experts=("mxfp4",))
 
     def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, policy: str = "critical_path",
                  num_sms: int | None = None, tiling: Tiling | None = None, check: bool = True,

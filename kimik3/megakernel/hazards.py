@@ -16,7 +16,10 @@ at least one a write) is ordered by *happens-before* the same way as in sequenti
   caches and states never before their waits. The checker therefore verifies every descriptor — it names a
   WEIGHT buffer, lies inside a PREFETCH operand box of the instruction it feeds, and equals that instruction's own
   stage (``W_STAGE_*``, itself a bf16 row-contiguous PREFETCH weight within the stage size) — and, for a broken
-  one, also runs the read through the conflict analysis at that early point, so what it races with is named.
+  one, also runs the read through the conflict analysis at that early point, so what it races with is named;
+* an MXFP4 expert weight is two operands, the codes and their scales (``MXFP4_OPERANDS``): reading a code reads
+  the scale of its 32 columns, so the scales box must cover every group of the codes box (same experts and rows),
+  both uint8 static weights — otherwise the device reads scales nobody declared.
 
 The checker never looks at the scheduler's dependency analysis: it decodes the program, recomputes conflicts from
 the operand boxes, simulates the counters to find deadlocks (counters only grow and waits are ``≥``, so every
@@ -34,6 +37,7 @@ import torch
 
 from kimik3.megakernel.instructions import (
     CHUNK_BYTES,
+    MXFP4_OPERANDS,
     NO_STAGE,
     STAGE_BYTES,
     Kind,
@@ -42,6 +46,7 @@ from kimik3.megakernel.instructions import (
     decode_program,
     stage_descriptor,
 )
+from kimik3.quant import MXFP4_GROUP
 
 __all__ = ["Violation", "HappensBefore", "check_program", "happens_before", "redundant_waits", "format_violations"]
 
@@ -52,7 +57,8 @@ class Violation:
     before the waits, or a non-weight stage / next-stage descriptor), stage (a stage or next-stage descriptor that
     is malformed, outside the box it feeds, or not the next instruction's own stage), deadlock, counter (declared
     per-step total ≠ what is signalled), bounds, static-write, queue (an instruction missing from, or duplicated
-    in, the queues)."""
+    in, the queues), mxfp4 (an MXFP4 expert operand pair whose scales do not cover its codes, or not uint8
+    weights)."""
 
     kind: str
     instr: int
@@ -306,6 +312,47 @@ def _stage_reads(p: Program) -> tuple[list[Violation], list[tuple[int, int, tupl
     return out, reads
 
 
+_MX_COLS_PER_SCALE = MXFP4_GROUP // 2  # code bytes (two E2M1 values each) per E8M0 scale
+
+
+def _mxfp4_pairs(p: Program) -> list[Violation]:
+    """The MXFP4 rule of the module docstring, for every expert opcode of an ``"mxfp4"`` program."""
+    if p.expert_format != "mxfp4":
+        return []
+    out: list[Violation] = []
+    bufs = p.buffers
+    for i, x in enumerate(p.instructions):
+        for j, js in MXFP4_OPERANDS.get(x.op, ()):
+            if max(j, js) >= len(x.operands):
+                out.append(Violation("mxfp4", i, f"{_who(p, i)} has {len(x.operands)} operands; an MXFP4 program "
+                                                 f"declares codes in operand {j} and their scales in operand {js}"))
+                continue
+            c, sc = x.operands[j], x.operands[js]
+            if not (0 <= c.buf < len(bufs) and 0 <= sc.buf < len(bufs)):
+                continue  # reported as bounds
+            cb, sb = bufs[c.buf], bufs[sc.buf]
+            for k, b in ((j, cb), (js, sb)):
+                if b.kind != Kind.WEIGHT or b.dtype != torch.uint8:
+                    out.append(Violation("mxfp4", i, f"{_who(p, i)} operand {k} ({b.name}) is a "
+                                                     f"{str(b.dtype).removeprefix('torch.')} {b.kind.name.lower()} "
+                                                     "buffer; MXFP4 codes and scales are uint8 weights",
+                                         buffer=b.name))
+            if (cb.shape[0], cb.shape[1], cb.shape[2]) != (sb.shape[0], sb.shape[1], sb.shape[2] * _MX_COLS_PER_SCALE):
+                out.append(Violation("mxfp4", i, f"{_who(p, i)}: scales {sb.name} {list(sb.shape)} do not match codes "
+                                                 f"{cb.name} {list(cb.shape)} (one scale per {_MX_COLS_PER_SCALE} code "
+                                                 "bytes)", buffer=sb.name))
+                continue
+            b0, b1, r0, r1, c0, c1 = c.box
+            need = (b0, b1, r0, r1, c0 // _MX_COLS_PER_SCALE, -(-c1 // _MX_COLS_PER_SCALE))
+            have = sc.box
+            if not all(have[2 * d] <= need[2 * d] and need[2 * d + 1] <= have[2 * d + 1] for d in range(3)):
+                out.append(Violation("mxfp4", i, f"{_who(p, i)} reads codes {cb.name}{_box_str(c.box)}, whose scales "
+                                                 f"are {sb.name}{_box_str(need)}, but declares only "
+                                                 f"{sb.name}{_box_str(have)} (operand {js}): the device would read "
+                                                 "scales it does not declare", buffer=sb.name))
+    return out
+
+
 def check_program(program: Program | torch.Tensor) -> list[Violation]:
     """Every violation of the rules in the module docstring, sorted by instruction. Empty list = proven correct
     for one step; with correct per-step totals (checked too) the monotonic targets make every step alike."""
@@ -371,6 +418,7 @@ def check_program(program: Program | torch.Tensor) -> list[Violation]:
                              buffer=spec.name))
     stage_violations, staged = _stage_reads(p)
     out.extend(stage_violations)
+    out.extend(_mxfp4_pairs(p))
     if any(v.kind in ("queue", "bounds") for v in out) or any(v.kind == "counter" and "exist" in v.message
                                                               for v in out):
         return sorted(out, key=lambda v: (v.instr, v.kind))

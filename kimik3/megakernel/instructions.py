@@ -65,11 +65,13 @@ from kimik3.kernels.isa import (
     ERR_BAD_PROGRAM,
     ERR_WATCHDOG,
     ERROR_WORDS,
+    EXPERT_FORMATS,
     FFN_LATENT_NORM,
     FFN_MLP,
     FFN_ROUTED,
     H_BATCH,
     H_C,
+    H_EXPERT_FORMAT,
     H_HEADER_WORDS,
     H_INSTR_WORDS,
     H_LAYERS,
@@ -95,6 +97,7 @@ from kimik3.kernels.isa import (
     MAGIC,
     MAX_OPERANDS,
     MAX_WAITS,
+    MXFP4_OPERANDS,
     OPERAND_WORDS,
     OW_BOX,
     OW_BUF,
@@ -156,6 +159,8 @@ __all__ = [
     "FFN_ROUTED",
     "FFN_MLP",
     "FFN_LATENT_NORM",
+    "EXPERT_FORMATS",
+    "MXFP4_OPERANDS",
     "ERROR_WORDS",
     "CTL_WORDS",
     "ERR_WATCHDOG",
@@ -302,7 +307,12 @@ class Program:
     max_seq_len: int
     num_layers: int
     policy: str = "custom"
+    expert_format: str = "dense"  # how the routed-expert weights are stored (EXPERT_FORMATS)
     costs: pd.DataFrame | None = field(default=None, repr=False)  # not serialised
+
+    def __post_init__(self) -> None:
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"unknown expert_format {self.expert_format!r}; known: {', '.join(EXPERT_FORMATS)}")
 
     @property
     def num_sms(self) -> int:
@@ -321,12 +331,14 @@ class Program:
         if not isinstance(other, Program):
             return NotImplemented
         return (self.buffers, self.instructions, self.queues, self.counters, self.batch, self.max_seq_len,
-                self.num_layers, self.policy) == (other.buffers, other.instructions, other.queues, other.counters,
-                                                  other.batch, other.max_seq_len, other.num_layers, other.policy)
+                self.num_layers, self.policy, self.expert_format) == (
+                    other.buffers, other.instructions, other.queues, other.counters, other.batch, other.max_seq_len,
+                    other.num_layers, other.policy, other.expert_format)
 
     def __repr__(self) -> str:
         return (f"Program({len(self.instructions)} instructions on {self.num_sms} SMs, {len(self.counters)} counters,"
-                f" {len(self.buffers)} buffers, batch {self.batch}, policy {self.policy})")
+                f" {len(self.buffers)} buffers, batch {self.batch}, policy {self.policy}"
+                + (f", {self.expert_format} experts" if self.expert_format != "dense" else "") + ")")
 
     def table(self) -> pd.DataFrame:
         """One row per instruction: id, SM, queue position, opcode, layer, label, waits, signal."""
@@ -414,7 +426,7 @@ def assign_stages(p: Program) -> Program:
         for a, b in zip(q, q[1:]):
             staged[a] = replace(staged[a], next_stage=stage_descriptor(staged[b], p.buffers))
     out = Program(p.buffers, staged, [list(q) for q in p.queues], list(p.counters), p.batch, p.max_seq_len,
-                  p.num_layers, p.policy)
+                  p.num_layers, p.policy, p.expert_format)
     out.costs = p.costs
     return out
 
@@ -452,6 +464,7 @@ def encode_program(p: Program) -> torch.Tensor:
     hdr[H_OFF_BUF], hdr[H_OFF_CTR], hdr[H_OFF_INS], hdr[H_OFF_Q], hdr[H_OFF_STR] = off_buf, off_ctr, off_ins, off_q, \
         off_str
     hdr[H_NSTR], hdr[H_TOTAL], hdr[H_MAX_WAITS], hdr[H_MAX_OPERANDS] = len(words), total, MAX_WAITS, MAX_OPERANDS
+    hdr[H_EXPERT_FORMAT] = EXPERT_FORMATS.index(p.expert_format)
     t[:HEADER_WORDS] = torch.tensor(hdr, dtype=torch.int64).to(torch.int32)
     if NB:
         bt = torch.zeros(NB, BUFFER_WORDS, dtype=torch.int32)
@@ -516,6 +529,9 @@ def decode_program(t: torch.Tensor) -> Program:
         raise ValueError(f"not a megakernel program (magic {h[H_MAGIC]:#x}, version {h[H_VERSION]})")
     N, W, S, Q, C, NB = h[H_N], h[H_INSTR_WORDS], h[H_S], h[H_Q], h[H_C], h[H_NB]
     batch, max_len, layers, policy = h[H_BATCH], h[H_MAX_SEQ], h[H_LAYERS], POLICIES[h[H_POLICY]]
+    if not 0 <= h[H_EXPERT_FORMAT] < len(EXPERT_FORMATS):
+        raise ValueError(f"program header word {H_EXPERT_FORMAT} (expert format) is {h[H_EXPERT_FORMAT]}, not an "
+                         f"index into {EXPERT_FORMATS}")
     off_buf, off_ctr, off_ins, off_q, off_str = h[H_OFF_BUF], h[H_OFF_CTR], h[H_OFF_INS], h[H_OFF_Q], h[H_OFF_STR]
     nstr, total = h[H_NSTR], h[H_TOTAL]
     if W != INSTR_WORDS or total != t.numel():
@@ -526,6 +542,9 @@ def decode_program(t: torch.Tensor) -> Program:
         return blob[o : o + n].decode()
 
     bt = t[off_buf:off_ctr].view(NB, BUFFER_WORDS).tolist() if NB else []
+    unknown = sorted({r[BW_DTYPE] for r in bt} - set(_DTYPE_OF))
+    if unknown:
+        raise ValueError(f"program buffer table holds dtype codes {unknown} outside {DTYPE_CODES}")
     buffers = [BufferSpec(string(r[BW_NAME_OFF], r[BW_NAME_LEN]), Kind(r[BW_KIND]), (r[BW_D0], r[BW_D1], r[BW_D2]),
                           _DTYPE_OF[r[BW_DTYPE]]) for r in bt]
     ct = t[off_ctr:off_ins].view(C, COUNTER_WORDS).tolist() if C else []
@@ -543,7 +562,8 @@ def decode_program(t: torch.Tensor) -> Program:
                                         r[W_SIGNAL], r[W_AMOUNT], r[W_SM], r[W_QPOS], stage, nxt))
     queues = [[i for i in row if i >= 0] for row in t[off_q:off_str].view(S, Q).tolist()] if S * Q else \
         [[] for _ in range(S)]
-    return Program(buffers, instructions, queues, counters, batch, max_len, layers, policy)
+    return Program(buffers, instructions, queues, counters, batch, max_len, layers, policy,
+                   EXPERT_FORMATS[h[H_EXPERT_FORMAT]])
 
 
 # ---------------------------------------------------------------------------------------------------- docs
@@ -561,8 +581,10 @@ _OPERANDS = {
     Op.MLA_REDUCE: "partials heads R | W_UV rows* | gate cols R | attn_o cols W",
     Op.O_PROJ_RESIDUAL: "attn_o R | o_proj rows* | stream[:, j] cols W or RW",
     Op.ROUTER: "router logits R | correction bias* | slot experts W | slot weights W | slot use W",
-    Op.EXPERT_GATE_UP: "latent x R | slot experts R | slot use R | w1 rows* | w3 rows* | expert hidden W",
-    Op.EXPERT_DOWN: "expert hidden R | slot experts R | slot use R | slot weights R | w2 rows* | latent sum cols W",
+    Op.EXPERT_GATE_UP: "latent x R | slot experts R | slot use R | w1 rows* | w3 rows* | expert hidden W; MXFP4 "
+                       "experts: w1 / w3 rows are uint8 codes, then w1 scales* | w3 scales*",
+    Op.EXPERT_DOWN: "expert hidden R | slot experts R | slot use R | slot weights R | w2 rows* | latent sum cols W; "
+                    "MXFP4 experts: w2 rows are uint8 codes, then w2 scales*",
     Op.FFN_OUT: "[latent sum R | latent norm* | up rows*] (flag 1, norm flag 4) | [mlp hidden R | down rows*] "
                 "(flag 2) | stream[:, j] cols RW",
     Op.LM_HEAD: "mix R | final norm* | lm_head rows* | logits cols W | tile max W | tile argmax W",
@@ -612,7 +634,8 @@ def encoding_table() -> pd.DataFrame:
                                              f"words/instruction ({INSTR_WORDS}), #SMs S, max queue length Q, "
                                              "#counters C, #buffers NB, batch, max_seq_len, layers, policy, section "
                                              "offsets (buffers, counters, instructions, queues, strings), string "
-                                             "words, total words, MAX_WAITS, MAX_OPERANDS"),
+                                             "words, total words, MAX_WAITS, MAX_OPERANDS, expert format (index "
+                                             f"into {EXPERT_FORMATS}); the rest zero"),
         ("buffers", f"NB x {BUFFER_WORDS}", f"kind ({kinds}), dtype ({dtypes}), d0, d1, d2, name offset, name "
                                             "length, 0"),
         ("counters", f"C x {COUNTER_WORDS}", "per-step total, name offset, name length, 0"),

@@ -23,6 +23,11 @@ Honesty aids:
   instruction's own stage hands it other rows — a wrong result either way;
 * a deadlock raises :class:`DeadlockError` with a per-SM dump instead of spinning.
 
+Routed experts held as MXFP4 (a program built with ``expert_format="mxfp4"``, a model after
+``model.quantize_experts()`` or loaded with ``quantized_experts="keep"``): the expert opcodes dequantise exactly the
+code and scale boxes they are handed (value × scale in fp32, cast once to the activation dtype — the numbers
+:meth:`kimik3.quant.QuantizedExperts.expert` gives the naive path) and then compute as for dense experts.
+
 ``MegakernelInterpStage`` (stage ``"megakernel-interp"``) puts this behind the :class:`kimik3.Decoder` API: prefill runs
 through the naive path token by token and the decode state is then shared; every decode step runs the program.
 """
@@ -42,6 +47,7 @@ from kimik3.megakernel.instructions import (
     FFN_LATENT_NORM,
     FFN_MLP,
     FFN_ROUTED,
+    MXFP4_OPERANDS,
     STAGE_BUFFERS,
     STAGE_BYTES,
     Instruction,
@@ -51,7 +57,7 @@ from kimik3.megakernel.instructions import (
     decode_program,
     stage_descriptor,
 )
-from kimik3.megakernel.layout import pack_weights, state_views, weight_view
+from kimik3.megakernel.layout import missing_weight, model_weights, state_views, weight_view
 from kimik3.megakernel.scheduler import POLICIES, build_program
 from kimik3.megakernel.step import Tiling
 from kimik3.model import (
@@ -70,6 +76,7 @@ from kimik3.model import (
     route_from_logits,
     router_logits,
 )
+from kimik3.quant import mxfp4_dequantize
 from kimik3.stages import register_stage
 from kimik3.stages.base import Stage, StageSupport
 from kimik3.stages.naive import NaiveStage
@@ -96,14 +103,15 @@ class CPUInterpreter:
         self.cfg = model.config
         self.dtype = model.dtype
         p = self.program
-        with torch.no_grad():
-            weights = {n: t.detach() for n, t in model.named_parameters()}
-            weights.update(pack_weights(model))
+        if p.expert_format != model.expert_storage:
+            raise ValueError(f"the program carries the routed experts as {p.expert_format}, but the model holds them "
+                             f"{model.expert_storage}: build it with expert_format=model.expert_storage")
+        weights = model_weights(model)
         self.tensors: dict[str, torch.Tensor] = {}
         for spec in p.buffers:
             if spec.kind == Kind.WEIGHT:
                 if spec.name not in weights:
-                    raise ValueError(f"program needs weight {spec.name!r}, which the model does not have")
+                    raise missing_weight(spec.name, model)
                 t = weight_view(weights[spec.name])
             elif spec.kind == Kind.STATE:
                 continue  # bound to a DecodeState by bind_state
@@ -421,6 +429,16 @@ def _router(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None
     v[4][:, 0, :n] = match.any(1)
 
 
+def _expert_rows(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor], j: int, e: int) -> torch.Tensor:
+    """Expert ``e``'s weight rows of operand ``j`` as the opcode reads them: the dense view, or for an MXFP4
+    program the codes of operand ``j`` and the scales of the operand paired with it dequantised (value × scale in
+    fp32, cast once to the activation dtype: what QuantizedExperts.expert gives the naive path)."""
+    if it.program.expert_format == "dense":
+        return v[j][e]
+    js = dict(MXFP4_OPERANDS[ins.op])[j]
+    return mxfp4_dequantize(v[j][e], v[js][e], torch.float32).to(it.dtype)
+
+
 def _expert_gate_up(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
     xl = v[0][:, 0, :]
     for j in range(v[1].shape[2]):
@@ -430,7 +448,8 @@ def _expert_gate_up(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor])
         rows = v[2][:, 0, j].nonzero().squeeze(1)
         if rows.numel():
             x = xl[rows]
-            v[5][rows, j, :] = glu(it.cfg, F.linear(x, v[3][e]), F.linear(x, v[4][e]))
+            w1, w3 = _expert_rows(it, ins, v, 3, e), _expert_rows(it, ins, v, 4, e)
+            v[5][rows, j, :] = glu(it.cfg, F.linear(x, w1), F.linear(x, w3))
 
 
 def _expert_down(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
@@ -438,7 +457,12 @@ def _expert_down(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) ->
     n = int((sel >= 0).sum())  # slots are filled from the front
     use, w = v[2][:, 0, :n], v[3][:, 0, :n]
     h = torch.where(use[..., None], v[0][:, :n, :], 0)  # unused (row, slot) pairs hold poison: never read them
-    y = torch.einsum("bsi,sri->bsr", h, v[4][sel[:n]])  # every chosen expert's w2 rows, in the activation dtype
+    if it.program.expert_format == "dense":
+        w2 = v[4][sel[:n]]
+    else:  # (no expert chosen: an empty stack, the einsum sums nothing)
+        w2 = torch.stack([_expert_rows(it, ins, v, 4, int(e)) for e in sel[:n]]) if n else \
+            h.new_zeros(0, v[4].shape[1], h.shape[2])
+    y = torch.einsum("bsi,sri->bsr", h, w2)  # every chosen expert's w2 rows, in the activation dtype
     acc = (f32(y) * w[..., None]).sum(1)  # combine in fp32 with the router weights (0 where unused), cast once
     v[5][:, 0, :].copy_(acc.to(it.dtype))
 
@@ -500,7 +524,7 @@ class MegakernelInterpStage(Stage):
 
     name = "megakernel-interp"
     support = StageSupport(dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64), max_batch=64,
-                           devices=("cpu",))
+                           devices=("cpu",), kept_experts=("mxfp4",))
 
     def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, policy: str = "critical_path",
                  num_sms: int = 8, seed: int = 0, tiling: Tiling | None = None, check: bool = True,
@@ -508,8 +532,9 @@ class MegakernelInterpStage(Stage):
         super().__init__(model, batch_size, max_seq_len)
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+        # the program carries the routed experts as the model holds them (dense, or the MXFP4 bytes as they are)
         self.program = build_program(model.config, batch_size, num_sms, policy, max_seq_len, tiling,
-                                     act_dtype=model.dtype)
+                                     act_dtype=model.dtype, expert_format=model.expert_storage)
         if check:
             bad = check_program(self.program)
             if bad:

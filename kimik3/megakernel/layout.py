@@ -18,6 +18,12 @@ Packed weights (per layer ``ℓ``):
 
 Every other weight is the model's own parameter under its checkpoint name, viewed as 3-D: ``[n] → [1, 1, n]``,
 ``[r, c] → [1, r, c]``, stacked experts ``[E, r, c]`` as they are.
+
+Routed experts come in one of two formats (the program's ``expert_format``, :data:`EXPERT_FORMATS`): ``"dense"`` —
+``experts.w1`` / ``w3`` ``[E, Ie, Dl]`` and ``w2`` ``[E, Dl, Ie]`` in the activation dtype — or ``"mxfp4"`` — the
+uint8 buffers of :class:`kimik3.quant.QuantizedExperts` under their own names (``experts.w1_packed`` ``[E, Ie,
+Dl/2]`` codes + ``experts.w1_scale`` ``[E, Ie, Dl/32]`` E8M0 scales, the same for ``w3``, ``w2`` over ``Ie``), the
+bytes of the release's checkpoint. MXFP4 needs both widths to be multiples of 32 (one scale per 32 columns).
 """
 
 from __future__ import annotations
@@ -25,10 +31,15 @@ from __future__ import annotations
 import torch
 
 from kimik3.config import ModelConfig
-from kimik3.megakernel.instructions import Kind
+from kimik3.megakernel.instructions import EXPERT_FORMATS, Kind
 from kimik3.model import DecodeState, KDAState, KimiForCausalLM, MLACache
+from kimik3.quant import MXFP4_GROUP
 
 __all__ = [
+    "EXPERT_FORMATS",
+    "check_expert_format",
+    "expert_weight_names",
+    "model_weights",
     "kda_head_width",
     "kda_in_rows",
     "mla_in_segments",
@@ -36,6 +47,7 @@ __all__ = [
     "state_name",
     "weight_view",
     "pack_weights",
+    "missing_weight",
     "program_tensors",
     "check_supported",
 ]
@@ -58,6 +70,28 @@ def check_supported(cfg: ModelConfig) -> None:
     if problems:
         raise ValueError(f"megakernel program: config {cfg.name or cfg.family!r} uses unsupported features: "
                          + "; ".join(problems))
+
+
+def check_expert_format(cfg: ModelConfig, expert_format: str) -> None:
+    """``expert_format`` names a format of :data:`EXPERT_FORMATS` that ``cfg``'s routed experts can take (MXFP4: the
+    latent width and the expert hidden width are multiples of 32); ``ValueError`` otherwise."""
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"unknown expert_format {expert_format!r}; known: {', '.join(EXPERT_FORMATS)}")
+    if expert_format == "mxfp4" and any(cfg.ffn(i) == "moe" for i in range(cfg.num_hidden_layers)):
+        widths = {"moe_latent_size (Dl)": cfg.moe_latent_size, "moe_intermediate_size (Ie)": cfg.moe_intermediate_size}
+        bad = [f"{k} = {v}" for k, v in widths.items() if v is None or v % MXFP4_GROUP]
+        if bad:
+            raise ValueError(f"expert_format 'mxfp4' needs the expert widths to be multiples of {MXFP4_GROUP} (one "
+                             f"E8M0 scale per {MXFP4_GROUP} columns): " + ", ".join(bad))
+
+
+def expert_weight_names(layer: int, expert_format: str) -> dict[str, tuple[str, ...]]:
+    """The program's buffer names of layer ``layer``'s routed experts per weight (w1, w3, w2): the dense stack, or
+    the MXFP4 (codes, scales) pair — the model's own parameter / buffer names."""
+    mp = f"model.layers.{layer}.block_sparse_moe.experts."
+    if expert_format == "mxfp4":
+        return {w: (f"{mp}{w}_packed", f"{mp}{w}_scale") for w in ("w1", "w3", "w2")}
+    return {w: (f"{mp}{w}",) for w in ("w1", "w3", "w2")}
 
 
 def kda_head_width(cfg: ModelConfig) -> int:
@@ -137,18 +171,38 @@ def pack_weights(model: KimiForCausalLM) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def model_weights(model: KimiForCausalLM) -> dict[str, torch.Tensor]:
+    """Every tensor a program's WEIGHT buffer may name: the model's parameters, its buffers (the uint8 codes and
+    scales of routed experts held as MXFP4) and the packed copies of :func:`pack_weights`."""
+    weights = {n: t.detach() for n, t in model.named_buffers()}
+    weights.update((n, t.detach()) for n, t in model.named_parameters())
+    weights.update(pack_weights(model))
+    return weights
+
+
+def missing_weight(name: str, model: KimiForCausalLM) -> ValueError:
+    """The error for a WEIGHT buffer the model lacks; names the expert-format mismatch when that is the cause."""
+    storage = model.expert_storage
+    if ".experts.w" in name and (name.endswith(("_packed", "_scale")) != (storage == "mxfp4")):
+        fmt = "mxfp4" if storage == "dense" else "dense"
+        return ValueError(f"program needs weight {name!r}: it carries the routed experts as {fmt}, but the model "
+                          f"holds them {storage} (build the program with expert_format=model.expert_storage, or "
+                          "convert the model: model.quantize_experts() / model.dequantize_experts())")
+    return ValueError(f"program needs weight {name!r}, which the model does not have")
+
+
+@torch.no_grad()
 def program_tensors(buffers, model: KimiForCausalLM, device: torch.device | str | None = None
                     ) -> dict[str, torch.Tensor]:
     """The tensors a runner binds to a program's buffers (``Program.buffers``): weights as 3-D views of the model's
-    parameters or of the packed copies, activations and scratch zeroed on ``device``. State buffers are left out:
-    they belong to a ``DecodeState`` and are bound per call (:func:`state_views`)."""
-    weights = {n: t.detach() for n, t in model.named_parameters()}
-    weights.update(pack_weights(model))
+    parameters, buffers (MXFP4 experts) or the packed copies, activations and scratch zeroed on ``device``. State
+    buffers are left out: they belong to a ``DecodeState`` and are bound per call (:func:`state_views`)."""
+    weights = model_weights(model)
     out: dict[str, torch.Tensor] = {}
     for spec in buffers:
         if spec.kind == Kind.WEIGHT:
             if spec.name not in weights:
-                raise ValueError(f"program needs weight {spec.name!r}, which the model does not have")
+                raise missing_weight(spec.name, model)
             out[spec.name] = weight_view(weights[spec.name]).contiguous()
         elif spec.kind != Kind.STATE:
             out[spec.name] = torch.zeros(spec.shape, dtype=spec.dtype, device=device)

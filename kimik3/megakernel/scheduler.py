@@ -413,21 +413,23 @@ def compute_waits(n: int, queues: Sequence[Sequence[int]], preds: Sequence[set[i
 def build_program(cfg: ModelConfig | str, batch: int, num_sms: int, policy: str = "critical_path",
                   max_seq_len: int = 4096, tiling: Tiling | None = None, act_dtype: torch.dtype = torch.bfloat16,
                   context_len: int | None = None, cost_model: CostModel | None = None,
-                  expert_dtype: str = "bf16") -> Program:
+                  expert_format: str = "dense") -> Program:
     """The whole pipeline: step instructions → hazards → costs → queues → minimal waits → stages → :class:`Program`.
 
-    Built once per (config, batch, SM count, tiling) and reused for every decode step: counters are monotonic
-    across steps, so nothing is reset between launches. The per-instruction costs ride along as
-    ``program.costs`` (not serialised)."""
+    Built once per (config, batch, SM count, tiling, expert format) and reused for every decode step: counters are
+    monotonic across steps, so nothing is reset between launches. ``expert_format``: ``"dense"`` (routed experts in
+    the activation dtype) or ``"mxfp4"`` (uint8 codes + E8M0 scales, costed at MXFP4 bytes). The per-instruction
+    costs ride along as ``program.costs`` (not serialised)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
     if num_sms < 1:
         raise ValueError(f"num_sms must be >= 1, got {num_sms}")
-    spec = build_step(cfg, batch, max_seq_len, tiling, num_sms, act_dtype, context_len)
+    spec = build_step(cfg, batch, max_seq_len, tiling, num_sms, act_dtype, context_len, expert_format)
     n = len(spec.instructions)
     preds = hazard_predecessors(spec.buffers, spec.instructions)
     gid, members, names, gdeps = _group_structure(spec.groups, preds)
-    costs = instruction_costs(spec, context_len, expert_dtype=expert_dtype, cost_model=cost_model)
+    costs = instruction_costs(spec, context_len, expert_dtype="mxfp4" if expert_format == "mxfp4" else "bf16",
+                              cost_model=cost_model)
     if policy == "round_robin":
         queues = assign_round_robin(n, num_sms)
     else:
@@ -450,6 +452,6 @@ def build_program(cfg: ModelConfig | str, batch: int, num_sms: int, policy: str 
             signal=cid.get(g, -1), amount=1 if g in cid else 0, sm=sm_of[v], qpos=qpos[v]))
     # the weight stages are decided last: the next-stage words follow the final queue order
     prog = assign_stages(Program(spec.buffers, instructions, [list(q) for q in queues], counters, batch, max_seq_len,
-                                 spec.cfg.num_hidden_layers, policy))
+                                 spec.cfg.num_hidden_layers, policy, spec.expert_format))
     prog.costs = costs
     return prog

@@ -36,7 +36,9 @@ from kimik3.megakernel.instructions import (
     Site,
 )
 from kimik3.megakernel.layout import (
+    check_expert_format,
     check_supported,
+    expert_weight_names,
     kda_head_width,
     kda_in_rows,
     mla_in_segments,
@@ -44,6 +46,7 @@ from kimik3.megakernel.layout import (
     state_name,
 )
 from kimik3.model import keeps_fp32
+from kimik3.quant import MXFP4_GROUP
 
 __all__ = ["Tiling", "StepSpec", "build_step"]
 
@@ -56,6 +59,11 @@ _BPW = 2.0
 
 # one instruction's raw cost contributions: {(layer, cost block): [weight, state+cache, activation bytes, flops]}
 CostContrib = dict[tuple[int, str], list[float]]
+
+
+# MLA_PARTIAL's smallest head tile when heads are split over SMs: the device code gives each of its 12 warps a pair of
+# heads per pass (kernels/mk_mla.py PART_HB = 2), so fewer heads per tile would leave warps idle
+MLA_PARTIAL_MIN_HEADS = 24
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -92,7 +100,7 @@ class Tiling:
     kda_heads: int  # KDA_STEP heads per tile
     kda_batch_rows: int  # KDA_STEP batch rows per tile (the recurrent state is per sequence)
     mla_heads: int  # MLA_Q / MLA_REDUCE heads per tile
-    mla_partial_heads: int  # MLA_PARTIAL heads per tile (default all: the shared latent cache is read once/split)
+    mla_partial_heads: int  # MLA_PARTIAL heads per tile (all of them when the (sequence, split) tiles fill the SMs)
     mla_splits: int  # MLA_PARTIAL context splits over max_seq_len
     mla_batch_rows: int  # MLA_PARTIAL batch rows per tile (every sequence attends to its own cache)
     out_cols: int  # O_PROJ_RESIDUAL / FFN_OUT hidden columns per tile
@@ -121,6 +129,11 @@ class Tiling:
         # MLA_PARTIAL: about one tile per SM over (sequence, split); at least two splits, >= 256 tokens each
         splits = max(1, min(max_seq_len, max(2, min(_ceil_div(S, batch), _ceil_div(max_seq_len, 256)))))
         mla_batch = _ceil_div(batch, min(batch, max(1, S // splits)))
+        # MLA_PARTIAL heads: all of them while (sequence, split) tiles alone fill the SMs (the latent cache is then
+        # read once per split); with SMs to spare the heads are cut into tiles of at least MLA_PARTIAL_MIN_HEADS
+        # (one head pair per warp of the device code), so one MLA layer's attention is not a few SMs' serial work
+        mla_free = max(1, S // (splits * _ceil_div(batch, mla_batch)))
+        mla_part_heads = max(min(nh_mla, MLA_PARTIAL_MIN_HEADS), _ceil_div(nh_mla, mla_free))
         return cls(
             batch_rows=_ceil_div(batch, min(batch, S)),
             kda_in_rows=_aligned(kda_in_rows(cfg), S, align) if cfg.kda_layers else 1,
@@ -129,7 +142,7 @@ class Tiling:
             kda_heads=kda_heads,
             kda_batch_rows=kda_batch,
             mla_heads=_ceil_div(nh_mla, min(nh_mla, S)),
-            mla_partial_heads=nh_mla,
+            mla_partial_heads=mla_part_heads,
             mla_splits=splits,
             mla_batch_rows=mla_batch,
             out_cols=_aligned(H, S, align),
@@ -156,6 +169,7 @@ class StepSpec:
     instructions: list[Instruction]
     groups: list[str]
     raw_costs: list[dict[tuple[int, str], list[float]]] = field(repr=False)
+    expert_format: str = "dense"  # how the routed experts are stored (kimik3.megakernel.layout.EXPERT_FORMATS)
 
     def group_members(self) -> dict[str, list[int]]:
         m: dict[str, list[int]] = defaultdict(list)
@@ -168,9 +182,10 @@ class _StepBuilder:
     """Declares buffers and appends instructions for one decode step, one method per block of the model."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_seq_len: int, tiling: Tiling, act_dtype: torch.dtype,
-                 context_len: int):
+                 context_len: int, expert_format: str = "dense"):
         self.cfg, self.B, self.max_seq_len, self.t = cfg, batch, max_seq_len, tiling
         self.ctx = context_len
+        self.expert_format = expert_format
         self.H = cfg.hidden_size
         self.act = act_dtype
         self.acc = torch.float64 if act_dtype == torch.float64 else torch.float32
@@ -201,6 +216,21 @@ class _StepBuilder:
         fp32 = (keeps_fp32(name) or name.endswith("kda_conv")) and self.act != torch.float64
         return self.buf(name, Kind.WEIGHT, shape3, torch.float32 if fp32 else self.act)
 
+    def expert_weight(self, layer: int, name: str, E: int, rows: int, cols: int) -> tuple[int, ...]:
+        """Buffer ids of one routed-expert weight ``[E, rows, cols]`` of ``layer``: ``(dense,)``, or for MXFP4
+        ``(codes [E, rows, cols/2], scales [E, rows, cols/32])``, uint8, named as the model holds them."""
+        names = expert_weight_names(layer, self.expert_format)[name]
+        if self.expert_format == "dense":
+            return (self.weight(names[0], (E, rows, cols)),)
+        return (self.buf(names[0], Kind.WEIGHT, (E, rows, cols // 2), torch.uint8),
+                self.buf(names[1], Kind.WEIGHT, (E, rows, cols // MXFP4_GROUP), torch.uint8))
+
+    def expert_rows(self, bufs: tuple[int, ...], r0: int, r1: int) -> tuple[Operand, list[Operand]]:
+        """Rows ``r0:r1`` of every expert of one weight from :meth:`expert_weight`: the (dense or codes) operand and
+        the scales operands to append (none for dense). Whole rows: an expert tile reads full widths."""
+        ops = [self.op(b, P, (0, self.shape(b)[0], r0, r1, 0, self.shape(b)[2])) for b in bufs]
+        return ops[0], ops[1:]
+
     def shape(self, buf: int) -> tuple[int, int, int]:
         return self.buffers[buf].shape
 
@@ -221,7 +251,7 @@ class _StepBuilder:
 
     def spec(self) -> StepSpec:
         return StepSpec(self.cfg, self.B, self.max_seq_len, self.t, self.buffers, self.instructions, self.groups,
-                        self.costs)
+                        self.costs, self.expert_format)
 
     # ------------------------------------------------------------------------------------ shared activations
 
@@ -506,28 +536,31 @@ class _StepBuilder:
                  f"L{layer}.router", {(layer, "router"): [E * 4.0, 0, B * E * 4 + B * Dmax * 5 + Dmax * 8,
                                                           B * E * 8.0]})
         mh = self.buf("moe_h", Kind.ACT, (B, Dmax, Ie), self.act)
-        w1 = self.weight(mp + "experts.w1", (E, Ie, Dl))
-        w3 = self.weight(mp + "experts.w3", (E, Ie, Dl))
-        w2 = self.weight(mp + "experts.w2", (E, Dl, Ie))
+        # the expert weights: dense stacks, or MXFP4 codes with their scales appended after the dense operand list
+        # (operand roles: kimik3.kernels.isa.MXFP4_OPERANDS)
+        w1, w3, w2 = (self.expert_weight(layer, w, E, rows, cols)
+                      for w, rows, cols in (("w1", Ie, Dl), ("w3", Ie, Dl), ("w2", Dl, Ie)))
         distinct = E * (1.0 - (1.0 - k / E) ** B)  # expected distinct experts (spec §8), for the raw split
         active = distinct / Dmax  # chance that a slot holds an expert this step
         pairs_per_slot = B * k / Dmax  # expected (token, expert) pairs per slot
         for s0, s1 in _split(Dmax, t.expert_slots):
             for r0, r1 in _split(Ie, t.expert_rows):
                 ns, n = s1 - s0, r1 - r0
+                w1c, w1s = self.expert_rows(w1, r0, r1)
+                w3c, w3s = self.expert_rows(w3, r0, r1)
                 self.add(Op.EXPERT_GATE_UP, layer, (s0, s1, r0, r1), [
                     self.op(xl, R), self.op(sel, R, (0, 1, 0, 1, s0, s1)), self.op(use, R, (0, B, 0, 1, s0, s1)),
-                    self.op(w1, P, (0, E, r0, r1, 0, Dl)), self.op(w3, P, (0, E, r0, r1, 0, Dl)),
-                    self.op(mh, W, (0, B, s0, s1, r0, r1))], f"L{layer}.expert_up",
+                    w1c, w3c, self.op(mh, W, (0, B, s0, s1, r0, r1)), *w1s, *w3s], f"L{layer}.expert_up",
                     {(layer, "experts"): [ns * active * 2 * n * Dl * _BPW, 0,
                                           ns * pairs_per_slot * (Dl + n) * ab,
                                           ns * pairs_per_slot * 4.0 * n * Dl]})
         acc_b = self.buf("moe_acc", Kind.ACT, (B, 1, Dl), self.act)
         for r0, r1 in _split(Dl, t.expert_down_rows):
             n = r1 - r0
+            w2c, w2s = self.expert_rows(w2, r0, r1)
             self.add(Op.EXPERT_DOWN, layer, (0, 0, r0, r1), [
-                self.op(mh, R), self.op(sel, R), self.op(use, R), self.op(mw, R), self.op(w2, P, (0, E, r0, r1, 0, Ie)),
-                self.op(acc_b, W, (0, B, 0, 1, r0, r1))], f"L{layer}.expert_down",
+                self.op(mh, R), self.op(sel, R), self.op(use, R), self.op(mw, R), w2c,
+                self.op(acc_b, W, (0, B, 0, 1, r0, r1)), *w2s], f"L{layer}.expert_down",
                 {(layer, "experts"): [distinct * n * Ie * _BPW, 0, B * k * (Ie * ab) + B * n * ab,
                                       2.0 * B * k * n * Ie]})
         up = self.weight(mp + "routed_expert_up_proj.weight", (H, Dl))
@@ -570,15 +603,18 @@ class _StepBuilder:
 
 
 def build_step(cfg: ModelConfig | str, batch: int, max_seq_len: int = 4096, tiling: Tiling | None = None,
-               num_sms: int = 132, act_dtype: torch.dtype = torch.bfloat16, context_len: int | None = None
-               ) -> StepSpec:
-    """All instructions of one decode step, in sequential (reference) order."""
+               num_sms: int = 132, act_dtype: torch.dtype = torch.bfloat16, context_len: int | None = None,
+               expert_format: str = "dense") -> StepSpec:
+    """All instructions of one decode step, in sequential (reference) order. ``expert_format``: how the routed
+    experts are stored (``"dense"`` or ``"mxfp4"``, :mod:`kimik3.megakernel.layout`)."""
     cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
     check_supported(cfg)
+    check_expert_format(cfg, expert_format)
     if not 1 <= batch:
         raise ValueError(f"batch must be >= 1, got {batch}")
     t = tiling or Tiling.auto(cfg, batch, num_sms, max_seq_len)
-    b = _StepBuilder(cfg, batch, max_seq_len, t, act_dtype, max_seq_len if context_len is None else context_len)
+    b = _StepBuilder(cfg, batch, max_seq_len, t, act_dtype, max_seq_len if context_len is None else context_len,
+                     expert_format)
     b.embedding()
     for layer in range(cfg.num_hidden_layers):
         b.layer(layer)

@@ -30,35 +30,80 @@ import pandas as pd
 from kimik3.perfmodel.data import CURRENT_DESIGN, PERF_DIR, Constants, design_names, field, load_constants, load_design
 from kimik3.perfmodel.fused import fused_times
 from kimik3.perfmodel.megakernel import instruction_times, simulate_model, stream_ns
+from kimik3.stages.fused import EXPERT_DTYPES
 
-__all__ = ["STAGES", "PERF_DIR", "CURRENT_DESIGN", "Constants", "load_constants", "load_design", "design_names",
-           "model_program",
+__all__ = ["STAGES", "EXPERT_DTYPES", "PERF_DIR", "CURRENT_DESIGN", "Constants", "load_constants", "load_design",
+           "design_names", "model_program", "design_tiling",
            "megakernel_model", "predict", "roofline_ms", "compare_opcodes", "compare_kernels", "opcode_report",
-           "model_columns", "compare_designs",
+           "model_columns", "compare_designs", "design_expert_formats",
            "stream_ns", "instruction_times", "simulate_model", "fused_times"]
 
 STAGES = ("megakernel", "fused")
+def _check_experts(experts: str) -> None:
+    """``experts``: how the routed experts are stored, as the fused stage names it (bf16, or MXFP4 — the K3
+    release's format; for the megakernel program the expert format "mxfp4")."""
+    if experts not in EXPERT_DTYPES:
+        raise ValueError(f"experts must be one of {', '.join(EXPERT_DTYPES)}, got {experts!r}")
 
 
-@lru_cache(maxsize=8)
+def design_tiling(design: dict[str, Any]) -> tuple[tuple[str, int | str], ...]:
+    """The tile sizes a design was scored with where they differ from today's ``Tiling.auto`` (``megakernel.tiling``:
+    field name -> an int, or "all" for a whole dimension), as hashable (name, value) pairs; () for none."""
+    from dataclasses import fields
+
+    from kimik3.megakernel.step import Tiling
+
+    known = {f.name for f in fields(Tiling)}
+    out = []
+    for name, entry in sorted(field(design["megakernel"].get("tiling", {})).items()):
+        v = field(entry)
+        if name not in known:
+            raise ValueError(f"design {design['name']}: unknown tiling field {name!r}")
+        if not (v == "all" or (isinstance(v, int) and v >= 1)):
+            raise ValueError(f"design {design['name']}: tiling {name} must be a positive int or 'all', got {v!r}")
+        out.append((name, v))
+    return tuple(out)
+
+
+@lru_cache(maxsize=16)
 def model_program(preset: str, batch: int, num_sms: int = 132, max_seq_len: int = 4096,
-                  context_len: int | None = None) -> Any:
-    """The megakernel program the GPU stage would run (critical-path policy), carrying its config and costs."""
+                  context_len: int | None = None, experts: str = "bf16",
+                  tiling: tuple[tuple[str, int | str], ...] = ()) -> Any:
+    """The megakernel program the GPU stage would run (critical-path policy), carrying its config and costs.
+    ``tiling``: (field, value) overrides of ``Tiling.auto`` (:func:`design_tiling`; "all" = the whole dimension)."""
+    from dataclasses import replace
+
     from kimik3.config import get_preset
     from kimik3.megakernel import build_program
+    from kimik3.megakernel.step import Tiling
 
-    prog = build_program(preset, batch, num_sms, "critical_path", max_seq_len, context_len=context_len)
-    prog.cfg = get_preset(preset)
+    _check_experts(experts)
+    cfg = get_preset(preset)
+    t = None
+    if tiling:
+        t = Tiling.auto(cfg, batch, num_sms, max_seq_len)
+        whole = {"mla_partial_heads": cfg.num_attention_heads}
+        over = {}
+        for name, v in tiling:
+            if v == "all" and name not in whole:
+                raise ValueError(f"tiling {name}: 'all' is defined only for {', '.join(whole)}")
+            over[name] = whole[name] if v == "all" else int(v)
+        t = replace(t, **over)
+    prog = build_program(cfg, batch, num_sms, "critical_path", max_seq_len, tiling=t, context_len=context_len,
+                         expert_format="mxfp4" if experts == "mxfp4" else "dense")
+    prog.cfg = cfg
     return prog
 
 
 def megakernel_model(preset: str, batch: int, design: str | dict[str, Any] = CURRENT_DESIGN,
                      constants: Constants | None = None, context_len: int = 4096,
-                     program: Any = None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(per-instruction times, simulated timeline) of one megakernel step under a design."""
+                     program: Any = None, experts: str = "bf16") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(per-instruction times, simulated timeline) of one megakernel step under a design (the program of
+    :func:`model_program` with the design's tiling and the expert format, unless ``program`` is given)."""
     d = load_design(design) if isinstance(design, str) else design
     c = constants or load_constants()
-    prog = program if program is not None else model_program(preset, batch, int(c.sm_count), 4096, context_len)
+    prog = program if program is not None else model_program(preset, batch, int(c.sm_count), 4096, context_len,
+                                                              experts, design_tiling(d))
     if getattr(prog, "cfg", None) is None:
         from kimik3.config import get_preset
 
@@ -76,15 +121,19 @@ def megakernel_model(preset: str, batch: int, design: str | dict[str, Any] = CUR
     return times, tl
 
 
-def roofline_ms(preset: str, batch: int, context_len: int = 4096, constants: Constants | None = None) -> float:
-    """Bytes the step must move (``kimik3.cost.decode_cost``) over the achievable HBM read bandwidth."""
+def roofline_ms(preset: str, batch: int, context_len: int = 4096, constants: Constants | None = None,
+                experts: str = "bf16") -> float:
+    """Bytes the step must move (``kimik3.cost.decode_cost``, routed experts in ``experts``) over the achievable
+    HBM read bandwidth."""
     from kimik3.cost import decode_cost
 
+    _check_experts(experts)
     c = constants or load_constants()
-    return decode_cost(preset, batch, context_len).total_bytes / c.achievable_Bps * 1e3
+    return decode_cost(preset, batch, context_len, expert_dtype=experts).total_bytes / c.achievable_Bps * 1e3
 
 
-def _check(preset: str, stage: str, batch: int, context_len: int) -> None:
+def _check(preset: str, stage: str, batch: int, context_len: int, experts: str = "bf16") -> None:
+    _check_experts(experts)
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r} for the performance model; expected one of {', '.join(STAGES)}")
     if not isinstance(batch, int) or batch < 1:
@@ -97,18 +146,19 @@ def _check(preset: str, stage: str, batch: int, context_len: int) -> None:
 
 
 def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1, design: str = CURRENT_DESIGN,
-            context_len: int = 4096, constants: Constants | None = None) -> dict[str, Any]:
-    """``{"predicted_ms", "roofline_ms", "fraction_of_roofline", "by_opcode", ...}`` for one step.
+            context_len: int = 4096, constants: Constants | None = None, experts: str = "bf16") -> dict[str, Any]:
+    """``{"predicted_ms", "roofline_ms", "fraction_of_roofline", "by_opcode", ...}`` for one step with the routed
+    experts stored as ``experts`` ("bf16" or "mxfp4"; the roofline moves the same format's bytes).
 
     ``by_opcode``: megakernel — per opcode the instruction count, mean and summed modelled time (start stamp to
     end stamp, the span the kernel's timing buffer records) and what limits most of them; fused — the same per
     kernel family."""
-    _check(preset, stage, batch, context_len)
+    _check(preset, stage, batch, context_len, experts)
     c = constants or load_constants()
     d = load_design(design)
-    roof = roofline_ms(preset, batch, context_len, c)
+    roof = roofline_ms(preset, batch, context_len, c, experts)
     if stage == "megakernel":
-        times, tl = megakernel_model(preset, batch, d, c, context_len)
+        times, tl = megakernel_model(preset, batch, d, c, context_len, experts=experts)
         span = float(tl["end_ns"].max())
         predicted = (span + c.kernel_boundary_ns) / 1e6
         dur = tl["end_ns"] - tl["start_ns"]
@@ -120,7 +170,7 @@ def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1,
                       "limited_by": str(g["limited_by"].mode().iloc[0])}
         extra = {"makespan_ms": span / 1e6, "instructions": int(len(tl))}
     else:
-        ft = fused_times(preset, batch, d, c, context_len)
+        ft = fused_times(preset, batch, d, c, context_len, expert_format=experts)
         predicted = float(ft["ns"].sum()) / 1e6
         by = {}
         for fam, g in ft.groupby("family", sort=False):
@@ -129,13 +179,14 @@ def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1,
                        "limited_by": str(g["limited_by"].mode().iloc[0])}
         extra = {"kernels": int(len(ft))}
     return {"preset": preset, "stage": stage, "batch": batch, "context": context_len, "design": d["name"],
-            "predicted_ms": round(predicted, 6), "roofline_ms": round(roof, 6),
+            "experts": experts, "predicted_ms": round(predicted, 6), "roofline_ms": round(roof, 6),
             "fraction_of_roofline": round(roof / predicted, 4), "by_opcode": by,
             "ceiling_Bps": c.achievable_Bps, "label": "model (not a measurement)", **extra}
 
 
 def compare_designs(preset: str = "k3-shard", batch: int = 1, designs: tuple[str, ...] | None = None,
-                    context_len: int = 4096, constants: Constants | None = None) -> pd.DataFrame:
+                    context_len: int = 4096, constants: Constants | None = None, experts: str = "bf16"
+                    ) -> pd.DataFrame:
     """Designs side by side, opcode by opcode, on the same program and constants: per opcode and design the SM time
     summed over instructions (start stamp to end stamp, as the kernel's timing buffer records it) and the modelled
     limit of most of them; ``attrs["summary"]`` holds each design's step time and fraction of the roofline."""
@@ -143,10 +194,10 @@ def compare_designs(preset: str = "k3-shard", batch: int = 1, designs: tuple[str
     if not names:
         raise ValueError("no design to compare")
     c = constants or load_constants()
-    roof = roofline_ms(preset, batch, context_len, c)
+    roof = roofline_ms(preset, batch, context_len, c, experts)
     cols, summary = {}, {}
     for name in names:
-        times, tl = megakernel_model(preset, batch, name, c, context_len)
+        times, tl = megakernel_model(preset, batch, name, c, context_len, experts=experts)
         t = times.assign(model_us=(tl["end_ns"] - tl["start_ns"]).to_numpy() / 1e3)
         g = t.groupby("op", sort=False)
         cols[(name, "total_us")] = g["model_us"].sum()
@@ -208,7 +259,8 @@ def opcode_report(program: Any, timings: Any, preset: str, context_len: int = 40
     ran (``stage.program``), ``timings`` its ``[N, 3]`` timing buffer (``stage.timings()``)."""
     from kimik3.megakernel.timeline import from_timings
 
-    times, tl = megakernel_model(preset, program.batch, design, None, context_len, program=program)
+    experts = "mxfp4" if getattr(program, "expert_format", "dense") == "mxfp4" else "bf16"
+    times, tl = megakernel_model(preset, program.batch, design, None, context_len, program=program, experts=experts)
     cmp = compare_opcodes(times, tl, from_timings(program, timings))
     return {"design": design, "label": "model vs measured", "context": context_len,
             "model_makespan_us": cmp.attrs["model_makespan_us"],
@@ -231,16 +283,27 @@ def compare_kernels(model: pd.DataFrame, measured: Mapping[str, float]) -> pd.Da
     return out
 
 
+def design_expert_formats(design: str | dict[str, Any]) -> tuple[str, ...]:
+    """The expert formats a design describes (``expert_formats``; bf16 only when absent)."""
+    d = load_design(design) if isinstance(design, str) else design
+    fmts = tuple(field(d.get("expert_formats", {"value": ["bf16"]})))
+    for f in fmts:
+        _check_experts(f)
+    return fmts
+
+
 def scores(design: str = CURRENT_DESIGN, preset: str = "k3-shard", batches: tuple[int, ...] = (1, 8, 64),
            context_len: int = 4096) -> dict[str, Any]:
-    """The committed score table of a design (``data/perf/scores-<design>.json``)."""
+    """The committed score table of a design (``data/perf/scores-<design>.json``): every stage and batch, for each
+    expert format the design describes."""
     c = load_constants()
     out: dict[str, Any] = {"design": design, "preset": preset, "context": context_len,
                            "constants": str((PERF_DIR / "constants.json").relative_to(PERF_DIR.parents[1])),
                            "label": "model (not a measurement)", "results": []}
-    for stage in STAGES:
-        for b in batches:
-            out["results"].append(predict(preset, stage, b, design, context_len, c))
+    for experts in design_expert_formats(design):
+        for stage in STAGES:
+            for b in batches:
+                out["results"].append(predict(preset, stage, b, design, context_len, c, experts))
     return out
 
 

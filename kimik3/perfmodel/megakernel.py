@@ -10,8 +10,9 @@ One instruction on one SM (``kernels/megakernel.py``'s loop), in the order the d
    wait for the producers (and, with ``prefetch_ahead``, the previous instruction's body too);
 3. **wait** — until every awaited counter is reached (the simulation), then ``wait_round_trips_l2`` L2 round trips;
    with ``stage_wait = all`` nothing starts before the whole stage has landed;
-4. **body** — per opcode from the design: byte *streams* (Little's law: in flight = threads × loads × width per
-   SM, bandwidth = min(in flight / latency, the SM's share of the achievable HBM bandwidth)), *re-reads* from L1
+4. **body** — per opcode from the design (an MXFP4 program's expert opcodes from its ``<OPCODE>.mxfp4`` entries):
+   byte *streams* (Little's law: in flight = threads × loads × width per SM, bandwidth = min(in flight / latency,
+   the SM's share of the achievable HBM bandwidth)), *re-reads* from L1
    (if their footprint fits next to the shared memory) or L2, CUDA-core issue time for the FMAs, and *serial
    loops* (trip count × the latency of the level each trip waits on + extra cycles); memory and FMAs overlap,
    serial loops and barriers add;
@@ -42,6 +43,9 @@ __all__ = ["SYMBOLS", "instruction_symbols", "stream_ns", "instruction_times", "
 SYMBOLS = ("B", "bt", "nbt", "gbt", "gnbt", "NT", "NW", "nops", "nwaits", "rows", "row_bytes", "heads", "nb",
            "positions", "splits", "slots", "pairs", "distinct", "k", "E", "Dmax", "H", "dk", "nope", "kvl", "rope",
            "ql", "qk", "dv", "Ie", "Dl", "Is", "tiles", "weight_bytes", "state_bytes", "act_bytes", "flops", "shfl")
+
+
+_EXPERT_OPS = (Op.EXPERT_GATE_UP, Op.EXPERT_DOWN)
 
 
 def _bt(B: int) -> int:
@@ -188,11 +192,15 @@ def instruction_times(program: Program, design: dict[str, Any], consts: Constant
     lat = consts.hbm_latency_ns
     rows = []
     cost_rows = costs[["weight_bytes", "state_bytes", "act_bytes", "flops"]].to_dict("records")
+    fp4 = getattr(program, "expert_format", "dense") == "mxfp4"  # expert opcodes read the design's ".mxfp4" entries
     for i, ins in enumerate(program.instructions):
         env = instruction_symbols(program, cost_rows, i, context_len, consts, threads)
-        spec = mk["opcodes"].get(ins.op.name)
+        key = ins.op.name + (".mxfp4" if fp4 and ins.op in _EXPERT_OPS else "")
+        spec = mk["opcodes"].get(key)
         if spec is None:
-            raise ValueError(f"design {design['name']}: no entry for opcode {ins.op.name}")
+            what = "MXFP4 experts" if key.endswith(".mxfp4") else "this opcode"
+            raise ValueError(f"design {design['name']}: no entry for opcode {key} (the design does not describe "
+                             f"{what})")
         if host_stage:  # the host decided (instruction words W_STAGE_*): read it, do not re-derive it
             staged = float(ins.stage[2] * 16) if ins.stage[0] >= 0 else 0.0
         else:

@@ -38,8 +38,9 @@ class StageSupport:
             raise ValueError(f"stage {stage!r} reads dense routed experts, but this model holds them as {storage} "
                              "(quantized_experts='keep'): call model.dequantize_experts() first "
                              f"({model.expert_memory()}) or load with quantized_experts='dequantize'; the stages "
-                             "that read kept MXFP4 experts are 'naive' (one expert dequantised at a time) and 'fused' "
-                             "(expert_format='mxfp4')")
+                             "that read kept MXFP4 experts are 'naive' (one expert dequantised at a time), 'fused' "
+                             "(expert_format='mxfp4'), 'megakernel-interp', 'megakernel' and 'megakernel-cpu' "
+                             "(experts='mxfp4')")
         hi = self.max_batch if self.max_batch is not None else float("inf")
         if not self.min_batch <= batch_size <= hi:
             raise ValueError(f"stage {stage!r} supports batch sizes {self.min_batch}..{self.max_batch}, "

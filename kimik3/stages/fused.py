@@ -111,7 +111,7 @@ __all__ = [
     "build_prebuilt_kernels",
 ]
 
-EXPERT_FORMATS = ("bf16", "mxfp4")
+EXPERT_DTYPES = ("bf16", "mxfp4")
 
 # family -> (kernel module, variant): the registry's families (kernels/registry.py, DSL-free, defines them) plus the
 # per-head GEMV op of kernels/moe.py
@@ -212,8 +212,8 @@ def plan_errors(cfg: ModelConfig, batch_size: int, cache_len: int, expert_format
     """Every reason the fused kernels cannot run this config (empty list = supported). Config-only, no GPU."""
     e: list[str] = []
     c = cfg
-    if expert_format not in EXPERT_FORMATS:
-        e.append(f"expert_format must be one of {EXPERT_FORMATS}, got {expert_format!r}")
+    if expert_format not in EXPERT_DTYPES:
+        e.append(f"expert_format must be one of {EXPERT_DTYPES}, got {expert_format!r}")
     if batch_size < 1:
         e.append(f"batch size must be >= 1, got {batch_size}")
     if cache_len < 1:
