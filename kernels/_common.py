@@ -24,7 +24,7 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32, Uint8
+from cutlass import BFloat16, Float16, Float32, Int32, Uint8, Uint32, const_expr
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .meta import SUPPORTED_ARCHS  # defined with the rest of the kernels' host-visible metadata
@@ -51,6 +51,12 @@ __all__ = [
     "sigmoid",
     "bf16_round",
     "warp_argmax",
+    "fp4_place",
+    "fp4_widen",
+    "fp4_expand",
+    "fp4_pair_col",
+    "x_pair_order",
+    "fp4_scale",
     "torch_dtype",
     "launch",
     "ref_rms_norm",
@@ -311,3 +317,62 @@ def warp_argmax(v: Float32, i: Int32) -> tuple[Float32, Int32]:
         take = (ov > v) | ((ov == v) & (oi < i))
         v, i = (ov, oi) if take else (v, i)
     return v, i
+
+
+# ---------------------------------------------------------------------------------------------- MXFP4 decode
+# Shared by the fused MoE kernel (moe.py) and the megakernel's expert opcodes (mk_moe.py). One 32-bit word holds 8
+# E2M1 codes (low nibble = even column); each becomes an fp16 by masking the magnitude bits into the fp16
+# exponent/mantissa ((c & 7) << 9) and the sign into bit 15: fp16 value = E2M1(c) · 2^-14, exact (code 1 lands on an
+# fp16 subnormal, which cvt.f32.f16 keeps). fp4_scale folds the 2^14 back into the group's power-of-two scale.
+@cute.jit
+def fp4_place(w: Uint32) -> Any:
+    """The 8 E2M1 codes of one 32-bit word placed as fp16 bits, TensorSSA (4,) uint32 in *pair order*: element s is
+    the fp16x2 (column s, column s + 4) of the word's 8 columns, each value E2M1 · 2^-14 (``fp4_widen`` makes them
+    fp32). Integer ops only, so a word can be placed once and widened where it is used."""
+    h32 = cute.make_rmem_tensor((4,), Uint32)
+    for s in cutlass.range_constexpr(4):
+        t = (w >> (4 * s)) & 0x000F000F
+        h32[s] = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
+    return h32.load()
+
+
+@cute.jit
+def fp4_widen(placed: Any) -> Any:
+    """``fp4_place``'s 4 fp16x2 words -> TensorSSA (8,) fp32, element 2s + hi holding column s + 4·hi
+    (``fp4_pair_col``); exact."""
+    return placed.bitcast(Float16).to(Float32)
+
+
+@cute.jit
+def fp4_expand(w: Uint32, scale: Any = None) -> Any:
+    """The 8 E2M1 codes of one 32-bit word -> TensorSSA (8,) fp32 of value · 2^-14 (times ``scale`` when given), in
+    pair order (``fp4_place`` then ``fp4_widen``). The scale is a power of two (``fp4_scale``), so the product is
+    exact."""
+    v = fp4_widen(fp4_place(w))
+    if const_expr(scale is not None):
+        v = v * scale
+    return v
+
+
+def fp4_pair_col(q: int) -> int:
+    """Column (within a 32-column group) held by element q = 8j + 2s + hi of word j's fp4_expand output."""
+    j, s, hi = q // 8, (q // 2) % 4, q % 2
+    return 8 * j + s + 4 * hi
+
+
+@cute.jit
+def x_pair_order(rx: cute.Tensor, j: cutlass.Constexpr) -> Any:
+    """rx: (8,) bf16, columns 8j..8j+7 of a group in order -> TensorSSA (8,) fp32 in the pair order of word j's
+    fp4_expand. Static register moves only, element by element."""
+    xs = rx.load().to(Float32)
+    xp = cute.make_rmem_tensor((VEC,), Float32)
+    for q in cutlass.range_constexpr(VEC):
+        xp[q] = xs[fp4_pair_col(VEC * j + q) - VEC * j]
+    return xp.load()
+
+
+@cute.jit
+def fp4_scale(e: Any) -> Float32:
+    """2^(e - 127) · 2^14 as fp32 bits ((e + 14) << 23): the E8M0 scale, also undoing fp4_expand's fp16 placement.
+    Scale bytes above 240 (2^114 and up) do not fit this form and are not expected."""
+    return ((Uint32(e) + 14) << 23).bitcast(Float32)

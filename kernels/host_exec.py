@@ -476,40 +476,44 @@ def _mk_gemv_host(F: ModuleType) -> Any:
     chunk j·nch), the others from global memory at ``w_addr``, x rows at chunk ``t·BT·xs`` of ``x_addr``."""
     if ("mk_gemv", F) in _DRIVERS:
         return _DRIVERS[("mk_gemv", F)]
+    from .mk_addr import gemv_item
+
     weight_row_dot, gchunks = F.weight_row_dot, F.gchunks
 
     @cute.jit
     def drive(stage: cute.Tensor, staged: Int32, w_addr: cutlass.Int64, x_addr: cutlass.Int64,
-              g_addr: cutlass.Int64, nrows: Int32, nch: Int32, xs: Int32, nbt: Int32, mPart: cute.Tensor,
-              BT: cutlass.Constexpr, U: cutlass.Constexpr, GAMMA: cutlass.Constexpr):
+              g_addr: cutlass.Int64, nrows: Int32, nch: Int32, xs: Int32, NBT: cutlass.Constexpr,
+              mPart: cute.Tensor, BT: cutlass.Constexpr, U: cutlass.Constexpr, GAMMA: cutlass.Constexpr):
         xv = gchunks(x_addr)
         gv = None
         if const_expr(GAMMA):
             gv = gchunks(g_addr)
         acc = cute.make_rmem_tensor((BT,), Float32)
-        for j in cutlass.range(nrows):
-            for t in cutlass.range(nbt):
-                for lane in cutlass.range(LANES):
-                    weight_row_dot(stage, staged, w_addr, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U, lane,
-                                   True)  # the GEMV opcodes' wide tail
-                    for b in cutlass.range_constexpr(BT):
-                        mPart[j, t, lane, b] = acc[b]
+        for k in cutlass.range(nrows * NBT):  # the GEMV opcodes' work items: (row, pass) from mk_addr.gemv_item
+            j, t = gemv_item(k, nrows, NBT)
+            for lane in cutlass.range(LANES):
+                weight_row_dot(stage, staged, w_addr, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U, lane,
+                               True)  # the GEMV opcodes' wide tail
+                for b in cutlass.range_constexpr(BT):
+                    mPart[j, t, lane, b] = acc[b]
 
     _DRIVERS[("mk_gemv", F)] = drive
     return drive
 
 
-def run_mk_tile_gemv(*, B: int, N: int, K: int, staged: int, gamma: bool, seed: int = 0,
+def run_mk_tile_gemv(*, B: int, N: int, K: int, staged: int, gamma: bool, seed: int = 0, arch: str = "sm_90a",
                      module: ModuleType | None = None) -> tuple[HostRun, torch.Tensor]:
     """The megakernel's tile GEMV ``y[b, j] = Σ_k W[j, k] (γ_k) x[b, k]`` for a weight box of N rows with the first
-    ``staged`` rows in the prefetch stage, batch tiles and unroll as the GEMV opcodes walk them
-    (``mk_addr.gemv_batch_tile``, ``mk_addr.GEMV_UNROLL``). Returns the run (output ``y``, fp32) and the fp32
+    ``staged`` rows in the prefetch stage, batch tiles and unroll as the GEMV opcodes compiled for ``arch`` walk them
+    (``mk_addr.gemv_batch_tile``, ``mk_addr.gemv_unroll``). Returns the run (output ``y``, fp32) and the fp32
     reference."""
     from . import device_fns, mk_addr
 
     F = device_fns if module is None else module
     if K % F.VEC or not 0 <= staged <= N:
         raise ValueError(f"run_mk_tile_gemv: K={K} must be a multiple of {F.VEC} and 0 <= staged={staged} <= N={N}")
+    if arch not in C.SUPPORTED_ARCHS:
+        raise ValueError(f"run_mk_tile_gemv: unsupported arch {arch!r}; expected one of {C.SUPPORTED_ARCHS}")
     rng = C.Rng(seed)
     W = rng.randn(N, K, scale=K**-0.5, dtype=torch.bfloat16)
     x = rng.randn(B, K, dtype=torch.bfloat16)
@@ -519,7 +523,7 @@ def run_mk_tile_gemv(*, B: int, N: int, K: int, staged: int, gamma: bool, seed: 
     # every row, the unfilled part poisoned (a row read from the stage that the prefetch did not fill is NaN)
     stage = torch.full((N * nch, F.VEC), float("nan"), dtype=torch.bfloat16)
     stage[:staged * nch] = W[:staged].reshape(-1, F.VEC)
-    BT, U = mk_addr.gemv_batch_tile(B), mk_addr.GEMV_UNROLL  # as the GEMV opcodes (kernels/mk_gemv.py)
+    BT, U = mk_addr.gemv_batch_tile(B), mk_addr.gemv_unroll(arch)  # as the GEMV opcodes (kernels/mk_gemv.py)
     part = torch.full((N, B // BT, LANES, BT), float("nan"))
     with host_trace():
         _mk_gemv_host(F)(_t(stage), staged, W.data_ptr(), x.data_ptr(), g.data_ptr(), N, nch, nch, B // BT,
@@ -568,6 +572,17 @@ def run_mk_addr(rows: torch.Tensor, *, module: ModuleType | None = None) -> torc
 
 
 # ---------------------------------------------------------------------------------------------- cases, mutants, CLI
+def _kernel_source(name: str, caller: str) -> str:
+    """The source text of kernel module ``name`` (``caller`` names the function in the error)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec(f"{__package__}.{name}")
+    if spec is None or spec.origin is None:
+        raise ValueError(f"{caller}: no kernel module {name!r}")
+    return Path(spec.origin).read_text()
+
+
 def load_mutant(name: str, replacements: list[tuple[str, str]]) -> ModuleType:
     """A copy of kernel module ``name`` with each (old, new) replacement applied exactly once: a planted bug.
 
@@ -577,10 +592,7 @@ def load_mutant(name: str, replacements: list[tuple[str, str]]) -> ModuleType:
     import tempfile
     from pathlib import Path
 
-    spec = importlib.util.find_spec(f"{__package__}.{name}")
-    if spec is None or spec.origin is None:
-        raise ValueError(f"load_mutant: no kernel module {name!r}")
-    src = Path(spec.origin).read_text()
+    src = _kernel_source(name, "load_mutant")
     for old, new in replacements:
         if src.count(old) != 1:
             raise ValueError(f"load_mutant: {old!r} occurs {src.count(old)} times in {name}.py, expected once")
@@ -600,10 +612,36 @@ def load_mutant(name: str, replacements: list[tuple[str, str]]) -> ModuleType:
     return mod
 
 
+# a module whose helpers several kernel modules import: a planted bug in it reaches the device code through them
+SHARED_MODULES = ("_common",)
+
+
+def load_case_mutant(mutant: list, user: str) -> tuple[str, ModuleType]:
+    """A case's ``mutant`` ([module, [[old, new], ...]]) loaded: (kernel module name, mutated module). A mutated
+    shared module (``SHARED_MODULES``, e.g. ``_common``'s MXFP4 decode) comes back as a copy of ``user``, the kernel
+    module the case runs, that imports the mutated copy in place of the original, so the device code it traces calls
+    the mutated helpers."""
+    mname, reps = mutant
+    mod = load_mutant(mname, [tuple(r) for r in reps])
+    if mname not in SHARED_MODULES:
+        return mname, mod
+    mutated = mod.__name__.rsplit(".", 1)[1]
+    src = _kernel_source(user, "load_case_mutant")
+    # the two import forms of the kernel modules: `from . import _common as C`, `from ._common import a, b`
+    forms = [(f"from . import {mname} as", f"from . import {mutated} as"),
+             (f"from .{mname} import", f"from .{mutated} import")]
+    imports = [f for f in forms if src.count(f[0]) == 1]
+    if not imports:
+        raise ValueError(f"load_case_mutant: {user}.py does not import {mname} once (as {forms[0][0]!r} or "
+                         f"{forms[1][0]!r}), so a mutant of {mname} would not reach its device code")
+    return user, load_mutant(user, imports)
+
+
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """One host execution: ``family`` (gemv.<variant> or moe.<variant>), ``preset``, ``batch``; optional
     ``shapes`` overrides (e.g. fewer experts at k3-shard widths), ``row_blocks`` (GEMV: sampled grid-y CTAs,
-    ``"corners"`` for the first and last two) and ``mutant`` ([module, [[old, new], ...]]). Returns the problems,
+    ``"corners"`` for the first and last two) and ``mutant`` ([module, [[old, new], ...]]; module ``_common``: the
+    case's kernel module runs with the mutated shared helpers, ``load_case_mutant``). Returns the problems,
     the relative errors against the reference, the tolerance, and ``ok``."""
     import time
 
@@ -626,9 +664,9 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     shapes = registry.FAMILIES[family].shapes(get_preset(preset), B)
     shapes.update(case.get("shapes", {}))
     mods: dict[str, ModuleType] = {"gemv": _gemv, "moe": _moe}
-    if case.get("mutant"):
-        mname, reps = case["mutant"]
-        mods[mname] = load_mutant(mname, [tuple(r) for r in reps])
+    if case.get("mutant"):  # a mutated _common reaches the case's kernel module (moe or gemv) through its import
+        mname, mod = load_case_mutant(case["mutant"], "moe" if kind == "moe" else "gemv")
+        mods[mname] = mod
     errors: dict[str, float] = {}
     if kind == "gemv":
         t = _gemv.make_inputs(variant, **shapes, seed=int(case.get("seed", 0)))

@@ -20,6 +20,9 @@ the GPU code calls, run on CPU tensors over every block / warp / lane of a real 
   goes through ``host_exec._Writes`` into NaN-poisoned outputs (element offsets decomposed into ``[b, r, c]`` of the
   operand's buffer, so a store outside the declared box is reported too). The reference is the
   CPU interpreter's implementation of the opcode (``kimik3.megakernel.interpreter``) on the same input buffers.
+  A program built with ``expert_format="mxfp4"`` (case key ``expert_format``) runs the kernel compiled with
+  ``MKConfig.fp4``: the expert opcodes' MXFP4 tiles (code groups, E8M0 scales, two w2 rows per EXPERT_DOWN warp task)
+  against the interpreter's dequantise-then-dense bodies, on random codes and scales of a realistic range.
 
 What the thin layer computes with approximate instructions (SiTU-GLU's ``tanh.approx`` / ``ex2.approx``, the
 AttnRes softmax) is evaluated here in exact fp32, as in ``host_exec``. Run in a subprocess when a helper may be
@@ -28,6 +31,7 @@ mutated: a device-only instruction reached on the host aborts the process.
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 from typing import Any
 
@@ -38,7 +42,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from . import router as _router
 from ._trace import host_trace
-from .host_exec import LANES, HostRun, _t, _Writes, case_result, cases_main, load_mutant, warp_sum
+from .host_exec import LANES, HostRun, _t, _Writes, case_result, cases_main, load_case_mutant, warp_sum
 
 __all__ = ["run_topk", "topk_spec", "run_case", "main"]
 
@@ -405,7 +409,7 @@ def _mk_gate_up_host(M: ModuleType) -> Any:
     def drive(mIns: cute.Tensor, mAddr: cute.Tensor, mD1: cute.Tensor, mD2: cute.Tensor, mI32: cute.Tensor,
               mF32: cute.Tensor, mE: cute.Tensor, mPart: cute.Tensor, mOff: cute.Tensor, cfg: cutlass.Constexpr):
         ctx = _ctx(mk_operands, cfg, mIns, mAddr, mD1, mD2, mI32, mF32)
-        T = M.gate_up_pass(cfg.B)
+        T = M.gate_up_pass(cfg)
         EXP, CNT, _ = M.slot_lists(cfg)
         s0, s1, r0, r1 = mIns[W_ARGS], mIns[W_ARGS + 1], mIns[W_ARGS + 2], mIns[W_ARGS + 3]
         its = cute.size(mOff, mode=[2])
@@ -442,10 +446,11 @@ def _mk_gate_up_host(M: ModuleType) -> Any:
 
 
 def _mk_down_host(M: ModuleType) -> Any:
-    """The prologue's slot lists (tokens and router weights of every slot), then every warp, row, used slot, pass
-    of ``M.down_pass`` tokens and lane of an EXPERT_DOWN: the lane partials, per token their warp sum (replayed
-    in the shuffle order), the weighted output and each lane's fp32 combine; the lanes' accumulators and output
-    offsets per (warp, it, b) come back."""
+    """The prologue's slot lists (tokens and router weights of every slot), then every warp, row task (``M.down_rows``
+    rows from r = r0 + (warp + k·NW)·rows: one dense, two MXFP4), used slot, pass of ``M.down_pass`` tokens and lane
+    of an EXPERT_DOWN: the lane partials of each row of the task, per token their warp sum (replayed in the shuffle
+    order), the weighted output and each lane's fp32 combine; the lanes' accumulators and output offsets per (warp,
+    task, row of the task, b) come back."""
     key = ("mk_down", M)
     if key in _DRIVERS:
         return _DRIVERS[key]
@@ -459,7 +464,8 @@ def _mk_down_host(M: ModuleType) -> Any:
               mF32: cute.Tensor, mP: cute.Tensor, mT: cute.Tensor, mPT: cute.Tensor, mAcc: cute.Tensor,
               mOut: cute.Tensor, mOff: cute.Tensor, cfg: cutlass.Constexpr):
         ctx = _ctx(mk_operands, cfg, mIns, mAddr, mD1, mD2, mI32, mF32)
-        T = M.down_pass(cfg.B)
+        T = M.down_pass(cfg)
+        RW = M.down_rows(cfg)
         EXP, CNT, _ = M.slot_lists(cfg)
         APL = -(-cfg.B // 32)
         r0, r1 = mIns[W_ARGS + 2], mIns[W_ARGS + 3]
@@ -468,9 +474,12 @@ def _mk_down_host(M: ModuleType) -> Any:
         hv = M.gchunks(mAddr[0])
         hs, nch = M.down_dims(ctx)
         a = cute.make_rmem_tensor((T,), Float32)
+        a2 = None
+        if const_expr(RW > 1):
+            a2 = cute.make_rmem_tensor((T,), Float32)
         for warp in cutlass.range(NW):
             it = Int32(0)
-            for r in cutlass.range(r0 + warp, r1, NW):
+            for r in cutlass.range(r0 + warp * RW, r1, NW * RW):
                 if it < its:
                     mAcc.fill(0.0)
                     for j in cutlass.range(cfg.dmax):
@@ -479,24 +488,29 @@ def _mk_down_host(M: ModuleType) -> Any:
                             wv = M.down_row(ctx, mI32[EXP + j], r)
                             for t0 in cutlass.range(0, n, T):
                                 for lane in cutlass.range(LANES):
-                                    M.down_tile(ctx, hv, hs, nch, wv, j, t0, n, a, lane)
+                                    M.down_tile(ctx, hv, hs, nch, wv, j, t0, n, a, lane, a2)
                                     for t in cutlass.range_constexpr(T):
-                                        mPT[lane, t] = a[t]
+                                        mPT[0, lane, t] = a[t]
+                                        if const_expr(RW > 1):
+                                            mPT[1, lane, t] = a2[t]
                                 for t in cutlass.range_constexpr(T):
                                     if t0 + t < n:
-                                        for lane in cutlass.range(LANES):
-                                            mP[lane] = mPT[lane, t]
-                                        _bfly_sum(mP, mT)
-                                        for lane in cutlass.range(LANES):
-                                            M.down_combine(mAcc[lane, None],
-                                                           M.down_weighted(ctx, mP[lane], j, t0 + t),
-                                                           M.slot_token(ctx, j, t0 + t), lane)
+                                        for q in cutlass.range_constexpr(RW):
+                                            for lane in cutlass.range(LANES):
+                                                mP[lane] = mPT[q, lane, t]
+                                            _bfly_sum(mP, mT)
+                                            for lane in cutlass.range(LANES):
+                                                M.down_combine(mAcc[q, lane, None],
+                                                               M.down_weighted(ctx, mP[lane], j, t0 + t),
+                                                               M.slot_token(ctx, j, t0 + t), lane)
                     for lane in cutlass.range(LANES):
                         for m in cutlass.range_constexpr(APL):
                             b = lane + 32 * m
                             if b < cfg.B:
-                                mOut[warp, it, b] = mAcc[lane, m]
-                                mOff[warp, it, b] = M.down_out(ctx, b, r)
+                                for q in cutlass.range_constexpr(RW):
+                                    if r + q < r1:
+                                        mOut[warp, it, q, b] = mAcc[q, lane, m]
+                                        mOff[warp, it, q, b] = M.down_out(ctx, b, r + q)
                 it = it + 1
 
     _DRIVERS[key] = drive
@@ -572,7 +586,8 @@ class _MkSetup:
     producers wrote."""
 
     def __init__(self, preset: str, batch: int, *, policy: str = "critical_path", sms: int | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, expert_format: str = "dense", tiling: dict[str, int] | None = None,
+                 arch: str = "sm_90a") -> None:
         from kimik3.config import get_preset
         from kimik3.megakernel import build_program, encode_program
         from kimik3.megakernel.gpu import static_shapes
@@ -582,12 +597,20 @@ class _MkSetup:
 
         self.cfg = get_preset(preset)
         sms = sms or (132 if preset == "k3-shard" else 8)
-        key = (preset, batch, sms, policy)
+        key = (preset, batch, sms, policy, expert_format, tuple(sorted((tiling or {}).items())))
         if key not in _PROGRAMS:  # cases of one process share the (slow to build at k3-shard) program
-            prog = build_program(preset, batch, sms, policy=policy)
+            tiles = None
+            if tiling:  # some tile sizes other than the automatic ones (e.g. odd EXPERT_DOWN row tiles)
+                import dataclasses
+
+                from kimik3.megakernel.step import Tiling
+
+                tiles = dataclasses.replace(Tiling.auto(self.cfg, batch, sms), **tiling)
+            prog = build_program(preset, batch, sms, policy=policy, tiling=tiles, expert_format=expert_format)
             _PROGRAMS[key] = (prog, encode_program(prog))
         self.p, self.enc = _PROGRAMS[key]
-        self.mk = config_from_shapes(**static_shapes(self.cfg, batch))
+        # arch: the compile target whose loop widths the opcodes take (MKConfig.arch)
+        self.mk = config_from_shapes(**static_shapes(self.cfg, batch, expert_format=expert_format), arch=arch)
         self.B = batch
         self.isa = isa
         self.g = torch.Generator().manual_seed(seed)
@@ -629,6 +652,11 @@ class _MkSetup:
             return torch.randint(0, hi, shape, generator=g)
         if dtype == torch.bfloat16:
             return (torch.randn(shape, generator=g) * shape[-1] ** -0.25).to(dtype)
+        if dtype == torch.uint8:  # MXFP4 experts: any code byte; E8M0 scales around the dense weights' magnitude
+            if name.endswith("_scale"):
+                e0 = _scale_exponent(shape[-1] * 32)
+                return torch.randint(e0 - 1, e0 + 2, shape, generator=g, dtype=torch.uint8)
+            return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
         scale = 0.05 if "bias" in name else 1.0
         return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype) * scale
 
@@ -640,18 +668,30 @@ class _MkSetup:
             return
         for e in first:
             if not t[e, r0:r1].any():
-                t[e, r0:r1] = (torch.randn(r1 - r0, t.shape[2], generator=self.g) * t.shape[2] ** -0.5).to(t.dtype)
+                if t.dtype == torch.uint8:  # MXFP4 codes / scales
+                    t[e, r0:r1] = self._rand(self.p.buffers[k].name, (r1 - r0, t.shape[2]), t.dtype)
+                else:
+                    t[e, r0:r1] = (torch.randn(r1 - r0, t.shape[2], generator=self.g) * t.shape[2] ** -0.5).to(
+                        t.dtype)
 
     def extent(self, op: Any) -> tuple[int, int]:
-        """(most slots, most row iterations of a warp) over the program's instructions of ``op``."""
+        """(most slots, most row iterations of a warp) over the program's instructions of ``op`` (EXPERT_DOWN: row
+        tasks of ``mk_moe.down_rows`` rows)."""
         from .device_fns import NW
+        from .mk_moe import down_rows
 
+        per = NW * (down_rows(self.mk) if op.name == "EXPERT_DOWN" else 1)
         ins = [i for i in self.p.instructions if i.op == op]
         return (max(max(i.args[1] - i.args[0], 1) for i in ins),
-                max(-(-(i.args[3] - i.args[2]) // NW) for i in ins))
+                max(-(-(i.args[3] - i.args[2]) // per) for i in ins))
 
     def views(self, v: int) -> list[torch.Tensor]:
         return [self.buf(o.buf)[o.slices()] for o in self.p.instructions[v].operands]
+
+
+def _scale_exponent(fan_in: int) -> int:
+    """The E8M0 byte whose scale makes MXFP4 weights (|E2M1| ~ 2 on average) ~ fan_in^-0.5, as the dense ones."""
+    return 127 - round(math.log2(2.0 * fan_in**0.5))
 
 
 def _decompose(off: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -694,7 +734,10 @@ def _prepare(S: _MkSetup, v: int) -> None:
     elif op in ("EXPERT_GATE_UP", "EXPERT_DOWN"):
         sel = S.views(v)[1].reshape(-1)
         experts = [int(e) for e in sel if int(e) >= 0]
-        for j in ((3, 4) if op == "EXPERT_GATE_UP" else (4,)):
+        weights = (3, 4) if op == "EXPERT_GATE_UP" else (4,)
+        if S.p.expert_format == "mxfp4":  # the codes and their scales
+            weights = tuple(j for pair in S.isa.MXFP4_OPERANDS[ins.op] for j in pair)
+        for j in weights:
             S.fill_rows(ins.operands[j].buf, experts, ins.args[2], ins.args[3])
     elif op == "EMBED":
         tb = S.buf(ins.operands[1].buf)
@@ -717,7 +760,7 @@ def _reference(S: _MkSetup, v: int) -> None:
     if ins.op.name == "ROUTER" and S.ties:
         _router_spec(S, ins, S.views(v))
     else:
-        _OPS[ins.op](types.SimpleNamespace(cfg=S.cfg, dtype=torch.bfloat16), ins, S.views(v))
+        _OPS[ins.op](types.SimpleNamespace(cfg=S.cfg, dtype=torch.bfloat16, program=S.p), ins, S.views(v))
 
 
 def _run_mk_instruction(S: _MkSetup, v: int, mods: dict[str, ModuleType], run: HostRun, errors: dict[str, float]
@@ -813,11 +856,11 @@ def _run_mk_instruction(S: _MkSetup, v: int, mods: dict[str, ModuleType], run: H
         run.lanes_run += int(live.sum()) * LANES
     elif op == "EXPERT_DOWN":
         _, its = S.extent(ins.op)
-        APL = -(-B // 32)
-        acc = torch.zeros((LANES, APL))
-        res = torch.full((M.NW, its, B), float("nan"))
-        off = torch.full((M.NW, its, B), -1, dtype=torch.int64)
-        pt = torch.full((LANES, M.down_pass(B)), float("nan"))
+        APL, RW = -(-B // 32), M.down_rows(cfg)
+        acc = torch.zeros((RW, LANES, APL))
+        res = torch.full((M.NW, its, RW, B), float("nan"))
+        off = torch.full((M.NW, its, RW, B), -1, dtype=torch.int64)
+        pt = torch.full((RW, LANES, M.down_pass(cfg)), float("nan"))
         _launch(_mk_down_host(M), [*words, *_scratch(), torch.zeros(LANES), torch.zeros(LANES), pt, acc, res, off],
                 (cfg,))
         y, wy = out(5)
@@ -954,7 +997,8 @@ def _mk_case(case: dict[str, Any], mname: str | None, mod: ModuleType | None) ->
     if mname is not None:
         mods[mname] = mod
     S = _MkSetup(case["preset"], int(case["batch"]), policy=case.get("policy", "critical_path"),
-                 seed=int(case.get("seed", 0)))
+                 seed=int(case.get("seed", 0)), expert_format=case.get("expert_format", "dense"),
+                 tiling=case.get("tiling"), arch=case.get("arch", "sm_90a"))
     S.ties = bool(case.get("ties", False))
     chain = {"ROUTER": ("ROUTER",), "EXPERT_GATE_UP": ("ROUTER", "EXPERT_GATE_UP"),
              "EXPERT_DOWN": groups["moe"], **groups}.get(op, (op,))
@@ -993,8 +1037,11 @@ def _mk_case(case: dict[str, Any], mname: str | None, mod: ModuleType | None) ->
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """One host execution: ``family`` (router, router.ties, mk.<OPCODE>, mk.moe, mk.misc), ``preset``, ``batch``;
     optional ``shapes`` overrides, ``gemv`` (router: False takes the reference's scores), ``ties``, ``layers``
-    (megakernel: a list or ``"first_moe"``), ``sample`` (``"corners"``), ``mutant`` ([module, [[old, new], ...]]).
-    Returns problems, errors, the tolerance and ``ok``."""
+    (megakernel: a list or ``"first_moe"``), ``sample`` (``"corners"``), ``expert_format`` (megakernel: "dense" or
+    "mxfp4"), ``tiling`` (megakernel: ``Tiling`` fields to override), ``arch`` (megakernel: the compile target whose
+    loop widths run, ``MKConfig.arch``; default sm_90a), ``mutant`` ([module, [[old, new], ...]];
+    module ``_common`` for a megakernel family: the MoE opcodes run with the mutated shared helpers). Returns
+    problems, errors, the tolerance and ``ok``."""
     import time
 
     from kimik3.config import get_preset
@@ -1005,8 +1052,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     family, preset, B = case["family"], case["preset"], int(case["batch"])
     mname, mod = None, None
     if case.get("mutant"):
-        mname, reps = case["mutant"]
-        mod = load_mutant(mname, [tuple(r) for r in reps])
+        # a mutated _common (the MXFP4 decode) reaches the megakernel through the expert opcodes' module
+        mname, mod = load_case_mutant(case["mutant"], "mk_moe" if family.startswith("mk.") else "router")
     if family in ("router", "router.ties"):
         shapes = registry.FAMILIES["router"].shapes(get_preset(preset), B)
         shapes.update(case.get("shapes", {}))

@@ -67,7 +67,7 @@ compile-time config; the opcodes live in one module per family, on the operand a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any
 
 import cutlass
@@ -95,6 +95,8 @@ from .isa import (
     ERR_BAD_PROGRAM,
     ERR_WATCHDOG,
     ERROR_WORDS,
+    EXPERT_FORMATS,
+    H_EXPERT_FORMAT,
     H_INSTR_WORDS,
     H_MAGIC,
     H_OFF_BUF,
@@ -226,12 +228,20 @@ OPCODE_NOTES: dict[str, tuple[str, str]] = {
     "EXPERT_GATE_UP": ("slot lists (expert id, ascending token list) read once per instruction into shared memory; "
                        "one warp per hidden channel streams its w1 and w3 rows (4 + 4 16-byte loads per lane in "
                        "flight), each chunk dotted with every token of the pass (4 tokens, 2 above batch 8), "
-                       "SiTU-GLU", "the expert is data-dependent, so the host cannot name its rows: no stage; a slot "
-                                   "with more tokens than a pass re-reads its rows (L1/L2)"),
+                       "SiTU-GLU. MXFP4 (fp4): a step prefetches into L1 4 + 4 16-byte groups of codes (32 "
+                       "columns each) per lane and their scale bytes; group by group the codes are loaded packed, "
+                       "their 8-code words placed as fp16 bits once, and per token of the pass widened to fp32 and "
+                       "dotted with the group's 4 x chunks; the group's scale multiplies the token's group partial "
+                       "once (one FMA)", "the expert is data-dependent, so the host cannot name its rows: no stage; "
+                                         "a slot with more tokens than a pass re-reads its rows (L1/L2); MXFP4 costs "
+                                         "~2.4 integer ops per weight per pass (the fp16 placement) and per token a "
+                                         "cvt.f32.f16 next to the FMA: CUDA-core bound at batch 1"),
     "EXPERT_DOWN": ("slot lists with the tokens' router weights once per instruction; one warp per latent row streams "
                     "each used expert's w2 row (6 16-byte loads per lane in flight), dotted with the slot's tokens "
                     "per pass, bf16 times the router weight, accumulated in fp32 per token (lane b mod 32), one bf16 "
-                    "cast", "no stage (data-dependent expert); rows re-read per extra pass of an expert's tokens"),
+                    "cast. MXFP4: a warp takes two rows (r, r + 1) at once, 3 + 3 code groups per lane prefetched, "
+                    "sharing the hidden-row x loads; decode and scaling as EXPERT_GATE_UP",
+                    "no stage (data-dependent expert); rows re-read per extra pass of an expert's tokens"),
     "FFN_OUT": ("one warp per hidden column: routed part (latent RMSNorm applied after the dot) and/or the "
                 "shared/dense down row, each rounded to bf16 as the reference does, added into the stream",
                 "as NORM_PROJ"),
@@ -244,9 +254,10 @@ OPCODE_NOTES: dict[str, tuple[str, str]] = {
 
 @dataclass(frozen=True)
 class MKConfig:
-    """Everything the device code needs at compile time: widths from the model config, the batch size, and the
-    buffer capacities. (Box extents, tile sizes, buffer dims, the cache length and the SM count are read from
-    the program at run time, so one compiled kernel serves every schedule of a config and batch size.)"""
+    """Everything the device code needs at compile time: widths from the model config, the batch size, the
+    buffer capacities and the target architecture. (Box extents, tile sizes, buffer dims, the cache length and the
+    SM count are read from the program at run time, so one compiled kernel serves every schedule of a config and
+    batch size.)"""
 
     B: int
     H: int
@@ -277,6 +288,11 @@ class MKConfig:
     max_instr: int
     max_bufs: int
     max_ctrs: int
+    fp4: bool  # the routed experts are MXFP4 (codes + E8M0 scales, isa.MXFP4_OPERANDS); the program must say so
+    # the compile target (compile_for sets it): ptxas allocates registers per architecture, so some loop widths
+    # depend on it (mk_addr.gemv_unroll, mk_moe.gate_up_pass / down_pass); the host execution runs the default
+    # unless a case names another
+    arch: str = "sm_90a"
 
     @property
     def bt(self) -> int:
@@ -434,6 +450,8 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
     if tidx == 0:
         good = (mProg[H_MAGIC] == MAGIC) & (mProg[H_VERSION] == VERSION) & (mProg[H_INSTR_WORDS] == INSTR_WORDS)
         good = good & (mProg[H_OFF_INS] % WORDS_PER_CHUNK == 0)  # rows are copied 16 bytes at a time
+        # the expert opcodes read the routed experts in the one format the kernel was compiled for
+        good = good & (mProg[H_EXPERT_FORMAT] == EXPERT_FORMATS.index("mxfp4" if cfg.fp4 else "dense"))
         nq = mProg[H_Q] if good & (bidx < mProg[H_S]) else Int32(0)
         s_run[RUN_Q] = nq
         s_run[RUN_QLEN] = mProg[H_Q]
@@ -568,11 +586,17 @@ def _specs(cfg: MKConfig) -> dict[str, tuple[Any, tuple[int, ...]]]:
 
 
 def config_from_shapes(**shapes: Any) -> MKConfig:
+    """The ``MKConfig`` of static shapes (``kimik3.megakernel.gpu.static_shapes``): every field without a default
+    is required; ``arch`` is optional (default sm_90a, the figures the host execution runs)."""
     names = {f.name for f in fields(MKConfig)}
+    required = {f.name for f in fields(MKConfig) if f.default is MISSING and f.default_factory is MISSING}
     unknown = set(shapes) - names
-    missing = names - set(shapes)
+    missing = required - set(shapes)
     if unknown or missing:
         raise ValueError(f"megakernel shapes: unknown {sorted(unknown)}, missing {sorted(missing)}")
+    if "arch" in shapes and shapes["arch"] not in C.SUPPORTED_ARCHS:
+        raise ValueError(f"megakernel shapes: unsupported arch {shapes['arch']!r}; expected one of "
+                         f"{C.SUPPORTED_ARCHS}")
     return MKConfig(**shapes)
 
 
@@ -582,7 +606,7 @@ def compile_for(arch: str, *, variant: str = "megakernel", tvm_ffi: bool = False
     fake tensors, so no GPU is needed."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown megakernel variant {variant!r}; expected one of {VARIANTS}")
-    cfg = config_from_shapes(**shapes)
+    cfg = replace(config_from_shapes(**shapes), arch=arch)  # the loop widths follow the target (MKConfig.arch)
     fakes = [C.fake(dt, shp) for dt, shp in _specs(cfg).values()]
     opts = C.compile_options(arch, tvm_ffi=tvm_ffi, remark_file=remark_file)
     with C.arch_scope(arch):

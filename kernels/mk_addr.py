@@ -4,8 +4,10 @@ The device opcodes (``kernels/mk_*.py``, dispatched by ``kernels/megakernel.py``
 from the instruction words and the buffers' dims. The pieces of that arithmetic that decide *which* rows, columns
 and elements a CTA touches are defined once, here, as plain integer functions: :func:`elem_offset` (the element
 offset of every ``[b, r, c]`` the opcodes compute), :func:`tile_rows` (the weight rows / output columns of a tiled
-GEMV instruction) and :func:`expert_row_offset` (row ``r`` of expert ``e`` in an ``[E, rows, cols]`` expert
-weight). They use nothing but ``+ - *`` and a ``wide`` cast, so the device code calls them on traced DSL integers
+GEMV instruction), :func:`gemv_item` (the weight row and batch pass of a GEMV opcode's work item) and
+:func:`expert_row_offset` (row ``r`` of expert ``e`` in an ``[E, rows, cols]`` expert weight), with
+:func:`fp4_row_offsets` for the code and scale rows of an MXFP4 expert weight. They use nothing but
+``+ - *`` (``// %`` by a positive divisor) and a ``wide`` cast, so the device code calls them on traced DSL integers
 (``wide=Int64``: the same IR as before) and :func:`replay` calls them on Python ints. One definition, two
 executions.
 
@@ -41,6 +43,7 @@ value. This module imports nothing but the standard library and ``kernels/isa.py
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -48,35 +51,50 @@ from typing import Any
 
 from .isa import BT_MAX, CHUNK_BYTES, STAGE_BYTES, Kind, Mode, Op
 
-__all__ = ["GEMV_BT", "GEMV_UNROLL", "gemv_unroll", "gemv_batch_tile", "elem_offset", "tile_rows", "expert_row_offset",
-           "Finding", "ReplayReport", "replay"]
+__all__ = ["GEMV_BT", "GEMV_UNROLL", "gemv_unroll", "gemv_batch_tile", "gemv_item", "elem_offset", "tile_rows",
+           "expert_row_offset", "FP4_GROUP", "FP4_GROUP_BYTES", "fp4_row_offsets", "Finding", "ReplayReport", "replay"]
 
 VEC = 8  # bf16 elements per 16-byte chunk (the device code's VEC)
+# MXFP4 experts (an "mxfp4" program): one E8M0 scale byte per FP4_GROUP columns, whose codes (two per byte) are one
+# 16-byte load
+FP4_GROUP = 32
+FP4_GROUP_BYTES = FP4_GROUP // 2
 
 
 # The megakernel's GEMV opcodes (NORM_PROJ, MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD) walk the batch in
 # passes of up to GEMV_BT rows: every weight chunk a lane loads is used for all the pass's rows, so at batch <= 8
 # each weight row is read from memory once for the whole batch (bigger batches: once per pass). 8 accumulators per
 # lane fit next to 8 weight chunks in flight under the 168-register cap because device_fns._dot_step walks the
-# pass's rows in a loop (one row's x chunks live at a time).
+# pass's rows in a loop (one row's x chunks live at a time). The (row, pass) pairs are one flat loop of work items
+# (gemv_item; why: kernels/mk_gemv.py).
 GEMV_BT = 8
 GEMV_UNROLL = 8  # 16-byte weight loads in flight per lane per step: 12 warps x 32 lanes x 8 x 16 B = 48 KiB per SM
 # sm_100a's ptxas spills the whole megakernel with 8 or 4 (it allocates the widest branch differently); 2 there
 GEMV_UNROLL_BY_ARCH = {"sm_100a": 2}
 
 
-def gemv_unroll(arch: str | None = None) -> int:
-    """16-byte weight loads in flight per lane per step of the GEMV opcodes for ``arch`` (the compile target,
-    ``CUTE_DSL_ARCH`` at trace time; ``None``: the sm_90a figure, which the host execution and the replay use)."""
-    return GEMV_UNROLL_BY_ARCH.get(arch or "", GEMV_UNROLL)
+def gemv_unroll(arch: str) -> int:
+    """16-byte weight loads in flight per lane per step of the GEMV opcodes for the compile target ``arch``
+    (``MKConfig.arch``)."""
+    return GEMV_UNROLL_BY_ARCH.get(arch, GEMV_UNROLL)
 
 
 def gemv_batch_tile(batch: int) -> int:
     """Batch rows per pass of the GEMV opcodes: the largest divisor of ``batch`` up to :data:`GEMV_BT`, so every
-    pass is full and the pass loop stays a real loop (code size independent of the batch)."""
+    pass is full and the work-item loop stays a real loop (code size independent of the batch)."""
     if batch < 1:
         raise ValueError(f"gemv_batch_tile: batch must be >= 1, got {batch}")
     return max(d for d in range(1, min(batch, GEMV_BT) + 1) if batch % d == 0)
+
+
+def gemv_item(k: Any, n: Any, nbt: int) -> tuple[Any, Any]:
+    """(weight row, batch pass) of work item ``k`` of a GEMV opcode over ``n`` weight rows in ``nbt`` passes (batch
+    // the batch tile): item ``t·n + j`` is pass ``t`` of row ``j``. Warp ``w`` takes items ``w, w + NW, ...``: the
+    warps sweep one pass (its x rows) at a time, and within a pass a warp's rows ascend (LM_HEAD's running arg-max
+    relies on it). With one pass the item is the row and the pass a constant 0: batch <= 8 has no pass arithmetic."""
+    if nbt == 1:
+        return k, 0
+    return k % n, k // n
 
 
 def _ident(v: Any) -> Any:
@@ -98,6 +116,14 @@ def tile_rows(r0: Any, r1: Any) -> Any:
 def expert_row_offset(d1: Any, d2: Any, e: Any, r: Any, wide: Callable[[Any], Any] = _ident) -> Any:
     """Element offset of row ``r`` of expert ``e`` in an ``[E, d1, d2]`` expert weight (expert stride d1·d2)."""
     return elem_offset(d1, d2, e, r, 0, wide)
+
+
+def fp4_row_offsets(d1: Any, d2: Any, sd1: Any, sd2: Any, e: Any, r: Any, wide: Callable[[Any], Any] = _ident
+                    ) -> tuple[Any, Any]:
+    """Byte offsets of row ``r`` of expert ``e`` of an MXFP4 expert weight: in its ``[E, d1, d2]`` uint8 codes (``d2``
+    = columns / 2) and in its ``[E, sd1, sd2]`` uint8 scales (``sd2`` = columns / FP4_GROUP). Both are one byte per
+    element, so the element offsets are the byte offsets."""
+    return expert_row_offset(d1, d2, e, r, wide), expert_row_offset(sd1, sd2, e, r, wide)
 
 
 def absorb_cw(kvl: int) -> int:
@@ -142,6 +168,7 @@ class _Shapes:
     ql: int
     dmax: int
     latent_norm: bool
+    fp4: bool = False  # the routed experts are MXFP4 (codes + scales operands)
 
     @property
     def nbt(self) -> int:
@@ -152,21 +179,47 @@ class _Shapes:
         return self.B // self.gbt
 
 
-def shapes_for(cfg: Any, batch: int) -> _Shapes:
-    """The device config's loop widths for a model config and batch size (as ``kimik3.megakernel.gpu``)."""
+def shapes_for(cfg: Any, batch: int, expert_format: str = "dense") -> _Shapes:
+    """The device config's loop widths for a model config, batch size and expert format (as
+    ``kimik3.megakernel.gpu``)."""
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     bt = max(d for d in range(1, min(batch, BT_MAX) + 1) if batch % d == 0)
     return _Shapes(B=batch, bt=bt, gbt=gemv_batch_tile(batch), dk=cfg.kda_head_dim if cfg.kda_layers else 0,
                    conv=cfg.kda_conv_size,
                    kvl=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim, nope=cfg.qk_nope_head_dim, dv=cfg.v_head_dim,
                    ql=int(cfg.q_lora_rank or 0), dmax=min(E, batch * k) if E else 0,
-                   latent_norm=bool(cfg.moe_latent_norm))
+                   latent_norm=bool(cfg.moe_latent_norm), fp4=expert_format == "mxfp4")
+
+
+@functools.cache
+def _pass_runs(item: Callable[[int, int, int], tuple[int, int]], n: int, nbt: int, bt: int
+               ) -> tuple[tuple[int, int, int], ...]:
+    """The tile rows a GEMV opcode computes for each batch row, as ``(batch row, first tile row, rows)`` runs: the
+    work items ``k < n·nbt`` mapped to (row, pass) by ``item`` (the device's ``gemv_item``), pass ``t`` covering
+    batch rows ``t·bt ... t·bt + bt - 1``. A correct mapping gives one run ``[0, n)`` per batch row; a row twice
+    in a pass is a second run (a double store), a missing one a gap (an element never stored)."""
+    rows: dict[int, list[int]] = {}
+    for k in range(n * nbt):
+        j, t = item(k, n, nbt)
+        rows.setdefault(t, []).append(j)
+    runs = []
+    for t, js in sorted(rows.items()):
+        js.sort()
+        i = 0
+        while i < len(js):
+            m = 1
+            while i + m < len(js) and js[i + m] == js[i] + m:
+                m += 1
+            runs += [(t * bt + bb, js[i], m) for bb in range(bt)]
+            i += m
+    return tuple(runs)
 
 
 def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: list[tuple[int, int, int]],
               s: _Shapes, helpers: Any) -> Iterator[_Acc]:
     """Every run of elements the device code of ``op`` touches, per operand (see the module docstring)."""
     E, T, X = helpers.elem_offset, helpers.tile_rows, helpers.expert_row_offset
+    G = getattr(helpers, "gemv_item", gemv_item)
     B = s.B
 
     def d1(j: int) -> int:
@@ -180,6 +233,17 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
 
     def chunked(n: int) -> int:  # elements of n // VEC 16-byte chunks
         return (n // VEC) * VEC
+
+    def fp4_cols(jc: int) -> int:  # columns of the whole 16-byte code groups of an MXFP4 codes operand's rows
+        return d2(jc) // FP4_GROUP_BYTES * FP4_GROUP
+
+    def fp4_row(jc: int, js: int, e: int, r: int) -> Iterator[_Acc]:
+        """Row r of expert e of an MXFP4 weight: its whole 16-byte code groups (operand jc) and their scale bytes
+        (operand js)."""
+        co, so = getattr(helpers, "fp4_row_offsets", fp4_row_offsets)(d1(jc), d2(jc), d1(js), d2(js), e, r)
+        ng = d2(jc) // FP4_GROUP_BYTES
+        yield _Acc(jc, co, ng * FP4_GROUP_BYTES, "r")
+        yield _Acc(js, so, ng, "r")
 
     def gemv(xj: int, wjs: tuple[int, ...], gj: int | None, oj: int | None, rstd: bool, n: int, o_how: str,
              o_entry: int = 0, o_c0: int | None = None) -> Iterator[_Acc]:
@@ -195,8 +259,8 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
             yield _Acc(wj, row0(wj), L, "r", n, L)  # rows j < n of the box, from weight_row_dot
         if oj is not None:
             c0 = box[oj][4] if o_c0 is None else o_c0
-            for b in range(B):  # row j of the tile -> column c0 + j
-                yield _Acc(oj, E(d1(oj), d2(oj), b, o_entry, c0), n, o_how)
+            for b, j0, m in _pass_runs(G, n, s.gnbt, s.gbt):  # row j of the tile -> column c0 + j
+                yield _Acc(oj, E(d1(oj), d2(oj), b, o_entry, c0 + j0), m, o_how)
 
     if op == Op.EMBED:
         L = chunked(d2(1))
@@ -232,8 +296,8 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
             yield from gemv(ia, (iu,), 1 if ln else None, None, bool(ln), n, "")
         if mlp:
             yield from gemv(ih, (idn,), None, None, False, n, "")
-        for b in range(B):
-            yield _Acc(io, E(d1(io), d2(io), b, box[io][2], box[io][4]), n, "rw")
+        for b, j0, m in _pass_runs(G, n, s.gnbt, s.gbt):
+            yield _Acc(io, E(d1(io), d2(io), b, box[io][2], box[io][4] + j0), m, "rw")
     elif op == Op.LM_HEAD:
         ti, r0 = args[0], args[2]
         yield from gemv(0, (2,), 1, 3, True, T(r0, args[3]), "w", o_c0=r0)
@@ -255,13 +319,17 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
             yield _Acc(4, E(d1(4), d2(4), b, 0, 0), s.dmax, "w")
     elif op == Op.EXPERT_GATE_UP:
         s0, s1, r0, r1 = args
-        L = chunked(d2(3))
+        L = fp4_cols(3) if s.fp4 else chunked(d2(3))
         xs = d1(0) * d2(0)
         yield _Acc(0, 0, L, "r", B, xs)
         for e in range(dims[3][0]):  # the slot's expert is data: every expert of the weight
             for r in (r0, r1 - 1):
-                yield _Acc(3, X(d1(3), d2(3), e, r), L, "r")
-                yield _Acc(4, X(d1(4), d2(4), e, r), L, "r")
+                if s.fp4:
+                    yield from fp4_row(3, 6, e, r)
+                    yield from fp4_row(4, 7, e, r)
+                else:
+                    yield _Acc(3, X(d1(3), d2(3), e, r), L, "r")
+                    yield _Acc(4, X(d1(4), d2(4), e, r), L, "r")
         for j in range(s0, s1):
             yield _Acc(1, E(d1(1), d2(1), 0, 0, j), 1, "r")
             yield _Acc(2, E(d1(2), d2(2), 0, 0, j), 1, "r", B, d1(2) * d2(2))
@@ -269,10 +337,13 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
                 yield _Acc(5, E(d1(5), d2(5), b, j, r0), r1 - r0, "w?")
     elif op == Op.EXPERT_DOWN:
         r0, r1 = args[2], args[3]
-        L = chunked(d2(4))
+        L = fp4_cols(4) if s.fp4 else chunked(d2(4))
         for e in range(dims[4][0]):  # the slot's expert is data: every expert of the weight
-            for r in (r0, r1 - 1):
-                yield _Acc(4, X(d1(4), d2(4), e, r), L, "r")
+            for r in (r0, r1 - 1):  # (MXFP4: a warp takes rows in pairs r, r + 1; the same rows in all)
+                if s.fp4:
+                    yield from fp4_row(4, 6, e, r)
+                else:
+                    yield _Acc(4, X(d1(4), d2(4), e, r), L, "r")
         yield _Acc(1, 0, s.dmax, "r")
         for b in range(B):
             yield _Acc(2, E(d1(2), d2(2), b, 0, 0), s.dmax, "r")
@@ -398,7 +469,8 @@ def replay(program: Any, cfg: Any, *, instructions: list[int] | None = None, hel
            check_writes: bool = True, declared_from_all: bool = False, max_findings: int = 50) -> ReplayReport:
     """Replay the address arithmetic of every instruction (or those listed) of a decoded ``program`` for the model
     config ``cfg``; ``helpers`` is the module whose :func:`elem_offset` / :func:`tile_rows` /
-    :func:`expert_row_offset` run (a mutated copy in the tests). Returns the findings (empty when clean).
+    :func:`expert_row_offset` (and :func:`gemv_item`) run (a mutated copy in the tests). Returns the findings
+    (empty when clean).
 
     ``check_writes`` counts every stored element of the activation / state / output buffers against the declared
     writes of the replayed instructions (of every instruction with ``declared_from_all``: then a subset of
@@ -414,7 +486,7 @@ def replay(program: Any, cfg: Any, *, instructions: list[int] | None = None, hel
     n_ins = len(program.instructions)
     if instructions is not None and any(not 0 <= i < n_ins for i in instructions):
         raise ValueError(f"replay: instruction indices outside the program's {n_ins}")
-    s = shapes_for(cfg, program.batch)
+    s = shapes_for(cfg, program.batch, getattr(program, "expert_format", "dense"))
     rep = ReplayReport()
     bufs = program.buffers
     idx = range(len(program.instructions)) if instructions is None else instructions

@@ -1,15 +1,17 @@
 """The megakernel's tiled-GEMV opcodes, sharing the tile-GEMV helper ``device_fns.weight_row_dot``: NORM_PROJ,
 MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD (device code; see ``OPCODE_NOTES`` in ``megakernel.py``).
 
-One warp per weight row (rows ``w, w + NW, ...`` of the box), the batch in passes of ``mk_addr.gemv_batch_tile(B)``
-rows (up to 8): each weight chunk a lane loads serves every row of the pass, so up to batch 8 each weight row
-streams from memory once. Each lane keeps ``mk_addr.GEMV_UNROLL`` (8) 16-byte weight loads in flight per step:
+The batch goes in passes of ``mk_addr.gemv_batch_tile(B)`` rows (up to 8): each weight chunk a lane loads serves
+every row of the pass, so up to batch 8 each weight row streams from memory once. A warp computes one (weight row,
+pass) work item at a time, items dealt round-robin (``mk_addr.gemv_item``: pass by pass, so the warps share one
+pass's x rows; up to batch 8, one pass: rows ``w, w + NW, ...`` of the box for warp ``w``). One flat item loop
+rather than a pass loop inside the row loop: the nested loops' state did not fit next to the dot step at batch 64
+(ptxas spilled the megakernel). Each lane keeps ``mk_addr.GEMV_UNROLL`` (8) 16-byte weight loads in flight per step:
 384 threads x 8 x 16 B = 48 KiB per SM. The RMSNorm prologue (``device_fns.rstd_rows``) issues 8 loads per lane
 per round trip."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import cutlass
@@ -48,6 +50,13 @@ from .mk_operands import (
 )
 
 
+def _tiling(cfg: Any) -> tuple[int, int, int]:
+    """Trace-time constants of a GEMV opcode: batch rows per pass, 16-byte weight loads in flight per lane (for the
+    compile target, ``cfg.arch``) and passes."""
+    BT = mk_addr.gemv_batch_tile(cfg.B)
+    return BT, mk_addr.gemv_unroll(cfg.arch), cfg.B // BT
+
+
 @cute.jit
 def _gemv_prologue(ctx: _Ctx, xop: Int32, eps: cutlass.Constexpr) -> tuple[Any, Int32]:
     """x rows of operand ``xop`` as a chunk view + its batch stride in chunks; their rstd into s_f32[0:B]."""
@@ -60,7 +69,7 @@ def _gemv_prologue(ctx: _Ctx, xop: Int32, eps: cutlass.Constexpr) -> tuple[Any, 
 @cute.jit
 def op_norm_proj(ctx: _Ctx) -> None:
     cfg = ctx.cfg
-    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.gemv_unroll(os.environ.get("CUTE_DSL_ARCH"))
+    BT, U, NBT = _tiling(cfg)
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
     fp32 = ctx.s_ins[W_ARGS]
     n = tile_rows(_bx(ctx, 2, R0), _bx(ctx, 2, R1))
@@ -72,26 +81,25 @@ def op_norm_proj(ctx: _Ctx) -> None:
     of = gflat(Float32, ctx.s_addr[3])
     ob = gflat(BFloat16, ctx.s_addr[3])
     acc = cute.make_rmem_tensor((BT,), Float32)
-    for j in cutlass.range(ctx.warp, n, NW, unroll=1):
-        for t in cutlass.range(cfg.B // BT, unroll=1):
-            nb = BT
-            weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, nb, U,
-                           wide_tail=True)
-            for bb in cutlass.range_constexpr(nb):
-                b = t * BT + bb
-                d = warp_sum(acc[bb]) * ctx.s_f32[b]
-                if ctx.lane == bb % 32:
-                    off = _eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), o0 + j)
-                    if fp32 != 0:
-                        of[off] = d
-                    else:
-                        ob[off] = d.to(BFloat16)
+    for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
+        j, t = mk_addr.gemv_item(k, n, NBT)
+        weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U,
+                       wide_tail=True)
+        for bb in cutlass.range_constexpr(BT):
+            b = t * BT + bb
+            d = warp_sum(acc[bb]) * ctx.s_f32[b]
+            if ctx.lane == bb % 32:
+                off = _eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), o0 + j)
+                if fp32 != 0:
+                    of[off] = d
+                else:
+                    ob[off] = d.to(BFloat16)
 
 
 @cute.jit
 def op_mlp_gate_up(ctx: _Ctx) -> None:
     cfg = ctx.cfg
-    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.gemv_unroll(os.environ.get("CUTE_DSL_ARCH"))
+    BT, U, NBT = _tiling(cfg)
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
     n = tile_rows(_bx(ctx, 2, R0), _bx(ctx, 2, R1))
     nch = ctx.s_d2[2] // VEC
@@ -102,27 +110,26 @@ def op_mlp_gate_up(ctx: _Ctx) -> None:
     ob = gflat(BFloat16, ctx.s_addr[4])
     ag = cute.make_rmem_tensor((BT,), Float32)
     au = cute.make_rmem_tensor((BT,), Float32)
-    for j in cutlass.range(ctx.warp, n, NW, unroll=1):
-        for t in cutlass.range(cfg.B // BT, unroll=1):
-            nb = BT
-            weight_row_dot(ctx.s_stage, sg, wg0, j, nch, xv, t * BT * xs, xs, False, gv, ag, nb, U,
-                           wide_tail=True)
-            weight_row_dot(ctx.s_stage, su, wu0, j, nch, xv, t * BT * xs, xs, False, gv, au, nb, U,
-                           wide_tail=True)
-            for bb in cutlass.range_constexpr(nb):
-                b = t * BT + bb
-                r = ctx.s_f32[b]
-                a = bf16_round(warp_sum(ag[bb]) * r)
-                u = bf16_round(warp_sum(au[bb]) * r)
-                h = glu(a, u, cfg.situ, cfg.situ_beta, cfg.situ_lin)
-                if ctx.lane == bb % 32:
-                    ob[_eoff(ctx.s_d1[4], ctx.s_d2[4], b, Int32(0), o0 + j)] = h.to(BFloat16)
+    for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
+        j, t = mk_addr.gemv_item(k, n, NBT)
+        weight_row_dot(ctx.s_stage, sg, wg0, j, nch, xv, t * BT * xs, xs, False, gv, ag, BT, U,
+                       wide_tail=True)
+        weight_row_dot(ctx.s_stage, su, wu0, j, nch, xv, t * BT * xs, xs, False, gv, au, BT, U,
+                       wide_tail=True)
+        for bb in cutlass.range_constexpr(BT):
+            b = t * BT + bb
+            r = ctx.s_f32[b]
+            a = bf16_round(warp_sum(ag[bb]) * r)
+            u = bf16_round(warp_sum(au[bb]) * r)
+            h = glu(a, u, cfg.situ, cfg.situ_beta, cfg.situ_lin)
+            if ctx.lane == bb % 32:
+                ob[_eoff(ctx.s_d1[4], ctx.s_d2[4], b, Int32(0), o0 + j)] = h.to(BFloat16)
 
 
 @cute.jit
 def op_o_proj_residual(ctx: _Ctx) -> None:
     cfg = ctx.cfg
-    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.gemv_unroll(os.environ.get("CUTE_DSL_ARCH"))
+    BT, U, NBT = _tiling(cfg)
     accumulate = ctx.s_ins[W_ARGS]
     xaddr = _row0(ctx, 0)
     xs = ctx.s_d1[0] * ctx.s_d2[0] // VEC
@@ -134,19 +141,18 @@ def op_o_proj_residual(ctx: _Ctx) -> None:
     entry, c0 = _bx(ctx, 2, R0), _bx(ctx, 2, C0)
     sb = gflat(BFloat16, ctx.s_addr[2])
     acc = cute.make_rmem_tensor((BT,), Float32)
-    for j in cutlass.range(ctx.warp, n, NW, unroll=1):
-        for t in cutlass.range(cfg.B // BT, unroll=1):
-            nb = BT
-            weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, None, acc, nb, U,
-                           wide_tail=True)
-            for bb in cutlass.range_constexpr(nb):
-                b = t * BT + bb
-                y = bf16_round(warp_sum(acc[bb]))
-                if ctx.lane == bb % 32:
-                    off = _eoff(ctx.s_d1[2], ctx.s_d2[2], b, entry, c0 + j)
-                    if accumulate != 0:
-                        y = sb[off].to(Float32) + y
-                    sb[off] = y.to(BFloat16)
+    for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
+        j, t = mk_addr.gemv_item(k, n, NBT)
+        weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, None, acc, BT, U,
+                       wide_tail=True)
+        for bb in cutlass.range_constexpr(BT):
+            b = t * BT + bb
+            y = bf16_round(warp_sum(acc[bb]))
+            if ctx.lane == bb % 32:
+                off = _eoff(ctx.s_d1[2], ctx.s_d2[2], b, entry, c0 + j)
+                if accumulate != 0:
+                    y = sb[off].to(Float32) + y
+                sb[off] = y.to(BFloat16)
 
 
 @cute.jit
@@ -154,7 +160,7 @@ def op_ffn_out(ctx: _Ctx) -> None:
     """Operand order (scheduler ``out_cols``): [latent sum, (latent norm), up rows] if routed, [mlp hidden,
     down rows] if mlp, stream column tile last."""
     cfg = ctx.cfg
-    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.gemv_unroll(os.environ.get("CUTE_DSL_ARCH"))
+    BT, U, NBT = _tiling(cfg)
     flags = ctx.s_ins[W_ARGS]
     routed = (flags & FFN_ROUTED) != 0
     mlp = (flags & FFN_MLP) != 0
@@ -189,37 +195,36 @@ def op_ffn_out(ctx: _Ctx) -> None:
     sb = gflat(BFloat16, ctx.s_addr[io])
     ar = cute.make_rmem_tensor((BT,), Float32)
     am = cute.make_rmem_tensor((BT,), Float32)
-    for j in cutlass.range(ctx.warp, n, NW, unroll=1):
-        for t in cutlass.range(cfg.B // BT, unroll=1):
-            nb = BT
-            ar.fill(0.0)
-            am.fill(0.0)
+    for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
+        j, t = mk_addr.gemv_item(k, n, NBT)
+        ar.fill(0.0)
+        am.fill(0.0)
+        if routed:
+            weight_row_dot(ctx.s_stage, su, wu0, j, nch_u, av, t * BT * xas, xas, False, gv, ar, BT, U,
+                           wide_tail=True)
+        if mlp:
+            weight_row_dot(ctx.s_stage, sd, wd0, j, nch_d, hv, t * BT * xhs, xhs, False, None, am, BT, U,
+                           wide_tail=True)
+        for bb in cutlass.range_constexpr(BT):
+            b = t * BT + bb
+            yr = warp_sum(ar[bb])
+            ym = warp_sum(am[bb])
+            out = Float32(0.0)
             if routed:
-                weight_row_dot(ctx.s_stage, su, wu0, j, nch_u, av, t * BT * xas, xas, False, gv, ar, nb, U,
-                               wide_tail=True)
+                if const_expr(cfg.latent_norm):
+                    yr = yr * ctx.s_f32[b]
+                out = bf16_round(yr)
             if mlp:
-                weight_row_dot(ctx.s_stage, sd, wd0, j, nch_d, hv, t * BT * xhs, xhs, False, None, am, nb, U,
-                               wide_tail=True)
-            for bb in cutlass.range_constexpr(nb):
-                b = t * BT + bb
-                yr = warp_sum(ar[bb])
-                ym = warp_sum(am[bb])
-                out = Float32(0.0)
-                if routed:
-                    if const_expr(cfg.latent_norm):
-                        yr = yr * ctx.s_f32[b]
-                    out = bf16_round(yr)
-                if mlp:
-                    out = bf16_round(out + bf16_round(ym))
-                if ctx.lane == bb % 32:
-                    off = _eoff(ctx.s_d1[io], ctx.s_d2[io], b, entry, c0 + j)
-                    sb[off] = (sb[off].to(Float32) + out).to(BFloat16)
+                out = bf16_round(out + bf16_round(ym))
+            if ctx.lane == bb % 32:
+                off = _eoff(ctx.s_d1[io], ctx.s_d2[io], b, entry, c0 + j)
+                sb[off] = (sb[off].to(Float32) + out).to(BFloat16)
 
 
 @cute.jit
 def op_lm_head(ctx: _Ctx) -> None:
     cfg = ctx.cfg
-    BT, U = mk_addr.gemv_batch_tile(cfg.B), mk_addr.gemv_unroll(os.environ.get("CUTE_DSL_ARCH"))
+    BT, U, NBT = _tiling(cfg)
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
     ti, r0 = ctx.s_ins[W_ARGS], ctx.s_ins[W_ARGS + 2]
     n = tile_rows(r0, ctx.s_ins[W_ARGS + 3])
@@ -237,19 +242,19 @@ def op_lm_head(ctx: _Ctx) -> None:
             s_bv[ctx.warp * cfg.B + b] = -Float32.inf
             s_bi[ctx.warp * cfg.B + b] = 2**31 - 1
     acc = cute.make_rmem_tensor((BT,), Float32)
-    for j in cutlass.range(ctx.warp, n, NW, unroll=1):
-        for t in cutlass.range(cfg.B // BT, unroll=1):
-            weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U,
-                           wide_tail=True)
-            for bb in cutlass.range_constexpr(BT):
-                b = t * BT + bb
-                d = bf16_round(warp_sum(acc[bb]) * ctx.s_f32[b])  # the reference's bf16 linear, then fp32
-                if ctx.lane == bb % 32:
-                    logits[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), r0 + j)] = d
-                    slot = ctx.warp * cfg.B + b
-                    if d > s_bv[slot]:  # a warp's rows ascend: strict > keeps the lowest id
-                        s_bv[slot] = d
-                        s_bi[slot] = j
+    for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
+        j, t = mk_addr.gemv_item(k, n, NBT)
+        weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U,
+                       wide_tail=True)
+        for bb in cutlass.range_constexpr(BT):
+            b = t * BT + bb
+            d = bf16_round(warp_sum(acc[bb]) * ctx.s_f32[b])  # the reference's bf16 linear, then fp32
+            if ctx.lane == bb % 32:
+                logits[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), r0 + j)] = d
+                slot = ctx.warp * cfg.B + b
+                if d > s_bv[slot]:  # a warp's rows ascend: strict > keeps the lowest id
+                    s_bv[slot] = d
+                    s_bi[slot] = j
     cute.arch.sync_threads()
     best_v = gflat(Float32, ctx.s_addr[4])
     best_i = gflat(Int64, ctx.s_addr[5])

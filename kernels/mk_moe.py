@@ -9,8 +9,9 @@ chosen experts into slots and the slot weights / use flags (``router_slot_of``, 
 ``router_slot``), the expert opcodes' slot lists built once per instruction (``slot_expert``, ``slot_take``,
 ``slot_put``, ``slot_end``, ``slot_token``; the ballot compaction reuses ``router_slot_of`` / ``router_round_end``),
 the weight rows and the per-lane dots of one weight step against every token of a pass (``gate_up_rows``,
-``gate_up_tile``, ``down_row``, ``down_tile``), the weighted fp32 combine (``down_weighted``, ``down_combine``) and
-the element offsets of every store. ``kernels/host_exec_router.py`` runs
+``gate_up_tile``, ``down_row``, ``down_tile``; with MXFP4 experts, ``MKConfig.fp4``, the code and scale rows
+``fp4_row`` and the decoding tile ``fp4_tile`` behind them), the weighted fp32 combine (``down_weighted``,
+``down_combine``) and the element offsets of every store. ``kernels/host_exec_router.py`` runs
 the same helpers on the host over every warp and lane of each instruction of a program and replays the thin layer
 in the kernel's order."""
 
@@ -20,10 +21,12 @@ from typing import Any
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr
 
-from ._trace import evict_last
+from ._common import fp4_place, fp4_scale, fp4_widen, x_pair_order
+from ._trace import evict_last, tracing_for_host
 from .device_fns import (
+    BIG,
     NT,
     NW,
     VEC,
@@ -36,7 +39,7 @@ from .device_fns import (
 from .isa import (
     W_ARGS,
 )
-from .mk_addr import expert_row_offset
+from .mk_addr import FP4_GROUP, FP4_GROUP_BYTES, expert_row_offset, fp4_row_offsets
 from .mk_operands import (
     F32_VEC,
     F32_WORDS,
@@ -221,16 +224,38 @@ WIDE_BATCH_TILE = 2  # both opcodes' pass above batch 8
 GATE_UP_LOADS = 4  # 16-byte chunks per lane per step of EACH of w1 and w3: 8 loads (48 KiB per CTA) in flight
 DOWN_LOADS = 6  # 16-byte w2 chunks per lane per step: 6 loads (36 KiB per CTA) in flight; a k3 w2 row (384 chunks)
 # is then exactly two steps, no clamped chunk
+# MXFP4 (MKConfig.fp4): one 16-byte load is one 32-column group of codes. EXPERT_GATE_UP keeps GATE_UP_LOADS groups of
+# each of w1 and w3 in flight per lane (prefetched into L1 at the start of a step; a k3 row, 112 groups: one step). A
+# k3 w2 row is only 96 groups (3 per lane), so an EXPERT_DOWN warp takes DOWN_ROWS_FP4 rows at once, DOWN_LOADS /
+# DOWN_ROWS_FP4 groups of each (6 loads, 36 KiB per CTA, one step, none clamped), the two rows sharing every x load
+# like the gate and up rows do.
+DOWN_ROWS_FP4 = 2
+X_CHUNKS_PER_GROUP = FP4_GROUP // VEC  # 16-byte x chunks of one MXFP4 group (one per 8-code word)
 
 
-def gate_up_pass(B: int) -> int:
-    """Tokens per pass of EXPERT_GATE_UP at batch B."""
-    return min(B, GATE_UP_TILE if B <= 8 else WIDE_BATCH_TILE)
+# sm_100a's ptxas spills the MXFP4 tiles at 4 tokens per pass (batch 8: micro, tiny, k3-shard); 2 there
+FP4_TILE_BY_ARCH = {"sm_100a": 2}
 
 
-def down_pass(B: int) -> int:
-    """Tokens per pass of EXPERT_DOWN at batch B."""
-    return min(B, DOWN_TILE if B <= 8 else WIDE_BATCH_TILE)
+def _fp4_cap(T: int, cfg: Any) -> int:
+    return min(T, FP4_TILE_BY_ARCH.get(cfg.arch, T)) if cfg.fp4 else T
+
+
+def gate_up_pass(cfg: Any) -> int:
+    """Tokens per pass of EXPERT_GATE_UP for the config's batch, expert format (``cfg.fp4``) and compile target
+    (``cfg.arch``)."""
+    return _fp4_cap(min(cfg.B, GATE_UP_TILE if cfg.B <= 8 else WIDE_BATCH_TILE), cfg)
+
+
+def down_pass(cfg: Any) -> int:
+    """Tokens per pass of EXPERT_DOWN (as :func:`gate_up_pass`)."""
+    return _fp4_cap(min(cfg.B, DOWN_TILE if cfg.B <= 8 else WIDE_BATCH_TILE), cfg)
+
+
+def down_rows(cfg: Any) -> int:
+    """w2 rows an EXPERT_DOWN warp takes at once: 1 (dense), DOWN_ROWS_FP4 (MXFP4); row task k of warp w starts at
+    r0 + (w + k·NW)·rows."""
+    return DOWN_ROWS_FP4 if cfg.fp4 else 1
 
 
 def slot_lists(cfg: Any) -> tuple[int, int, int]:
@@ -329,17 +354,133 @@ def _dot8(w: Any, x: Any, ok: Any) -> Float32:
 
 
 @cute.jit
+def fp4_row(ctx: _Ctx, jc: cutlass.Constexpr, js: cutlass.Constexpr, e: Int32, r: Any) -> tuple[Any, Any]:
+    """Row r of expert e of an MXFP4 weight (codes operand jc, scales operand js): its 16-byte code groups as
+    ``[group, 4]`` uint32 (``v[(g, None)]``: one load of 32 codes, word j = columns 8j .. 8j + 7) and its scale bytes
+    as ``[group, 1]``."""
+    co, so = fp4_row_offsets(ctx.s_d1[jc], ctx.s_d2[jc], ctx.s_d1[js], ctx.s_d2[js], e, r, Int64)
+    codes = cute.make_tensor(cute.make_ptr(Uint32, ctx.s_addr[jc] + co, cute.AddressSpace.gmem, assumed_align=16),
+                             cute.make_layout((BIG // FP4_GROUP_BYTES, 4), stride=(4, 1)))
+    scales = cute.make_tensor(cute.make_ptr(Uint8, ctx.s_addr[js] + so, cute.AddressSpace.gmem, assumed_align=1),
+                              cute.make_layout((BIG, 1), stride=(1, 1)))
+    return codes, scales
+
+
+@cute.jit
 def gate_up_rows(ctx: _Ctx, e: Int32, r: Int32) -> tuple[Any, Any]:
-    """Row r of expert e's gate (w1, operand 3) and up (w3, operand 4) projections, as 16-byte chunks."""
-    wg = gchunks(ctx.s_addr[3] + expert_row_offset(ctx.s_d1[3], ctx.s_d2[3], e, r, Int64) * 2)
-    wu = gchunks(ctx.s_addr[4] + expert_row_offset(ctx.s_d1[4], ctx.s_d2[4], e, r, Int64) * 2)
+    """Row r of expert e's gate (w1, operand 3) and up (w3, operand 4) projections, as 16-byte chunks; MXFP4: as
+    :func:`fp4_row` views (scales: operands 6, 7)."""
+    if const_expr(ctx.cfg.fp4):
+        wg, wu = fp4_row(ctx, 3, 6, e, r), fp4_row(ctx, 4, 7, e, r)
+    else:
+        wg = gchunks(ctx.s_addr[3] + expert_row_offset(ctx.s_d1[3], ctx.s_d2[3], e, r, Int64) * 2)
+        wu = gchunks(ctx.s_addr[4] + expert_row_offset(ctx.s_d1[4], ctx.s_d2[4], e, r, Int64) * 2)
     return wg, wu
 
 
 @cute.jit
 def gate_up_dims(ctx: _Ctx) -> tuple[Int32, Int32]:
-    """(chunks from one token's input row to the next (operand 0), chunks per weight row (operand 3))."""
-    return ctx.s_d1[0] * ctx.s_d2[0] // VEC, ctx.s_d2[3] // VEC
+    """(chunks from one token's input row to the next (operand 0), chunks per weight row (operand 3); MXFP4: code
+    groups per row)."""
+    per = FP4_GROUP_BYTES if const_expr(ctx.cfg.fp4) else VEC
+    return ctx.s_d1[0] * ctx.s_d2[0] // VEC, ctx.s_d2[3] // per
+
+
+@cute.jit
+def gate_up_x(ctx: _Ctx, jj: Int32, p: Int32, xs: Int32) -> Int32:
+    """Chunk offset of the input row (operand 0) of the p-th token of list jj."""
+    return slot_token(ctx, jj, p) * xs
+
+
+@cute.jit
+def _fp4_token(ld_x: Any, xv: Any, c: Int32, rx: cute.Tensor, pka: cute.Tensor, pkb: cute.Tensor, fa: Float32,
+               fb: Float32, aa: cute.Tensor, ab: cute.Tensor, t: cutlass.Constexpr) -> None:
+    """One token's share of one group: its 4 x chunks from chunk c (loads in flight together), each word of rows A and
+    B widened to fp32 (``fp4_widen``) and dotted with its chunk in pair order, one fp32 FMA chain per row over the
+    group's 32 columns; then the group partials times the group scales, one FMA into ``aa[t]`` / ``ab[t]``."""
+    for j in cutlass.range_constexpr(X_CHUNKS_PER_GROUP):
+        cute.copy(ld_x, xv[(c + j, None)], rx[None, j])
+    pa, pb = Float32(0.0), Float32(0.0)
+    for j in cutlass.range_constexpr(X_CHUNKS_PER_GROUP):
+        x = x_pair_order(rx[None, j], j)
+        wa = fp4_widen(pka[None, j].load())
+        wb = fp4_widen(pkb[None, j].load())
+        for k in cutlass.range_constexpr(VEC):
+            pa = pa + wa[k] * x[k]
+            pb = pb + wb[k] * x[k]
+    aa[t] = aa[t] + pa * fa
+    ab[t] = ab[t] + pb * fb
+
+
+@cute.jit
+def fp4_tile(ctx: _Ctx, xv: Any, xs: Int32, ngr: Int32, wa: Any, wb: Any, jj: Int32, t0: Int32, n: Int32,
+             aa: cute.Tensor, ab: cute.Tensor, U: cutlass.Constexpr, DOWN: cutlass.Constexpr, lane: Any = None
+             ) -> None:
+    """MXFP4: a lane's partial dots of two weight rows A and B (:func:`fp4_row` views of ``ngr`` groups: the gate
+    and up rows of EXPERT_GATE_UP, two w2 rows of EXPERT_DOWN) with the x rows of tokens t0 .. t0 + T - 1 of list jj
+    (those below n; ``DOWN``: the hidden rows [b, slot jj], else the input rows): ``aa[t]``, ``ab[t]``.
+
+    Per step each lane prefetches U groups of each row into L1 (``prefetch.global.L1`` of the 16-byte code loads and
+    the scale bytes: all of the step's weight bytes in flight at once, no register held while they land), then works
+    group by group: its codes (one 16-byte load per row, an L1 hit, kept packed until used) and scale bytes; groups
+    past the row's end are read at its last group and get scale 0 (straight-line, in-bounds loads, as the dense tiles
+    clamp). The group's 8-code words of both rows are placed as fp16 bits once (``fp4_place``: integer ops, 4
+    registers per word), and each token of the pass reads the group's 4 x chunks (16-byte loads, from L1), widens the
+    words to fp32 and dots them in pair order into one group partial per row, which the group's E8M0 scale
+    (``fp4_scale``, a power of two that also folds the placement's 2^-14 back) multiplies once: one FMA into the
+    token's accumulator. Every (group, token) is its own block under the warp-uniform branch on the token count,
+    token 0's too: a block that every later token's block follows would let the compiler widen the group's words
+    once for all tokens (64 fp32 registers live) and spill.
+
+    Scaling the partial instead of each weight: a power of two commutes with fp32 rounding, so the group partial is
+    exactly scale x (the same 32-term FMA chain over scaled weights), and the one FMA rounds acc + partial · scale
+    once; it is not the association of a chain running through the accumulator (per-weight scaling folded into one
+    FMA chain from acc), so results differ from that in the last bits. Unscaled terms are E2M1 · 2^-14 · x: they
+    leave the normal fp32 range only for |x| < 2^-111."""
+    if const_expr(lane is None):
+        lane = cute.arch.lane_idx()
+    T = cute.size(aa)
+    ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint32, num_bits_per_copy=128, invariant=True)
+    ld_s = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint8, num_bits_per_copy=8, invariant=True)
+    if const_expr(DOWN):  # as the dense tiles: the latent input is kept in L1, the hidden rows are not
+        ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)
+    else:
+        ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, **evict_last())
+    ca, sa = wa
+    cb, sb = wb
+    aa.fill(0.0)
+    ab.fill(0.0)
+    nt = n - t0
+    rc = cute.make_rmem_tensor((4, 2), Uint32)  # the group's codes of rows A, B
+    rs = cute.make_rmem_tensor((1, 2), Uint8)  # and their scale bytes
+    pka = cute.make_rmem_tensor((4, X_CHUNKS_PER_GROUP), Uint32)  # the group's words placed as fp16 bits
+    pkb = cute.make_rmem_tensor((4, X_CHUNKS_PER_GROUP), Uint32)
+    rx = cute.make_rmem_tensor((VEC, X_CHUNKS_PER_GROUP), BFloat16)
+    for it in cutlass.range((ngr + 32 * U - 1) // (32 * U), unroll=1):
+        g = it * (32 * U) + lane
+        if const_expr(not tracing_for_host()):  # (a cache hint: no effect on any value, nothing on the host)
+            for up in cutlass.range_constexpr(U):
+                gp = cutlass.min(g + 32 * up, ngr - 1)
+                for view in (ca, cb, sa, sb):
+                    cute.arch.prefetch(view[(gp, None)].iterator.llvm_ptr, cache_level="L1")
+        for u in cutlass.range(U, unroll=1):  # a loop: one group's registers live at a time
+            gi = cutlass.min(g + 32 * u, ngr - 1)
+            cute.copy(ld_w, ca[(gi, None)], rc[None, 0])
+            cute.copy(ld_w, cb[(gi, None)], rc[None, 1])
+            cute.copy(ld_s, sa[(gi, None)], rs[None, 0])
+            cute.copy(ld_s, sb[(gi, None)], rs[None, 1])
+            c = gi * X_CHUNKS_PER_GROUP  # the group's first x chunk
+            # a group past the row's end gets scale 0: all-zero bits, without a branch (keeps the step straight-line)
+            keep = ~((ngr - 1 - (g + 32 * u)) >> 31)  # -1 while g + 32u < ngr, else 0
+            fa = (fp4_scale(rs[0, 0]).bitcast(Int32) & keep).bitcast(Float32)
+            fb = (fp4_scale(rs[0, 1]).bitcast(Int32) & keep).bitcast(Float32)
+            for j in cutlass.range_constexpr(X_CHUNKS_PER_GROUP):
+                pka[None, j].store(fp4_place(rc[j, 0]))
+                pkb[None, j].store(fp4_place(rc[j, 1]))
+            for t in cutlass.range_constexpr(T):
+                if t < nt:  # the token's x row from the list in smem (no register held across the groups)
+                    xr = down_x(ctx, jj, t0 + t, xs) if const_expr(DOWN) else gate_up_x(ctx, jj, t0 + t, xs)
+                    _fp4_token(ld_x, xv, xr + c, rx, pka, pkb, fa, fb, aa, ab, t)
 
 
 @cute.jit
@@ -348,9 +489,19 @@ def gate_up_tile(ctx: _Ctx, xv: Any, xs: Int32, nch: Int32, wg: Any, wu: Any, jj
     """A lane's partial dots of the gate and up rows with tokens t0 .. t0 + T - 1 of list jj (those below n):
     ``ag[t]``, ``au[t]``. Per step each lane has GATE_UP_LOADS chunks of each row in flight (chunks past the row's
     end are read at its last chunk and count 0: straight-line, in-bounds loads), then dots them with every token
-    of the pass (the branch on the token count is warp-uniform)."""
+    of the pass (the branch on the token count is warp-uniform). MXFP4: :func:`fp4_tile` (GATE_UP_LOADS groups of
+    each row per step)."""
     if const_expr(lane is None):
         lane = cute.arch.lane_idx()
+    if const_expr(ctx.cfg.fp4):
+        fp4_tile(ctx, xv, xs, nch, wg, wu, jj, t0, n, ag, au, GATE_UP_LOADS, False, lane)
+    else:
+        _gate_up_tile_dense(ctx, xv, xs, nch, wg, wu, jj, t0, n, ag, au, lane)
+
+
+@cute.jit
+def _gate_up_tile_dense(ctx: _Ctx, xv: Any, xs: Int32, nch: Int32, wg: Any, wu: Any, jj: Int32, t0: Int32, n: Int32,
+                        ag: cute.Tensor, au: cute.Tensor, lane: Any) -> None:
     T, U = cute.size(ag), GATE_UP_LOADS
     ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
     ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, **evict_last())
@@ -367,7 +518,7 @@ def gate_up_tile(ctx: _Ctx, xv: Any, xs: Int32, nch: Int32, wg: Any, wu: Any, jj
             cute.copy(ld_w, wu[(cutlass.min(c + 32 * u, nch - 1), None)], ru[None, u])
         for t in cutlass.range_constexpr(T):
             if t < nt:  # the token's row from the list in smem (registers go to the loads in flight)
-                xo = slot_token(ctx, jj, t0 + t) * xs
+                xo = gate_up_x(ctx, jj, t0 + t, xs)
                 for u in cutlass.range_constexpr(U):
                     cute.copy(ld_x, xv[(xo + cutlass.min(c + 32 * u, nch - 1), None)], rx[None, u])
                 g, h = ag[t], au[t]
@@ -388,7 +539,7 @@ def gate_up_out(ctx: _Ctx, b: Int32, j: Int32, r: Int32) -> Int64:
 @cute.jit
 def op_expert_gate_up(ctx: _Ctx) -> None:
     cfg = ctx.cfg
-    T = gate_up_pass(cfg.B)
+    T = gate_up_pass(cfg)
     EXP, CNT, _ = slot_lists(cfg)
     s0, s1, r0, r1 = ctx.s_ins[W_ARGS], ctx.s_ins[W_ARGS + 1], ctx.s_ins[W_ARGS + 2], ctx.s_ins[W_ARGS + 3]
     _build_slot_lists(ctx, s0, s1, False)
@@ -415,24 +566,49 @@ def op_expert_gate_up(ctx: _Ctx) -> None:
 
 @cute.jit
 def down_row(ctx: _Ctx, e: Int32, r: Int32) -> Any:
-    """Row r of expert e's down projection (w2, operand 4), as 16-byte chunks."""
-    return gchunks(ctx.s_addr[4] + expert_row_offset(ctx.s_d1[4], ctx.s_d2[4], e, r, Int64) * 2)
+    """Row r of expert e's down projection (w2, operand 4), as 16-byte chunks. MXFP4: the rows r and r + 1 of the
+    warp's task (r + 1 clamped to the box's last row, whose second copy is then not stored) as :func:`fp4_row`
+    views (scales: operand 6)."""
+    if const_expr(ctx.cfg.fp4):
+        wv = (fp4_row(ctx, 4, 6, e, r), fp4_row(ctx, 4, 6, e, cutlass.min(r + 1, ctx.s_ins[W_ARGS + 3] - 1)))
+    else:
+        wv = gchunks(ctx.s_addr[4] + expert_row_offset(ctx.s_d1[4], ctx.s_d2[4], e, r, Int64) * 2)
+    return wv
 
 
 @cute.jit
 def down_dims(ctx: _Ctx) -> tuple[Int32, Int32]:
-    """(chunks per (token, slot) row of the expert hidden buffer (operand 0), chunks per w2 row (operand 4))."""
-    return ctx.s_d2[0] // VEC, ctx.s_d2[4] // VEC
+    """(chunks per (token, slot) row of the expert hidden buffer (operand 0), chunks per w2 row (operand 4); MXFP4:
+    code groups per row)."""
+    per = FP4_GROUP_BYTES if const_expr(ctx.cfg.fp4) else VEC
+    return ctx.s_d2[0] // VEC, ctx.s_d2[4] // per
+
+
+@cute.jit
+def down_x(ctx: _Ctx, j: Int32, p: Int32, hs: Int32) -> Int32:
+    """Chunk offset of the hidden row [b, slot j] (operand 0) of the p-th token b of slot j's list."""
+    b = slot_token(ctx, j, p)
+    return (b * ctx.s_d1[0] + j) * hs
 
 
 @cute.jit
 def down_tile(ctx: _Ctx, hv: Any, hs: Int32, nch: Int32, wv: Any, j: Int32, t0: Int32, n: Int32, a: cute.Tensor,
-              lane: Any = None) -> None:
+              lane: Any = None, a2: Any = None) -> None:
     """A lane's partial dots of the down row with the hidden rows [b, slot j] (operand 0) of tokens t0 ..
     t0 + T - 1 of slot j's list (those below n): ``a[t]``. DOWN_LOADS w2 chunks per lane in flight per step,
-    clamped at the row's end as in :func:`gate_up_tile`."""
+    clamped at the row's end as in :func:`gate_up_tile`. MXFP4: the task's two rows (``down_row``) into ``a`` and
+    ``a2`` by :func:`fp4_tile`, DOWN_LOADS / DOWN_ROWS_FP4 groups of each per step."""
     if const_expr(lane is None):
         lane = cute.arch.lane_idx()
+    if const_expr(ctx.cfg.fp4):
+        fp4_tile(ctx, hv, hs, nch, wv[0], wv[1], j, t0, n, a, a2, DOWN_LOADS // DOWN_ROWS_FP4, True, lane)
+    else:
+        _down_tile_dense(ctx, hv, hs, nch, wv, j, t0, n, a, lane)
+
+
+@cute.jit
+def _down_tile_dense(ctx: _Ctx, hv: Any, hs: Int32, nch: Int32, wv: Any, j: Int32, t0: Int32, n: Int32,
+                     a: cute.Tensor, lane: Any) -> None:
     T, U = cute.size(a), DOWN_LOADS
     ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
     ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)
@@ -446,8 +622,7 @@ def down_tile(ctx: _Ctx, hv: Any, hs: Int32, nch: Int32, wv: Any, j: Int32, t0: 
             cute.copy(ld_w, wv[(cutlass.min(c + 32 * u, nch - 1), None)], rw[None, u])
         for t in cutlass.range_constexpr(T):
             if t < nt:
-                b = slot_token(ctx, j, t0 + t)
-                ho = (b * ctx.s_d1[0] + j) * hs
+                ho = down_x(ctx, j, t0 + t, hs)
                 for u in cutlass.range_constexpr(U):
                     cute.copy(ld_x, hv[(ho + cutlass.min(c + 32 * u, nch - 1), None)], rx[None, u])
                 s = a[t]
@@ -479,9 +654,10 @@ def down_out(ctx: _Ctx, b: Int32, r: Int32) -> Int64:
 @cute.jit
 def op_expert_down(ctx: _Ctx) -> None:
     cfg = ctx.cfg
-    T = down_pass(cfg.B)
+    T = down_pass(cfg)
     EXP, CNT, _ = slot_lists(cfg)
     APL = -(-cfg.B // 32)
+    RW = down_rows(cfg)
     r0, r1 = ctx.s_ins[W_ARGS + 2], ctx.s_ins[W_ARGS + 3]
     _build_slot_lists(ctx, Int32(0), Int32(cfg.dmax), True)
     hv = gchunks(ctx.s_addr[0])
@@ -489,19 +665,31 @@ def op_expert_down(ctx: _Ctx) -> None:
     out = gflat(BFloat16, ctx.s_addr[5])
     a = cute.make_rmem_tensor((T,), Float32)
     acc = cute.make_rmem_tensor((APL,), Float32)
-    for r in cutlass.range(r0 + ctx.warp, r1, NW, unroll=1):
+    a2, acc2 = None, None  # MXFP4: the task's second row r + 1
+    if const_expr(RW > 1):
+        a2 = cute.make_rmem_tensor((T,), Float32)
+        acc2 = cute.make_rmem_tensor((APL,), Float32)
+    for r in cutlass.range(r0 + ctx.warp * RW, r1, NW * RW, unroll=1):
         acc.fill(0.0)
+        if const_expr(RW > 1):
+            acc2.fill(0.0)
         for j in cutlass.range(cfg.dmax, unroll=1):
             n = ctx.s_i32[CNT + j]
             if n > 0:
                 wv = down_row(ctx, ctx.s_i32[EXP + j], r)
                 for t0 in cutlass.range(0, n, T, unroll=1):
-                    down_tile(ctx, hv, hs, nch, wv, j, t0, n, a)
+                    down_tile(ctx, hv, hs, nch, wv, j, t0, n, a, None, a2)
                     for t in cutlass.range_constexpr(T):
                         if t0 + t < n:
                             y = down_weighted(ctx, warp_sum(a[t]), j, t0 + t)
                             down_combine(acc, y, slot_token(ctx, j, t0 + t), ctx.lane)
+                            if const_expr(RW > 1):
+                                y2 = down_weighted(ctx, warp_sum(a2[t]), j, t0 + t)
+                                down_combine(acc2, y2, slot_token(ctx, j, t0 + t), ctx.lane)
         for m in cutlass.range_constexpr(APL):
             b = ctx.lane + 32 * m
             if b < cfg.B:
                 out[down_out(ctx, b, r)] = acc[m].to(BFloat16)
+                if const_expr(RW > 1):
+                    if r + 1 < r1:
+                        out[down_out(ctx, b, r + 1)] = acc2[m].to(BFloat16)

@@ -29,7 +29,8 @@ becomes four fp16x2 values by masking the magnitude bits into the fp16 exponent/
 (``(c & 7) << 9``) and the sign into bit 15: fp16 value = E2M1(c) · 2^-14, exact (code 1 lands on an
 fp16 subnormal, which cvt.f32.f16 keeps). The 2^14 is folded into the group scale, built directly as
 fp32 bits ((e + 14) << 23), which multiplies the word's 8 expanded weights (a power of two: exact);
-the word's x chunk is put in the matching (pair) order by static register moves. Scale bytes above
+the word's x chunk is put in the matching (pair) order by static register moves (``_common.fp4_expand``,
+``fp4_scale``, ``x_pair_order``: shared with the megakernel's MXFP4 expert opcodes). Scale bytes above
 240 (2^114 and up) are not representable this way and are not expected. No sm_100a-only conversion
 (cvt.rn.f16x2.e2m1x2) is used, so the same code runs on Hopper.
 """
@@ -42,7 +43,7 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float16, Float32, Int32, Uint8, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Uint8, Uint32, const_expr
 
 from . import _common as C
 from ._source import kernel_source_hash
@@ -185,41 +186,6 @@ def _bf16_step(gA: cute.Tensor, gB: Any, mX: cute.Tensor, xrow: cute.Tensor, c0:
 
 
 @cute.jit
-def _fp4_expand(w: Uint32, scale: Float32) -> Any:
-    """The 8 E2M1 codes of one 32-bit word -> TensorSSA (8,) fp32 of value · 2^-14 · ``scale``, in *pair order*:
-    shift s gives the fp16x2 (column s, column s+4) of the word's 8 columns, so element 2s + hi holds column
-    s + 4·hi (``_pair_col``). The scale is a power of two (``_fp4_scale``), so the product is exact."""
-    h32 = cute.make_rmem_tensor((4,), Uint32)
-    for s in cutlass.range_constexpr(4):
-        t = (w >> (4 * s)) & 0x000F000F
-        h32[s] = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
-    return h32.load().bitcast(Float16).to(Float32) * scale
-
-
-def _pair_col(q: int) -> int:
-    """Column (within a 32-column group) held by element q = 8j + 2s + hi of word j's _fp4_expand output."""
-    j, s, hi = q // 8, (q // 2) % 4, q % 2
-    return 8 * j + s + 4 * hi
-
-
-@cute.jit
-def _x_pair_order(rx: cute.Tensor, j: cutlass.Constexpr) -> Any:
-    """rx: (8,) bf16, columns 8j..8j+7 of a group in order -> TensorSSA (8,) fp32 in the pair order of word j's
-    _fp4_expand. Static register moves only, element by element."""
-    xs = rx.load().to(Float32)
-    xp = cute.make_rmem_tensor((VEC,), Float32)
-    for q in cutlass.range_constexpr(VEC):
-        xp[q] = xs[_pair_col(VEC * j + q) - VEC * j]
-    return xp.load()
-
-
-@cute.jit
-def _fp4_scale(e: Any) -> Float32:
-    """2^(e - 127) · 2^14 as fp32 bits ((e + 14) << 23): also undoes the fp16 placement of the codes."""
-    return ((Uint32(e) + 14) << 23).bitcast(Float32)
-
-
-@cute.jit
 def _fp4_step(gPA: cute.Tensor, gPB: Any, gSA: cute.Tensor, gSB: Any, mX: cute.Tensor, xrow: cute.Tensor,
               c0: Int32, accA: cute.Tensor, accB: cute.Tensor, z: Uint32, n: cutlass.Constexpr,
               BT: cutlass.Constexpr):
@@ -243,19 +209,19 @@ def _fp4_step(gPA: cute.Tensor, gPB: Any, gSA: cute.Tensor, gSB: Any, mX: cute.T
             sb[u] = gSB[c0 + 32 * u]
     rx = cute.make_rmem_tensor((VEC,), BFloat16)
     for u in cutlass.range_constexpr(n):
-        fa = _fp4_scale(sa[u])
+        fa = C.fp4_scale(sa[u])
         fb = fa
         if const_expr(GLU):
-            fb = _fp4_scale(sb[u])
+            fb = C.fp4_scale(sb[u])
         for j in cutlass.range_constexpr(4):
-            wa = _fp4_expand(rpa[j, u] + z, fa)
+            wa = C.fp4_expand(rpa[j, u] + z, fa)
             wb = wa
             if const_expr(GLU):
-                wb = _fp4_expand(rpb[j, u] + z, fb)
+                wb = C.fp4_expand(rpb[j, u] + z, fb)
             for t in cutlass.range_constexpr(BT):
                 gX = cute.zipped_divide(mX[xrow[t], None], (VEC,))
                 cute.copy(ld_x, gX[(None, (c0 + 32 * u) * 4 + j)], rx)
-                x = _x_pair_order(rx, j)
+                x = C.x_pair_order(rx, j)
                 accA[t] = (wa * x).reduce(cute.ReductionOp.ADD, accA[t], reduction_profile=0)
                 if const_expr(GLU):
                     accB[t] = (wb * x).reduce(cute.ReductionOp.ADD, accB[t], reduction_profile=0)

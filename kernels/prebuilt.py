@@ -23,8 +23,9 @@ a kernel whose source hash differs from the current source, whose architecture d
 requested one (or from the GPU's), whose static shapes differ from the requested ones, or whose
 files do not match their recorded hashes: a stale kernel is never run.
 
-CLI: ``python -m kimik3 kernels build --arch sm_90a --out DIR [--preset k3-shard] [--batch 1,8]``
-(``kimik3/__main__.py`` forwards to :func:`main`).
+CLI: ``python -m kimik3 kernels build --arch sm_90a --out DIR [--preset k3-shard] [--batch 1,8]
+[--expert-format mxfp4]`` (``kimik3/__main__.py`` forwards to :func:`main`; ``--expert-format`` adds the megakernel
+variants for those routed-expert formats, ``megakernel/<preset>/b<batch>-mxfp4``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from ._source import kernel_source_hash
-from .registry import FAMILIES, KernelVariant, get_variant, variants_for
+from .registry import EXPERT_FORMATS, FAMILIES, KernelVariant, get_variant, variants_for
 
 __all__ = ["build_prebuilt", "load_prebuilt", "read_manifest", "PrebuiltKernel", "main", "MANIFEST", "FORMATS"]
 
@@ -172,7 +173,8 @@ def build_prebuilt(arch: str, out_dir: str | os.PathLike, variants: Sequence[Ker
                 n for label, n in smem.items() if k["name"].startswith(f"kernel_cutlass_{label}_kernel"))
         entry = {
             "family": v.family, "module": v.module_name, "variant": v.variant, "preset": v.preset, "batch": v.batch,
-            "shapes": v.shapes, "runtime": v.runtime, "source_hash": C.source_hash(v.module),
+            "expert_format": getattr(v, "expert_format", "dense"), "shapes": v.shapes, "runtime": v.runtime,
+            "source_hash": C.source_hash(v.module),
             "dsl_version": C.dsl_version(), "arch": arch, "format": fmt, "function_name": fn, "files": files,
             "sha256": {kind: _sha256(out / f) for kind, f in files.items()},
             "entries": _ptx_entries(ptx, smem), "ptxas": kernels,
@@ -344,11 +346,14 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--preset", action="append", help="config preset(s) to take shapes from (default: k3-shard)")
     b.add_argument("--batch", default="1,8,64", help="comma-separated batch sizes (default: 1,8,64)")
     b.add_argument("--family", action="append", help=f"kernel families (default: all of {sorted(FAMILIES)})")
+    b.add_argument("--expert-format", action="append", choices=EXPERT_FORMATS,
+                   help="routed-expert formats of the families built per format (the megakernel; default: dense)")
     b.add_argument("--format", default="auto", choices=("auto", *FORMATS), help="export format (default: auto)")
     b.add_argument("--ship-runtime", action="store_true", help="copy libcute_dsl_runtime.so (xz) into --out")
     ls = sub.add_parser("list", help="list the kernel variants of presets / batches")
     ls.add_argument("--preset", action="append")
     ls.add_argument("--batch", default="1,8,64")
+    ls.add_argument("--expert-format", action="append", choices=EXPERT_FORMATS)
     return p
 
 
@@ -363,11 +368,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         batches = [int(b) for b in args.batch.split(",") if b.strip()]
     except ValueError:
         raise SystemExit(f"--batch must be comma-separated integers, got {args.batch!r}") from None
+    formats = args.expert_format or ["dense"]
     if args.cmd == "list":
-        for v in variants_for(presets, batches):
+        for v in variants_for(presets, batches, expert_formats=formats):
             print(f"{v.name:34s} {v.spec.description}  {v.shapes}")
         return 0
-    variants = variants_for(presets, batches, args.family)
+    variants = variants_for(presets, batches, args.family, formats)
     manifest = build_prebuilt(args.arch, args.out, variants, fmt=args.format, ship_runtime=args.ship_runtime)
     bad = {n: e["budget_violations"] for n, e in manifest["kernels"].items() if e["budget_violations"]}
     print(f"wrote {len(variants)} kernels for {args.arch} to {args.out}/{MANIFEST}"

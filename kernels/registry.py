@@ -6,7 +6,9 @@ Shapes are read from ``kimik3.config.get_preset(...)`` for the presets in :data:
 batch sizes in :data:`BATCHES`. ``ci=True`` marks the representative subset compiled by the CPU
 test suite (every family at ``k3-shard`` B = 8, plus every family at ``tiny`` B = 1, whose odd
 widths exercise the predicated tails); the full matrix runs under ``pytest -m slow`` and in
-``python -m kimik3 kernels build``.
+``python -m kimik3 kernels build``. The persistent megakernel is built per routed-expert format too
+(:data:`EXPERT_FORMATS`): ``megakernel/<preset>/b<batch>`` reads dense experts, ``megakernel/<preset>/b<batch>-mxfp4``
+MXFP4 ones (its static shapes carry ``fp4=True``).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from typing import Any
 
 from kimik3.config import ModelConfig, get_preset
 
+from .isa import EXPERT_FORMATS  # routed-expert storage a family may be built for
 from .meta import SUPPORTED_ARCHS
 
-__all__ = ["Budget", "Family", "KernelVariant", "FAMILIES", "PERSISTENT", "PRESETS", "BATCHES", "all_variants",
-           "ci_variants", "get_variant", "variants_for", "family"]
+__all__ = ["Budget", "Family", "KernelVariant", "FAMILIES", "PERSISTENT", "PRESETS", "BATCHES", "EXPERT_FORMATS",
+           "all_variants", "ci_variants", "get_variant", "variants_for", "family"]
 
 PRESETS = ("tiny", "k3-shard")
 BATCHES = (1, 8, 64)
@@ -55,6 +58,8 @@ class Family:
     runtime: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
     archs: tuple[str, ...] = SUPPORTED_ARCHS
     description: str = ""
+    # routed-expert formats the family is built for; past "dense", ``shapes`` takes ``expert_format=``
+    expert_formats: tuple[str, ...] = ("dense",)
 
 
 def _kda_lb(cfg: ModelConfig) -> float | None:
@@ -127,10 +132,10 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def _megakernel_shapes(cfg: ModelConfig, batch: int) -> dict[str, Any]:
+def _megakernel_shapes(cfg: ModelConfig, batch: int, expert_format: str = "dense") -> dict[str, Any]:
     from kimik3.megakernel.gpu import static_shapes  # DSL-free; imported lazily (kimik3.megakernel imports torch)
 
-    return static_shapes(cfg, batch)
+    return static_shapes(cfg, batch, expert_format=expert_format)
 
 
 # The persistent megakernel (kernels/megakernel.py): one op, one kernel, a whole decode step. Kept apart
@@ -146,7 +151,8 @@ PERSISTENT: dict[str, Family] = {
         ("ld.acquire.gpu", "red.release.gpu", "nanosleep", "%globaltimer", "%smid", "cp.async.cg.shared.global",
          "atom.global.cas", "ld.global.nc.v4", "shfl.sync.bfly", "bar.sync"),
         _megakernel_shapes,
-        description="persistent decode megakernel: interprets the int32 program, one CTA per SM"),
+        description="persistent decode megakernel: interprets the int32 program, one CTA per SM",
+        expert_formats=EXPERT_FORMATS),
 }
 
 
@@ -165,11 +171,13 @@ class KernelVariant:
     shape_items: tuple[tuple[str, Any], ...]
     runtime_items: tuple[tuple[str, Any], ...] = ()
     ci: bool = False
+    expert_format: str = "dense"
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def name(self) -> str:
-        return f"{self.family}/{self.preset}/b{self.batch}"
+        fmt = "" if self.expert_format == "dense" else f"-{self.expert_format}"
+        return f"{self.family}/{self.preset}/b{self.batch}{fmt}"
 
     @property
     def spec(self) -> Family:
@@ -212,11 +220,15 @@ class KernelVariant:
         return self.module.compile_for(arch, variant=self.variant, **self.shapes, **kw)
 
 
-def _make(name: str, preset: str, batch: int) -> KernelVariant:
+def _make(name: str, preset: str, batch: int, expert_format: str = "dense") -> KernelVariant:
     cfg = get_preset(preset)
     fam = family(name)
-    return KernelVariant(name, preset, batch, tuple(sorted(fam.shapes(cfg, batch).items())),
-                         tuple(sorted(fam.runtime(cfg).items())), ci=name in FAMILIES and (preset, batch) in CI_POINTS)
+    if expert_format not in fam.expert_formats:
+        raise ValueError(f"kernel family {name!r} is built for expert formats {fam.expert_formats}, not "
+                         f"{expert_format!r}")
+    shapes = fam.shapes(cfg, batch) if expert_format == "dense" else fam.shapes(cfg, batch, expert_format=expert_format)
+    return KernelVariant(name, preset, batch, tuple(sorted(shapes.items())), tuple(sorted(fam.runtime(cfg).items())),
+                         ci=name in FAMILIES and (preset, batch) in CI_POINTS, expert_format=expert_format)
 
 
 def all_variants(presets: tuple[str, ...] = PRESETS, batches: tuple[int, ...] = BATCHES) -> list[KernelVariant]:
@@ -229,22 +241,30 @@ def ci_variants() -> list[KernelVariant]:
 
 
 def variants_for(presets: tuple[str, ...] | list[str], batches: tuple[int, ...] | list[int],
-                 families: tuple[str, ...] | list[str] | None = None) -> list[KernelVariant]:
-    """Variants of the given presets / batches (any preset of kimik3.config works, not only PRESETS)."""
+                 families: tuple[str, ...] | list[str] | None = None,
+                 expert_formats: tuple[str, ...] | list[str] = ("dense",)) -> list[KernelVariant]:
+    """Variants of the given presets / batches (any preset of kimik3.config works, not only PRESETS), each family in
+    those of ``expert_formats`` it is built for (the fused MoE kernel's formats are families of their own)."""
     fams = list(families) if families else [*FAMILIES, *PERSISTENT]
     unknown = [f for f in fams if f not in FAMILIES and f not in PERSISTENT]
     if unknown:
         raise ValueError(f"unknown kernel families {unknown}; known: {sorted([*FAMILIES, *PERSISTENT])}")
-    return [_make(f, p, int(b)) for p in presets for b in batches for f in fams]
+    bad = [x for x in expert_formats if x not in EXPERT_FORMATS]
+    if bad:
+        raise ValueError(f"unknown expert formats {bad}; known: {EXPERT_FORMATS}")
+    return [_make(f, p, int(b), x) for p in presets for b in batches for f in fams for x in expert_formats
+            if x in family(f).expert_formats]
 
 
 def get_variant(name: str) -> KernelVariant:
-    """Parse ``family/preset/bN`` (e.g. ``moe.mxfp4/k3-shard/b8``)."""
+    """Parse ``family/preset/bN`` (e.g. ``moe.mxfp4/k3-shard/b8``), or ``family/preset/bN-FORMAT`` for a family built
+    per routed-expert format (``megakernel/k3-shard/b8-mxfp4``)."""
     try:
         family, preset, b = name.split("/")
-        if not b.startswith("b"):
+        b, _, fmt = b.partition("-")
+        if not b.startswith("b") or fmt == "dense":
             raise ValueError
-        return _make(family, preset, int(b[1:]))
+        return _make(family, preset, int(b[1:]), fmt or "dense")
     except (ValueError, KeyError):
         raise ValueError(f"bad kernel variant name {name!r}; expected family/preset/bN with family in "
-                         f"{sorted([*FAMILIES, *PERSISTENT])}") from None
+                         f"{sorted([*FAMILIES, *PERSISTENT])} (megakernel: also bN-mxfp4)") from None

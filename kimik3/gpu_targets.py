@@ -7,7 +7,8 @@ shape) and the device check's plan. Adding a pair here adds it to the export, th
 
 from __future__ import annotations
 
-__all__ = ["FUSED_TARGETS", "MEGAKERNEL_TARGETS", "fused_cases", "megakernel_cases", "select"]
+__all__ = ["FUSED_TARGETS", "MEGAKERNEL_TARGETS", "MEGAKERNEL_MXFP4_TARGETS", "fused_cases", "megakernel_cases",
+           "megakernel_variants", "select"]
 
 # (preset, batch, expert format) of every fused decode step that is exported
 FUSED_TARGETS: tuple[tuple[str, int, str], ...] = (
@@ -18,6 +19,9 @@ FUSED_TARGETS: tuple[tuple[str, int, str], ...] = (
 # (preset, batch) of every persistent-megakernel variant that is exported (the registry names them
 # ``megakernel/<preset>/b<batch>``)
 MEGAKERNEL_TARGETS: tuple[tuple[str, int], ...] = (("tiny", 1), ("k3-shard", 1), ("k3-shard", 8), ("k3-shard", 64))
+# (preset, batch) of the megakernel variants compiled for MXFP4 routed experts (``megakernel/<preset>/b<batch>-mxfp4``:
+# the program carries the experts as the K3 release stores them)
+MEGAKERNEL_MXFP4_TARGETS: tuple[tuple[str, int], ...] = (("tiny", 1), ("k3-shard", 1), ("k3-shard", 8))
 
 
 def fused_cases(expert_format: str = "bf16") -> list[tuple[str, int]]:
@@ -27,19 +31,38 @@ def fused_cases(expert_format: str = "bf16") -> list[tuple[str, int]]:
     return [(p, b) for p, b, f in FUSED_TARGETS if f == expert_format]
 
 
-def megakernel_cases(preset: str | None = None) -> list[tuple[str, int]]:
-    """The exported megakernel (preset, batch) pairs, all or those of one preset."""
-    return [(p, b) for p, b in MEGAKERNEL_TARGETS if preset is None or p == preset]
+def megakernel_cases(preset: str | None = None, expert_format: str = "dense") -> list[tuple[str, int]]:
+    """The exported megakernel (preset, batch) pairs for ``expert_format`` ("dense" or "mxfp4"), all or those of one
+    preset."""
+    if expert_format not in ("dense", "mxfp4"):
+        raise ValueError(f"expert_format must be 'dense' or 'mxfp4', got {expert_format!r}")
+    targets = MEGAKERNEL_TARGETS if expert_format == "dense" else MEGAKERNEL_MXFP4_TARGETS
+    return [(p, b) for p, b in targets if preset is None or p == preset]
 
 
-def select(presets: str = "", batches: str = "") -> tuple[list[tuple[str, int, str]], list[tuple[str, int]]]:
-    """The fused and megakernel targets restricted to comma-separated ``presets`` / ``batches`` ("" = all)."""
+def megakernel_variants(presets: str = "", batches: str = "") -> list[str]:
+    """Registry names of the exported megakernel variants, dense then MXFP4, restricted to comma-separated
+    ``presets`` / ``batches`` ("" = all) as :func:`select` restricts the targets."""
+    _, dense = select(presets, batches)  # (validates the arguments)
+    ps, bs = _parse(presets, batches)
+    fp4 = [(p, b) for p, b in MEGAKERNEL_MXFP4_TARGETS if (not ps or p in ps) and (not bs or b in bs)]
+    return [f"megakernel/{p}/b{b}" for p, b in dense] + [f"megakernel/{p}/b{b}-mxfp4" for p, b in fp4]
+
+
+def _parse(presets: str, batches: str) -> tuple[list[str], list[int]]:
     ps = [p for p in presets.split(",") if p]
     try:
         bs = [int(b) for b in batches.split(",") if b]
     except ValueError:
         raise ValueError(f"batches must be comma-separated integers, got {batches!r}") from None
-    known = {p for p, _, _ in FUSED_TARGETS} | {p for p, _ in MEGAKERNEL_TARGETS}
+    return ps, bs
+
+
+def select(presets: str = "", batches: str = "") -> tuple[list[tuple[str, int, str]], list[tuple[str, int]]]:
+    """The fused and megakernel targets restricted to comma-separated ``presets`` / ``batches`` ("" = all)."""
+    ps, bs = _parse(presets, batches)
+    known = {p for p, _, _ in FUSED_TARGETS} | {p for p, _ in MEGAKERNEL_TARGETS} | {p for p, _ in
+                                                                                       MEGAKERNEL_MXFP4_TARGETS}
     unknown = [p for p in ps if p not in known]
     if unknown:
         raise ValueError(f"no prebuilt targets for preset(s) {unknown}; known: {sorted(known)}")

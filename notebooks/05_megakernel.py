@@ -438,9 +438,14 @@ fig
 #
 # Stored as MXFP4 the routed experts cost 4.25 bits per weight instead of 16, so the step's bytes (and the roofline)
 # shrink; the expert opcodes read the codes and the scale bytes and expand every weight on the CUDA cores before its
-# FMA. Per weight that is a few integer operations and a conversion on top of the FMA, for a quarter of the bytes: the
-# table below says, per expert opcode, whether the HBM stream or the instruction issue sets the pace (mean µs per
-# instruction in the calibrated model).
+# FMA. Counted in their PTX, that is about 2.8 instructions per weight and pass (placing the codes as fp16 bits, the
+# loads) and 2.7 per weight and token (widening, half a conversion of x, the FMA) — for a quarter of the bytes. So the
+# expert opcodes stop being limited by the HBM stream and become limited by instruction issue, at batch 1 already and
+# more so at batch 8, where each expert's weights meet about two tokens: the design reaches the roofline with bf16
+# experts but not with MXFP4 ones. The way out is the tensor cores (`mma.sync` with the decoded weights as bf16
+# fragments: one instruction for 16 rows × 8 tokens × 16 columns, the decode once per weight); and since the
+# non-expert opcodes then dominate at batch 8, their GEMVs would need the same treatment. The table (mean µs per
+# instruction in the calibrated model) shows which part sets each expert opcode's pace.
 
 # %%
 rows, parts = [], []

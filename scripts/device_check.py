@@ -18,8 +18,14 @@ file  phase            est.   what
 03    tests            120 s  every planned GPU test in one pytest process, each test's outcome recorded as it ends
 04    kernels           30 s  each fused kernel of the k3-shard step timed alone (CUDA graph, CUDA events), judged
                               against 80 % of copy bandwidth (>= 32 MB per call) or the launch floor
-05    bench            115 s  ``kimik3.bench.run_bench`` on k3-shard, one row per (stage, batch) in priority order,
+05    bench             95 s  ``kimik3.bench.run_bench`` on k3-shard, one row per (stage, batch) in priority order,
                               every row's first decode step compared with ``naive`` on the device
+06    megakernel_mxfp4  20 s  the megakernel variants for MXFP4 routed experts (``megakernel/<preset>/b<B>-mxfp4``)
+                              on the model holding its experts as MXFP4 (``model.quantize_experts()``; k3-shard's is
+                              the run's model, quantised in place, hence last): teacher-forced against ``naive`` on
+                              the same model; at tiny also against ``megakernel-interp`` (the CPU interpreter, fp32
+                              on the same weights); at k3-shard the per-instruction timing buffer against the model
+                              (``megakernel_opcode_report``)
 --    summary                 phase times and statuses, the failures by name; measurements.json in the
                               ``data/measurements`` format
 ====  ===============  =====  ======================================================================================
@@ -28,15 +34,18 @@ The k3-shard model is built once, on the GPU (``kimik3.init.device_model``), and
 phases; prompts go through the model's chunked forward; every kernel is loaded in this process.
 
 Exit status: 0 only if every phase ran, every planned GPU test passed (failed, errored, timed out or skipped
-tests fail the check, each named), and every benchmark row was measured and agrees with ``naive`` within
-``kimik3.validation.metric.TOL["bf16_stage"]``; 1 otherwise; 2 for a real run without CUDA.
+tests fail the check, each named), every benchmark row was measured and agrees with ``naive`` within
+``kimik3.validation.metric.TOL["bf16_stage"]``, and every planned MXFP4 megakernel item ran and agrees with ``naive``
+(and the interpreter) within the same tolerance; 1 otherwise; 2 for a real run without CUDA.
 
 ``--dry-run`` (a CPU machine): executes the same plan with only the GPU launches left out — provenance, the plan
 with every prebuilt artefact it would load verified and loaded, the carried size, the test files and the outcome
-recorder, the benchmark rows on the CPU for a small preset (``naive`` and ``absorbed``, compared with ``naive``)
-— and exits non-zero if anything it could check fails. Without a prebuilt manifest it writes the provenance and
-the plan (which kernels are missing) and stops: there is nothing to execute. ``--build-prebuilt DIR`` (a CPU
-machine with the CuTe DSL): exports every kernel of ``kimik3.gpu_targets`` and records the commit in
+recorder, the benchmark rows on the CPU for a small preset (``naive`` and ``absorbed``, compared with ``naive``),
+the MXFP4 megakernel phase on ``tiny`` batch 1 on the CPU (the quantised model, the ``naive`` trace, the interpreter
+against it, the MXFP4 program scored by the performance model) — and exits non-zero if anything it could check
+fails. Without a prebuilt manifest it writes the provenance and the plan (which kernels are missing) and stops:
+there is nothing to execute. ``--build-prebuilt DIR`` (a CPU machine with the CuTe DSL): exports every kernel of
+``kimik3.gpu_targets`` (the megakernel for dense and for MXFP4 routed experts) and records the commit in
 ``DIR/BUILD_INFO.json`` (the copy that travels to the GPU machine may lack ``.git``).
 """
 
@@ -62,21 +71,22 @@ if str(REPO) not in sys.path:  # a bare copy of the repository (the GPU machine)
 
 import torch  # noqa: E402
 
-from kimik3.gpu_targets import FUSED_TARGETS, MEGAKERNEL_TARGETS, select  # noqa: E402
+from kimik3.gpu_targets import FUSED_TARGETS, megakernel_variants, select  # noqa: E402
 from kimik3.init import device_model  # noqa: E402
 from kimik3.provenance import commit_info, provenance, utc_now  # noqa: E402
 from kimik3.validation.metric import TOL  # noqa: E402
 
-__all__ = ["main", "plan", "run_phases", "verdict", "judge_tests", "judge_bench", "TOTAL_BUDGET_S",
+__all__ = ["main", "plan", "run_phases", "verdict", "judge_tests", "judge_bench", "judge_mxfp4", "TOTAL_BUDGET_S",
            "PHASE_BUDGETS", "PHASE_ESTIMATES_S", "FILES"]
 
 TARGETS = FUSED_TARGETS  # (preset, batch, expert format) of every fused step the check runs
 TOTAL_BUDGET_S = 285.0  # under 5 minutes on an H200, with margin for process start-up
 # seconds each timed phase may take (bench gets what is left); the estimates below are what they take on an H200
-PHASE_BUDGETS = {"copy_bandwidth": 20.0, "tests": 130.0, "kernels": 35.0}
-QUICK_BUDGETS = {"copy_bandwidth": 15.0, "tests": 90.0, "kernels": 25.0}
+# (bench runs before megakernel_mxfp4, which quantises the shared model in place, and leaves it its budget)
+PHASE_BUDGETS = {"copy_bandwidth": 20.0, "tests": 130.0, "kernels": 35.0, "megakernel_mxfp4": 25.0}
+QUICK_BUDGETS = {"copy_bandwidth": 15.0, "tests": 90.0, "kernels": 25.0, "megakernel_mxfp4": 20.0}
 PHASE_ESTIMATES_S = {"provenance": 1.0, "plan": 5.0, "copy_bandwidth": 10.0, "tests": 120.0, "kernels": 30.0,
-                     "bench": 115.0}
+                     "bench": 95.0, "megakernel_mxfp4": 20.0}
 BENCH_PRESET = "k3-shard"
 # The CPU counterpart of everything this check runs on the GPU: the host execution (the same @cute.jit helpers the
 # device code calls, run over every block / warp / lane on the CPU; tests/test_host_exec*.py) that covers each fused
@@ -99,6 +109,9 @@ CPU_COUNTERPARTS: dict[str, tuple[str, str, str]] = {
     **{op: ("tests/test_host_exec_router.py", "family", "mk.moe") for op in ("ROUTER", "EXPERT_GATE_UP",
                                                                              "EXPERT_DOWN")},
     **{op: ("tests/test_host_exec_router.py", "family", "mk.misc") for op in ("EMBED", "ATTN_RES_MIX", "ARGMAX")},
+    # the expert opcodes of the MXFP4 variants (code groups, E8M0 scales): programs built with expert_format="mxfp4"
+    **{f"{op}.mxfp4": ("tests/test_host_exec_router.py", "expert_format", "mxfp4") for op in ("EXPERT_GATE_UP",
+                                                                                              "EXPERT_DOWN")},
 }
 BENCH_ORDER = (("megakernel", 1), ("fused", 1), ("graphs", 1), ("absorbed", 1), ("naive", 1), ("megakernel", 8),
                ("fused", 8), ("graphs", 8), ("megakernel", 64), ("fused", 64), ("absorbed", 8), ("compiled", 1),
@@ -117,7 +130,13 @@ RUNTIME_LIB = "libcute_dsl_runtime.so"  # unpacked from its .xz by a load: never
 OUTCOMES_PLUGIN = "device_check_outcomes"  # scripts/device_check_outcomes.py, loaded into the pytest process
 FILES = {"provenance": "00_provenance.json", "plan": "01_plan.json", "copy_bandwidth": "02_copy_bandwidth.json",
          "tests": "03_tests.json", "kernels": "04_kernels.json", "bench": "05_bench.json",
-         "summary": "summary.json", "measurements": "measurements.json"}
+         "megakernel_mxfp4": "06_megakernel_mxfp4.json", "summary": "summary.json",
+         "measurements": "measurements.json"}
+# the MXFP4 megakernel phase: prompt and decode steps per item; seconds an item needs at least to be started; the dry
+# run's item (the CPU: fp32, the GPU launches left out)
+MXFP4_PROMPT, MXFP4_STEPS = 8, 3
+MXFP4_RESERVE_S = 6.0
+DRY_MXFP4 = {"variant": "megakernel/tiny/b1-mxfp4", "preset": "tiny", "batch": 1, "interp": True, "timings": True}
 
 
 # ====================================================================== small helpers
@@ -177,11 +196,12 @@ def device_provenance(prebuilt: Path | None) -> dict[str, Any]:
 
 def _prebuilt_status(prebuilt: Path | None, arch: str = "sm_90a",
                      fused_targets: Sequence[tuple[str, int, str]] = TARGETS,
-                     megakernel_targets: Sequence[tuple[str, int]] = MEGAKERNEL_TARGETS) -> dict[str, Any]:
-    """Which kernels of the targets the prebuilt directory has, at the current kernel sources."""
+                     megakernels: Sequence[str] | None = None) -> dict[str, Any]:
+    """Which kernels of the targets the prebuilt directory has, at the current kernel sources (``megakernels``: the
+    registry names of the megakernel variants, dense and MXFP4; default: every exported one)."""
     from kimik3.kernels._source import kernel_source_hash
+    from kimik3.kernels.registry import get_variant
 
-    from kimik3.megakernel.gpu import variant_name
     from kimik3.stages.fused import _find_prebuilt, fused_ops
 
     manifest: dict[str, Any] = {}
@@ -202,8 +222,8 @@ def _prebuilt_status(prebuilt: Path | None, arch: str = "sm_90a",
                 stale.append(op.name)
             else:
                 names.append({"name": name, "shapes": op.shapes})
-    for preset, batch in megakernel_targets:  # the persistent megakernel, by its registry name
-        name = variant_name(preset, batch)
+    for name in megakernel_variants() if megakernels is None else megakernels:  # by registry name
+        v = get_variant(name)
         seen.add(name)
         entry = manifest.get("kernels", {}).get(name)
         if entry is None or manifest.get("arch") != arch:
@@ -211,7 +231,7 @@ def _prebuilt_status(prebuilt: Path | None, arch: str = "sm_90a",
         elif entry.get("source_hash") != kernel_source_hash("megakernel"):
             stale.append(name)
         else:
-            names.append({"name": name, "preset": preset, "batch": batch})
+            names.append({"name": name, "preset": v.preset, "batch": v.batch, "expert_format": v.expert_format})
     size = sum(f.stat().st_size for f in prebuilt.iterdir() if f.is_file()) if prebuilt and prebuilt.is_dir() else 0
     unpacked = bool(prebuilt and (prebuilt / RUNTIME_LIB).exists())
     return {"dir": str(prebuilt) if prebuilt else None, "arch": arch, "manifest_found": bool(manifest),
@@ -234,6 +254,7 @@ def plan(prebuilt: Path | None, quick: bool, presets: str = "", batches: str = "
     from kimik3.stages.fused import fused_ops
 
     fused_targets, mk_targets = select(presets, batches)
+    megakernels = megakernel_variants(presets, batches)
 
     budgets = dict(QUICK_BUDGETS if quick else PHASE_BUDGETS)
     budgets["bench"] = TOTAL_BUDGET_S - sum(budgets.values())
@@ -252,15 +273,35 @@ def plan(prebuilt: Path | None, quick: bool, presets: str = "", batches: str = "
     return {
         "date": _now(), "quick": quick, "total_budget_s": TOTAL_BUDGET_S, "phase_budgets_s": budgets,
         "phase_estimates_s": PHASE_ESTIMATES_S,
-        "targets": {"fused": [list(t) for t in fused_targets], "megakernel": [list(t) for t in mk_targets]},
+        "targets": {"fused": [list(t) for t in fused_targets], "megakernel": [list(t) for t in mk_targets],
+                    "megakernel_variants": megakernels},
         "tests": tests, "kernels": {"preset": BENCH_PRESET, "batches": [1] if quick else [1, 8], "ops": kernel_ops,
                                     "big_kernel_bytes": BIG_KERNEL_BYTES, "mxfp4_vs_bf16": True},
         "bench": {"preset": BENCH_PRESET, "order": [list(x) for x in (QUICK_BENCH_ORDER if quick else BENCH_ORDER)],
                   "context": 128 if quick else 512, "steps": 4 if quick else 8, "repeats": 3 if quick else 5,
                   "reserve_s": BENCH_RESERVE_S, "tolerance_vs_naive": TOL["bf16_stage"]},
-        "prebuilt": _prebuilt_status(prebuilt, fused_targets=fused_targets, megakernel_targets=mk_targets),
+        "megakernel_mxfp4": {"items": _mxfp4_items(megakernels, quick), "prompt_len": MXFP4_PROMPT,
+                             "steps": MXFP4_STEPS, "reserve_s": MXFP4_RESERVE_S,
+                             "tolerance": TOL["bf16_stage"], "reference": "naive on the same MXFP4-holding model, "
+                             "teacher-forced; megakernel-interp (CPU, fp32 on the same weights) where planned"},
+        "prebuilt": _prebuilt_status(prebuilt, fused_targets=fused_targets, megakernels=megakernels),
         "cpu_counterparts": {k: f"{m} ({key} = {val!r})" for k, (m, key, val) in CPU_COUNTERPARTS.items()},
     }
+
+
+def _mxfp4_items(megakernels: Sequence[str], quick: bool) -> list[dict[str, Any]]:
+    """The MXFP4 megakernel variants among ``megakernels`` the run executes (``--quick``: batch 1 only): the run's
+    k3-shard model first (quantised in place once the bench is done), then the small presets, built for the item.
+    The interpreter runs on the CPU, so only where the model is small; the timing buffer is read at k3-shard."""
+    from kimik3.kernels.registry import get_variant
+
+    items = []
+    for name in megakernels:
+        v = get_variant(name)
+        if v.expert_format == "mxfp4" and not (quick and v.batch != 1):
+            small = v.preset != BENCH_PRESET
+            items.append({"variant": name, "preset": v.preset, "batch": v.batch, "interp": small, "timings": not small})
+    return sorted(items, key=lambda it: it["preset"] != BENCH_PRESET)
 
 
 def carried_files(prebuilt: Path | None, extra: Sequence[str] = (".whl",)) -> dict[str, Any]:
@@ -306,7 +347,8 @@ def verify_prebuilt(prebuilt: Path, status: dict[str, Any], load: bool) -> list[
     manifest = pb.read_manifest(prebuilt)
     try:
         for item in status["load"]:
-            shapes = static_shapes(item["preset"], item["batch"]) if "preset" in item else item["shapes"]
+            shapes = (static_shapes(item["preset"], item["batch"], expert_format=item["expert_format"])
+                      if "preset" in item else item["shapes"])
             rec: dict[str, Any] = {"name": item["name"]}
             try:
                 if load:
@@ -736,6 +778,152 @@ def _speedups(rows: list[dict[str, Any]]) -> None:
             r[f"speedup_vs_{ref}"] = base[r["batch"]] / ms if ms and r["batch"] in base else None
 
 
+# ====================================================================== phase: megakernel, MXFP4 experts
+
+
+def _mxfp4_model(preset: str, dry: bool) -> Any:
+    """``preset``'s model holding its routed experts as MXFP4. k3-shard: the run's one model (built for the kernels
+    and bench phases, which ran before), quantised in place and dropped from the cache, so nothing later takes it
+    for the dense one; the dry run: fp32 on the CPU."""
+    dtype, device = (torch.float32, "cpu") if dry else (torch.bfloat16, "cuda")
+    model = _model(preset, dtype=dtype, device=device).quantize_experts()
+    _MODELS.clear()
+    return model
+
+
+def _modelled_opcode_report(program: Any, preset: str, context: int) -> dict[str, Any]:
+    """The dry run's stand-in for the timing buffer: ``program`` scored by ``kimik3.perfmodel.opcode_report`` with the
+    model's own simulated timeline as the "measurement" (measured / model = 1 for every opcode). It exercises the
+    scoring of an MXFP4 program (its expert opcodes from the design's MXFP4 entries), not the device."""
+    import numpy as np
+
+    from kimik3.perfmodel import design_expert_formats, megakernel_model, opcode_report
+    from kimik3.perfmodel.data import CURRENT_DESIGN
+
+    if program.expert_format == "mxfp4" and "mxfp4" not in design_expert_formats(CURRENT_DESIGN):
+        return {"not_scored": f"design {CURRENT_DESIGN} does not describe MXFP4 experts"}
+    _, tl = megakernel_model(preset, program.batch, CURRENT_DESIGN, None, context, program=program,
+                             experts="mxfp4" if program.expert_format == "mxfp4" else "bf16")
+    timings = np.stack([tl["start_ns"].to_numpy(), tl["end_ns"].to_numpy(), tl["sm"].to_numpy()], 1).astype(np.int64)
+    return {**opcode_report(program, timings, preset, context), "timings": "the model's own timeline (dry run)"}
+
+
+def _mxfp4_item(it: dict[str, Any], model: Any, prebuilt: Path | None, dry: bool) -> dict[str, Any]:
+    """One MXFP4 megakernel item: ``naive``'s teacher-forcing trace on ``model``, the megakernel (a GPU run) and the
+    interpreter (where planned) against it and against each other, per step; the timing buffer (where planned)."""
+    import copy
+
+    import kimik3.megakernel.interpreter  # noqa: F401  (registers stage "megakernel-interp")
+    from kimik3.validation import reference_trace
+    from kimik3.validation.compare import _run_stage  # the comparison loop, which also returns each step's logits
+    from kimik3.validation.metric import rel_error
+
+    B = it["batch"]
+    rec: dict[str, Any] = {**it, "expert_storage": model.expert_storage}
+    trace = reference_trace(model, B, MXFP4_PROMPT, MXFP4_STEPS, seed=B)
+    opts = {"check": False, **({"prebuilt": str(prebuilt)} if prebuilt else {})}  # (the GPU tests hazard-check)
+    mk_out = None
+    if dry:
+        rec["megakernel_vs_naive"] = "left out in the dry run: GPU launches only"
+    else:
+        mk, mk_out, _ = _run_stage(model, "megakernel", trace, False, **opts)
+        rec["megakernel_vs_naive"] = mk.as_dict()
+    if it["interp"]:
+        # the CPU interpreter of the same kind of program, in fp32 on the same (bf16-rounded) weights: the reference
+        # the megakernel's bf16 error is measured against; against naive (bf16 on the device) by the bf16 rule
+        cpu = model if dry else copy.deepcopy(model).to("cpu").cast_(torch.float32)
+        ir, ir_out, _ = _run_stage(cpu, "megakernel-interp", trace, False)
+        d = ir.as_dict()  # the dry run: fp32 against naive in fp32, the fp32 rule (greedy: the same tokens)
+        if not dry:  # fp32 against naive in bf16 on the device: teacher-forced, the bf16 rule
+            d.update(mode="teacher-forced", tolerance=TOL["bf16_stage"], passed=d["max_error"] <= TOL["bf16_stage"])
+        rec["interp_vs_naive"] = d
+        if mk_out is not None:
+            e = [rel_error(m.float(), r.float()) for m, r in zip(mk_out, ir_out)]
+            rec["megakernel_vs_interp"] = {"errors": e, "max_error": max(e), "tolerance": TOL["bf16_stage"]}
+        del cpu
+    if it["timings"]:
+        try:  # reported, never fatal (as the dense megakernel's in phase 'kernels')
+            if dry:
+                from kimik3.perfmodel import model_program
+
+                prog = model_program(it["preset"], B, experts="mxfp4")
+                rec["opcodes"] = _modelled_opcode_report(prog, it["preset"], MXFP4_PROMPT + MXFP4_STEPS)
+            else:
+                from kimik3.perfmodel.device import megakernel_opcode_report
+
+                rec["opcodes"] = megakernel_opcode_report(model, B, MXFP4_PROMPT, steps=MXFP4_STEPS, **opts)
+        except Exception as e:
+            rec["opcodes"] = {"batch": B, "error": f"{type(e).__name__}: {e}"[:2000]}
+    return rec
+
+
+def _phase_megakernel_mxfp4(out: Path, args: argparse.Namespace) -> None:
+    """The MXFP4 megakernel variants on MXFP4-holding models, item by item in the plan's order, each item's record
+    written as it ends; the dry run: ``DRY_MXFP4`` on the CPU, its megakernel launches left out."""
+    deadline = float(args.deadline)
+    dry = bool(getattr(args, "dry_run", False))
+    p = plan(args.prebuilt, bool(args.quick), getattr(args, "presets", ""), getattr(args, "batches", ""))
+    items = [DRY_MXFP4] if dry else p["megakernel_mxfp4"]["items"]
+    result: dict[str, Any] = {"date": _now(), "dry_run": dry, "items": items, "results": [], "skipped": [],
+                              "prompt_len": MXFP4_PROMPT, "steps": MXFP4_STEPS, "tolerance": TOL["bf16_stage"]}
+    models: dict[str, Any] = {}
+    for it in items:
+        left = deadline - time.time()
+        if not dry and left < MXFP4_RESERVE_S:
+            result["skipped"].append({"variant": it["variant"], "reason": f"skipped: {left:.0f} s of the phase's "
+                                      f"budget left, an item needs about {MXFP4_RESERVE_S:.0f} s"})
+            _write(out, "megakernel_mxfp4", result)
+            continue
+        t0 = time.time()
+        try:
+            if it["preset"] not in models:
+                models.clear()  # one model resident at a time
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                models[it["preset"]] = _mxfp4_model(it["preset"], dry)
+            rec = _mxfp4_item(it, models[it["preset"]], args.prebuilt, dry)
+            rec["status"] = "ok"
+        except Exception as e:  # one item failing must not lose the others
+            rec = {**it, "status": f"error: {type(e).__name__}: {e}"[:2000]}
+        rec["seconds"] = round(time.time() - t0, 1)
+        result["results"].append(rec)
+        _write(out, "megakernel_mxfp4", result)
+    models.clear()
+    _write(out, "megakernel_mxfp4", result)
+
+
+def judge_mxfp4(rec: dict[str, Any] | None) -> list[str]:
+    """The failures of the MXFP4 megakernel phase, by variant: a planned item not run (skipped, crashed), a
+    comparison missing or over its tolerance (the megakernel against ``naive``, the interpreter against ``naive``,
+    the megakernel against the interpreter). The timing report is not judged (as the dense megakernel's)."""
+    if rec is None:
+        return ["megakernel_mxfp4: no result file (the phase did not run)"]
+    dry = bool(rec.get("dry_run"))
+    done = {r["variant"]: r for r in rec.get("results", [])}
+    skipped = {s["variant"]: s["reason"] for s in rec.get("skipped", [])}
+    failures = []
+    for it in rec.get("items", []):
+        name = f"megakernel_mxfp4 {it['variant']}"
+        r = done.get(it["variant"])
+        if r is None:
+            failures.append(f"{name}: {skipped.get(it['variant'], 'not run')}")
+            continue
+        if r.get("status") != "ok":
+            failures.append(f"{name}: {str(r.get('status'))[:300]}")
+            continue
+        need = ([] if dry else ["megakernel_vs_naive"]) + (["interp_vs_naive"] if it["interp"] else []) + (
+            ["megakernel_vs_interp"] if it["interp"] and not dry else [])
+        for key in need:
+            c = r.get(key)
+            if not isinstance(c, dict):
+                failures.append(f"{name}: no {key.replace('_', ' ')}")
+            elif not float(c["max_error"]) <= float(c["tolerance"]):  # (NaN fails too)
+                failures.append(f"{name}: {key.replace('_', ' ')} rel err {c['max_error']:.3g} > {c['tolerance']}")
+            elif c.get("mode") == "greedy" and not c.get("tokens_equal", True):
+                failures.append(f"{name}: {key.replace('_', ' ')}: greedy tokens differ")
+    return failures
+
+
 # ====================================================================== measurements
 
 
@@ -785,15 +973,18 @@ def _phase_kernels_dry(out: Path, args: argparse.Namespace) -> None:
 
 
 PHASES: dict[str, Callable[[Path, argparse.Namespace], None]] = {
-    "copy_bandwidth": _phase_copy_bandwidth, "tests": _phase_tests, "kernels": _phase_kernels, "bench": _phase_bench}
+    "copy_bandwidth": _phase_copy_bandwidth, "tests": _phase_tests, "kernels": _phase_kernels, "bench": _phase_bench,
+    "megakernel_mxfp4": _phase_megakernel_mxfp4}
 DRY_PHASES: dict[str, Callable[[Path, argparse.Namespace], None] | None] = {
-    "copy_bandwidth": None, "tests": _phase_tests, "kernels": _phase_kernels_dry, "bench": _phase_bench}
+    "copy_bandwidth": None, "tests": _phase_tests, "kernels": _phase_kernels_dry, "bench": _phase_bench,
+    "megakernel_mxfp4": _phase_megakernel_mxfp4}
 
 
 def verdict(out: Path, summary: dict[str, Any]) -> list[str]:
     """Every failure of the run, by name: a phase that did not finish, a planned test that did not pass, a benchmark
-    row not measured or disagreeing with ``naive``, a prebuilt artefact missing, stale or not loadable, a carry
-    over the limit. Empty only when everything planned ran and agreed."""
+    row not measured or disagreeing with ``naive``, an MXFP4 megakernel item not run or disagreeing, a prebuilt
+    artefact missing, stale or not loadable, a carry over the limit. Empty only when everything planned ran and
+    agreed."""
     failures = [f"phase {p['phase']}: {p['status']}" for p in summary["phases"]
                 if p["status"] not in ("ok", "left out in the dry run: GPU launches only")]
     ran = {p["phase"] for p in summary["phases"]}
@@ -810,6 +1001,8 @@ def verdict(out: Path, summary: dict[str, Any]) -> list[str]:
         failures += judge_tests(_read(out, "tests"))
     if "bench" in ran:
         failures += judge_bench(_read(out, "bench"))
+    if "megakernel_mxfp4" in ran:
+        failures += judge_mxfp4(_read(out, "megakernel_mxfp4"))
     return failures
 
 
@@ -826,9 +1019,11 @@ def run_phases(out: Path, args: argparse.Namespace, phases: Sequence[str], t_sta
     summary: dict[str, Any] = {"date": _now(), "dry_run": dry, "phases": [], "failures": []}
     prov = _read(out, "provenance") or {}
     summary["commit"] = prov.get("commit")
-    for phase in phases:
+    for i, phase in enumerate(phases):
         left = TOTAL_BUDGET_S - (time.time() - t_start)
-        budget = min(budgets.get(phase, left) if phase != "bench" else left, left)
+        # bench takes what is left once the phases after it have their budgets
+        later = sum(budgets.get(q, 0.0) for q in phases[i + 1:] if q != "bench")
+        budget = min(budgets.get(phase, left) if phase != "bench" else left - later, left)
         rec: dict[str, Any] = {"phase": phase, "estimate_s": PHASE_ESTIMATES_S.get(phase), "budget_s": round(budget)}
         fn = table.get(phase)
         if fn is None:
@@ -916,6 +1111,19 @@ def _print_summary(out: Path, summary: dict[str, Any]) -> None:
         for m in kern.get("mxfp4_vs_bf16", []):
             print(f"  MXFP4/bf16 routed experts B={m['batch']}: time ratio {m['time_ratio_mxfp4_over_bf16']:.3f}, "
                   f"byte ratio {m['byte_ratio']:.3f}")
+    mx = _read(out, "megakernel_mxfp4")
+    if mx and (mx.get("results") or mx.get("skipped")):
+        print("\nmegakernel, MXFP4 experts: variant max rel err vs naive (megakernel, interpreter), megakernel vs "
+              "interpreter, opcode report")
+        for r in mx.get("results", []):
+            errs = [r.get(k, {}).get("max_error") if isinstance(r.get(k), dict) else None
+                    for k in ("megakernel_vs_naive", "interp_vs_naive", "megakernel_vs_interp")]
+            ops = r.get("opcodes") or {}
+            rep = ("error" if "error" in ops else "not scored" if "not_scored" in ops else "ok" if ops else "-")
+            print(f"  {r['variant']:28s} {r['status'][:40]:40s} "
+                  + " ".join("n/a" if e is None else f"{e:.2e}" for e in errs) + f" {rep}")
+        for s in mx.get("skipped", []):
+            print(f"  {s['variant']:28s} {s['reason']}")
     fails = summary.get("failures") or []
     print(f"\n{len(fails)} failure(s){':' if fails else ': everything planned ran and agreed with naive'}")
     for f in fails:
@@ -929,10 +1137,11 @@ def _build(args: argparse.Namespace) -> int:
     out = Path(args.build_prebuilt)
     targets, mk_targets = select(args.presets, args.batches)
     from kimik3.kernels import prebuilt as pb
-    from kimik3.kernels.registry import variants_for
+    from kimik3.kernels.registry import get_variant
 
     t0 = time.time()
-    mk = [v for pr, b in mk_targets for v in variants_for([pr], [b], ["megakernel"])]
+    names = megakernel_variants(args.presets, args.batches)  # dense, then those for MXFP4 routed experts
+    mk = [get_variant(n) for n in names]
     # the DSL runtime is compressed once, by the last export into the directory (xz of 43 MB takes a while)
     build_prebuilt_kernels(args.arch, out, targets, ship_runtime=not mk)
     if mk:  # the megakernel goes into the same directory and manifest (build_prebuilt extends the manifest)
@@ -943,6 +1152,7 @@ def _build(args: argparse.Namespace) -> int:
     info = {"commit": commit, "commit_source": source, "dirty": dirty,
             "dirty_files": [ln[3:] for ln in status.splitlines()][:200], "date": _now(), "arch": args.arch,
             "targets": [list(t) for t in targets], "megakernel_targets": [list(t) for t in mk_targets],
+            "megakernel_variants": names,
             "seconds": round(time.time() - t0, 1), "kernel_source_hashes": _kernel_hashes()}
     tmp = out / "BUILD_INFO.json.tmp"
     tmp.write_text(json.dumps(info, indent=1))

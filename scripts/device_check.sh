@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU device check (scripts/device_check.py) as the one command for the device tool. It runs on the GPU
 # machine, from the repository root of the copy that travels there, writes its JSON files into $OUT as it goes
-# (00_provenance ... 05_bench, summary.json, measurements.json) and exits non-zero unless every planned GPU test
+# (00_provenance ... 05_bench, 06_megakernel_mxfp4, summary.json, measurements.json) and exits non-zero unless every planned GPU test
 # passed and every benchmark row agreed with naive (summary.json names each failure).
 #
 # 1. Before the call, on a CPU machine with the CuTe DSL (`. .venv/bin/activate`), after any kernel change:

@@ -33,12 +33,20 @@ def test_dry_run_writes_provenance_and_plan(tmp_path: Path, capsys: pytest.Captu
     assert "commit" in prov and prov["commit_source"]
     # the budget: every phase has one, and together they stay under 5 minutes
     assert sum(plan["phase_budgets_s"].values()) <= dc.TOTAL_BUDGET_S < 300
-    assert set(plan["phase_budgets_s"]) == {"copy_bandwidth", "tests", "kernels", "bench"}
+    assert set(plan["phase_budgets_s"]) == {"copy_bandwidth", "tests", "kernels", "bench", "megakernel_mxfp4"}
     files = [t["file"] for t in plan["tests"]]
     assert "tests/test_fused_stage.py" in files and "tests/test_kernels_gpu.py" in files
     assert plan["bench"]["order"][0] == ["megakernel", 1] and ["naive", 8] == plan["bench"]["order"][-1]
     assert {b for s, b in plan["bench"]["order"] if s == "megakernel"} == {1, 8, 64}
-    assert {"megakernel/k3-shard/b1", "megakernel/k3-shard/b8"} <= set(plan["prebuilt"]["missing"])
+    assert {"megakernel/k3-shard/b1", "megakernel/k3-shard/b8", "megakernel/k3-shard/b1-mxfp4",
+            "megakernel/tiny/b1-mxfp4"} <= set(plan["prebuilt"]["missing"])
+    # the MXFP4 megakernel items: k3-shard first (the run's model, quantised in place), the timing buffer read
+    # there; tiny with the interpreter
+    items = plan["megakernel_mxfp4"]["items"]
+    assert [i["variant"] for i in items] == ["megakernel/k3-shard/b1-mxfp4", "megakernel/k3-shard/b8-mxfp4",
+                                            "megakernel/tiny/b1-mxfp4"]
+    assert [(i["interp"], i["timings"]) for i in items] == [(False, True), (False, True), (True, False)]
+    assert [i["batch"] for i in dc.plan(None, quick=True)["megakernel_mxfp4"]["items"]] == [1, 1]
     assert plan["kernels"]["ops"] and all(o["name"].startswith("fused/") for o in plan["kernels"]["ops"])
     pb = plan["prebuilt"]
     assert not pb["ready"] and pb["distinct_ops"] == len(pb["missing"]) > 50
@@ -81,14 +89,19 @@ def test_commit_comes_from_env_then_build_info(tmp_path: Path, monkeypatch: pyte
 
 
 def test_build_prebuilt_records_the_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
+    calls, mk = [], []
+    import kimik3.kernels.prebuilt as pb
+
     import kimik3.stages.fused as fused
 
     monkeypatch.setattr(fused, "build_prebuilt_kernels", lambda arch, out, targets, **kw: calls.append(targets))
+    monkeypatch.setattr(pb, "build_prebuilt", lambda arch, out, variants, **kw: mk.append([v.name for v in variants]))
     assert dc.main(["--build-prebuilt", str(tmp_path), "--presets", "tiny", "--batches", "1,8"]) == 0
     assert calls == [[("tiny", 1, "bf16"), ("tiny", 8, "bf16"), ("tiny", 8, "mxfp4")]]
+    assert mk == [["megakernel/tiny/b1", "megakernel/tiny/b1-mxfp4"]]  # the megakernel for both expert formats
     info = json.loads((tmp_path / "BUILD_INFO.json").read_text())
     assert info["arch"] == "sm_90a" and info["targets"] == [list(t) for t in calls[0]] and "commit" in info
+    assert info["megakernel_variants"] == mk[0]
 
 
 def test_device_model_reproduces_from_preset_on_cpu() -> None:
@@ -221,10 +234,11 @@ def test_everything_run_on_the_gpu_has_a_cpu_counterpart() -> None:
     the CPU by a CI case of a tests/test_host_exec*.py module (the same device helpers, every block / warp / lane)."""
     import importlib.util
 
-    from kimik3.kernels.isa import Op
+    from kimik3.kernels.isa import MXFP4_OPERANDS, Op
     from kimik3.kernels.registry import FAMILIES
 
-    want = set(FAMILIES) | {op.name for op in Op if op.value > 0}
+    # the opcodes that read MXFP4 experts count once more: the MXFP4 variants run their own device code
+    want = set(FAMILIES) | {op.name for op in Op if op.value > 0} | {f"{op.name}.mxfp4" for op in MXFP4_OPERANDS}
     assert set(dc.CPU_COUNTERPARTS) == want, sorted(want ^ set(dc.CPU_COUNTERPARTS))
     cases: dict[str, list[dict]] = {}
     for name, (module, key, value) in sorted(dc.CPU_COUNTERPARTS.items()):
@@ -236,3 +250,47 @@ def test_everything_run_on_the_gpu_has_a_cpu_counterpart() -> None:
             cases[module] = mod._cases_ci()
         assert any(c.get(key) == value for c in cases[module]), f"{name}: no CI case with {key} = {value!r} in {module}"
     assert dc.plan(None, quick=True)["cpu_counterparts"]["KDA_STEP"].startswith("tests/test_host_exec_kda.py")
+
+
+def test_bench_leaves_the_later_phases_their_budget(tmp_path: Path) -> None:
+    """Bench takes what is left of the 5 minutes, less the budgets of the phases after it (the MXFP4 megakernel)."""
+    import argparse
+    import time
+
+    seen: dict[str, float] = {}
+
+    def record(name: str):
+        return lambda out, args: seen.__setitem__(name, float(args.deadline) - time.time())
+
+    dc._write(tmp_path, "plan", dc.plan(None, quick=False))
+    args = argparse.Namespace(out=str(tmp_path), prebuilt=None, quick=False, dry_run=False)
+    dc.run_phases(tmp_path, args, ["bench", "megakernel_mxfp4"], table={p: record(p) for p in dc.PHASES})
+    later = dc.PHASE_BUDGETS["megakernel_mxfp4"]
+    assert dc.TOTAL_BUDGET_S - later - 5 < seen["bench"] <= dc.TOTAL_BUDGET_S - later
+    assert later - 5 < seen["megakernel_mxfp4"] <= later
+
+
+def test_judge_mxfp4_names_every_failure() -> None:
+    ok = {"max_error": 1e-3, "tolerance": 0.03, "mode": "teacher-forced"}
+    items = [{"variant": f"megakernel/{p}/b{b}-mxfp4", "preset": p, "batch": b, "interp": p == "tiny",
+              "timings": p != "tiny"} for p, b in (("k3-shard", 1), ("k3-shard", 8), ("tiny", 1), ("tiny", 8))]
+    res = [{**items[0], "status": "ok", "megakernel_vs_naive": {**ok, "max_error": float("nan")},
+            "opcodes": {"error": "x"}},
+           {**items[2], "status": "ok", "megakernel_vs_naive": ok, "interp_vs_naive": ok,
+            "megakernel_vs_interp": {**ok, "max_error": 0.5}},
+           {**items[3], "status": "error: RuntimeError: boom"}]
+    rec = {"items": items, "results": res, "skipped": [{"variant": items[1]["variant"], "reason": "skipped: 2 s"}]}
+    f = dc.judge_mxfp4(rec)
+    assert len(f) == 4, f  # (the opcode report's error is not judged)
+    assert "k3-shard/b1-mxfp4: megakernel vs naive rel err nan" in f[0]
+    assert f[1].endswith("k3-shard/b8-mxfp4: skipped: 2 s")
+    assert "tiny/b1-mxfp4: megakernel vs interp rel err 0.5" in f[2] and "boom" in f[3]
+    res[0]["megakernel_vs_naive"], res[1]["megakernel_vs_interp"] = ok, ok
+    del res[1]["interp_vs_naive"]
+    assert dc.judge_mxfp4({**rec, "results": res[:2], "skipped": []}) == [
+        "megakernel_mxfp4 megakernel/k3-shard/b8-mxfp4: not run", "megakernel_mxfp4 megakernel/tiny/b1-mxfp4: no "
+        "interp vs naive", "megakernel_mxfp4 megakernel/tiny/b8-mxfp4: not run"]
+    dry = {"dry_run": True, "items": [items[2]], "results": [{**items[2], "status": "ok", "interp_vs_naive": {
+        **ok, "mode": "greedy", "tokens_equal": False}}]}
+    assert dc.judge_mxfp4(dry) == ["megakernel_mxfp4 megakernel/tiny/b1-mxfp4: interp vs naive: greedy tokens differ"]
+    assert dc.judge_mxfp4(None) == ["megakernel_mxfp4: no result file (the phase did not run)"]

@@ -1,7 +1,9 @@
 """The device check's dry run executes its whole plan on a CPU, only the GPU launches left out: the kernels of the
 ``tiny`` batch-1 targets exported (fused ops and the megakernel, the DSL runtime compressed), every artefact
 verified and loaded, the carried size measured against 64 MiB, the tests phase's files and recorder checked, the
-benchmark rows measured on the CPU and compared with naive — and it exits 0 only when all of that holds.
+benchmark rows measured on the CPU and compared with naive, the MXFP4 megakernel phase's item on the CPU (the quantised
+model, naive's trace, the interpreter against it, the MXFP4 program scored) — and it exits 0 only when all of that
+holds.
 
 Only the ``tiny`` batch-1 targets, because the kernel export dominates the run time; the full target set (every
 preset and batch the GPU run uses) is under ``slow``."""
@@ -14,6 +16,9 @@ from pathlib import Path
 
 import pytest
 from device_check_script import load_script
+
+from kimik3.perfmodel import design_expert_formats
+from kimik3.perfmodel.data import CURRENT_DESIGN
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +49,8 @@ def test_dry_run_executes_the_plan_for_tiny(tiny_prebuilt: Path, tmp_path: Path)
     summary, plan = r["summary"], r["plan"]
     assert code == 0 and summary["exit_status"] == 0 and summary["failures"] == [], summary["failures"]
     # every phase ran or says it was left out for its GPU launches
-    assert [p["phase"] for p in summary["phases"]] == ["copy_bandwidth", "tests", "kernels", "bench"]
+    assert [p["phase"] for p in summary["phases"]] == ["copy_bandwidth", "tests", "kernels", "bench",
+                                                       "megakernel_mxfp4"]
     assert summary["phases"][0]["status"].startswith("left out in the dry run")
     assert all(p["status"] == "ok" for p in summary["phases"][1:])
     assert all(p["estimate_s"] for p in summary["phases"])
@@ -53,7 +59,7 @@ def test_dry_run_executes_the_plan_for_tiny(tiny_prebuilt: Path, tmp_path: Path)
     assert pb["ready"] and not pb["missing"] and not pb["stale"] and pb["runtime_shipped"]
     assert len(plan["verified"]) == pb["distinct_ops"] > 20
     assert {v["status"] for v in plan["verified"]} == {"loaded"}
-    assert "megakernel/tiny/b1" in {v["name"] for v in plan["verified"]}
+    assert {"megakernel/tiny/b1", "megakernel/tiny/b1-mxfp4"} <= {v["name"] for v in plan["verified"]}
     assert not (tiny_prebuilt / dc.RUNTIME_LIB).exists()  # the unpacked runtime is not left to be carried
     # the carried size, the runtime compressed
     carry = plan["carry"]
@@ -66,6 +72,19 @@ def test_dry_run_executes_the_plan_for_tiny(tiny_prebuilt: Path, tmp_path: Path)
     rows = {(x["stage"], x["batch"]): x for x in r["bench"]["rows"]}
     assert set(rows) == {("absorbed", 1), ("naive", 1)}
     assert all(x["status"] == "ok" and x["rel_err_vs_naive"] <= 3e-2 for x in rows.values())
+    # the MXFP4 megakernel phase: its item on the CPU, the megakernel launches left out
+    mx = r["megakernel_mxfp4"]
+    assert mx["dry_run"] and [x["variant"] for x in mx["results"]] == ["megakernel/tiny/b1-mxfp4"], mx
+    (item,) = mx["results"]
+    assert item["status"] == "ok" and item["expert_storage"] == "mxfp4"
+    assert item["megakernel_vs_naive"].startswith("left out in the dry run")
+    iv = item["interp_vs_naive"]
+    assert iv["passed"] and iv["tokens_equal"] and len(iv["errors"]) == dc.MXFP4_STEPS + 1
+    ops = item["opcodes"]
+    if "mxfp4" in design_expert_formats(CURRENT_DESIGN):  # the program's MXFP4 expert opcodes scored
+        assert {"EXPERT_GATE_UP", "EXPERT_DOWN"} <= set(ops["by_opcode"]), ops
+    else:
+        assert ops == {"not_scored": f"design {CURRENT_DESIGN} does not describe MXFP4 experts"}, ops
     assert r["provenance"]["commit_source"] and r["provenance"]["kernel_source_hashes"]
 
 

@@ -50,6 +50,10 @@ def _cases_ci() -> list[dict]:
     # round (K = 392: 49 chunks), batch tiles of 1 / 8 with unroll 4 / 2, with and without gamma
     cases += [_mk(1, 12, 392, 5, True), _mk(8, 12, 392, 5, False), _mk(64, 9, 2056, 0, True),
               _mk(8, 40, 7168, 40, True)]
+    # as compiled for sm_100a (MKConfig.arch: unroll 2): full steps, then a 1-chunk tail (K = 2056: 257 chunks)
+    sm100 = _mk(8, 12, 2056, 5, False)
+    sm100["shapes"]["arch"] = "sm_100a"
+    cases += [sm100]
     return cases
 
 
@@ -78,11 +82,13 @@ MUTANTS: dict[str, tuple[list, dict]] = {
     "gemv-lane-tail": (["gemv", [["_dot_step(gW, gG, mX, x0, rounds * 32 + lane, acc, ssq, 1, BT)",
                                   "_dot_step(gW, gG, mX, x0, rounds * 32 + lane - 1, acc, ssq, 1, BT)"]]],
                        {"family": "gemv.rmsnorm", "preset": "tiny", "batch": 1}),
-    "mxfp4-nibble-order": (["moe", [["return 8 * j + s + 4 * hi", "return 8 * j + 2 * s + hi"]]],
+    # the MXFP4 decode lives in _common (shared with the megakernel's expert opcodes): the fused kernel runs with
+    # the mutated helpers through its import (host_exec.load_case_mutant)
+    "mxfp4-nibble-order": (["_common", [["return 8 * j + s + 4 * hi", "return 8 * j + 2 * s + hi"]]],
                            {"family": "moe.mxfp4", "preset": "micro", "batch": 8}),
-    "mxfp4-scale-bias": (["moe", [["((Uint32(e) + 14) << 23)", "((Uint32(e) + 15) << 23)"]]],
+    "mxfp4-scale-bias": (["_common", [["((Uint32(e) + 14) << 23)", "((Uint32(e) + 15) << 23)"]]],
                          {"family": "moe.mxfp4", "preset": "micro", "batch": 1}),
-    "mxfp4-sign-bit": (["moe", [["((t & 0x00080008) << 12)", "((t & 0x00080008) << 11)"]]],
+    "mxfp4-sign-bit": (["_common", [["((t & 0x00080008) << 12)", "((t & 0x00080008) << 11)"]]],
                        {"family": "moe.mxfp4", "preset": "micro", "batch": 1}),
     "moe-expert-slot": (["moe", [["return mActE[a], mActStart[a], mActCount[a]",
                                   "return a, mActStart[a], mActCount[a]"]]],
@@ -191,6 +197,23 @@ def test_load_mutant_rejects_a_missing_line() -> None:
 
     with pytest.raises(ValueError, match="occurs 0 times"):
         load_mutant("gemv", [("this line is not in gemv.py", "x")])
+
+
+def test_shared_module_mutant_reaches_the_kernel_module_that_imports_it() -> None:
+    """A mutant of _common comes back as the case's kernel module importing the mutated copy (both import forms:
+    ``from . import _common as C`` in moe, ``from ._common import ...`` in mk_moe); a module that does not import
+    it is refused, since the mutant could not reach its device code."""
+    from kimik3.kernels.host_exec import load_case_mutant
+
+    mut = MUTANTS["mxfp4-nibble-order"][0]
+    name, moe = load_case_mutant(mut, "moe")
+    assert name == "moe" and moe.C.__name__.endswith("._mutant__common")
+    assert [moe.C.fp4_pair_col(q) for q in range(4)] == [0, 1, 2, 3]  # the mutant's adjacent columns (was 0, 4, 1, 5)
+    name, mk = load_case_mutant(mut, "mk_moe")
+    assert name == "mk_moe" and mk.x_pair_order.__module__.endswith("._mutant__common")
+    assert load_case_mutant(["gemv", []], "moe")[0] == "gemv"  # a kernel module's own mutant: itself
+    with pytest.raises(ValueError, match="does not import _common"):
+        load_case_mutant(mut, "meta")
 
 
 def _mutant_names(path: Path) -> set[str]:

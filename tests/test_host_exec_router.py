@@ -11,6 +11,8 @@ through a subprocess: a device-only instruction reached on the host aborts the p
 
 Whole programs at ``micro`` and ``tiny``; at ``k3-shard`` the first MoE layer's tile corners (first / last slot x
 first / last row tile, every lane) and the misc opcodes; the full ``tiny`` batch-8 / ``k3-shard`` layers are slow.
+The same for programs carrying MXFP4 routed experts (``expert_format="mxfp4"``: the kernel compiled with
+``MKConfig.fp4`` decodes codes and E8M0 scales in registers), against the interpreter's dequantise-then-dense bodies.
 Planted mutants (docs/planted-bugs.md) must fail.
 """
 
@@ -42,6 +44,17 @@ def _cases_ci() -> list[dict]:
     cases += [{"family": "mk.misc", "preset": p, "batch": b} for p, b in (("micro", 8), ("tiny", 1))]
     cases += [{"family": "mk.moe", "preset": "k3-shard", "batch": 1, "layers": "first_moe", "sample": "corners"},
               {"family": "mk.misc", "preset": "k3-shard", "batch": 1}]
+    # MXFP4 experts: passes of 4 tokens (micro batch 8), multi-group rows (tiny: 6 gate/up and 8 down groups, a
+    # partial lane round), the k3-shard widths' corners (112 / 96 groups: one step, lanes 16..31 clamped on gate/up)
+    cases += [{"family": "mk.moe", "preset": p, "batch": b, "expert_format": "mxfp4"} for p, b in (("micro", 8),
+                                                                                                   ("tiny", 1))]
+    cases += [{"family": "mk.moe", "preset": "k3-shard", "batch": 1, "layers": "first_moe", "sample": "corners",
+               "expert_format": "mxfp4"}]
+    # EXPERT_DOWN tiles of 7 rows: a warp's last MXFP4 row pair is one row (its second row clamped, not stored)
+    cases += [{"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8, "expert_format": "mxfp4",
+               "tiling": {"expert_down_rows": 7}}]
+    # the loop shape compiled for sm_100a (MXFP4 passes of 2 tokens at batch 8)
+    cases += [{"family": "mk.moe", "preset": "micro", "batch": 8, "expert_format": "mxfp4", "arch": "sm_100a"}]
     return cases
 
 
@@ -49,6 +62,9 @@ def _cases_slow() -> list[dict]:
     cases = [{"family": "mk.moe", "preset": "tiny", "batch": b} for b in (8, 64)]
     cases += [{"family": "mk.misc", "preset": "tiny", "batch": 64}]
     cases += [{"family": "mk.moe", "preset": "k3-shard", "batch": b, "layers": "first_moe"} for b in (1, 8)]
+    cases += [{"family": "mk.moe", "preset": "tiny", "batch": b, "expert_format": "mxfp4"} for b in (8, 64)]
+    cases += [{"family": "mk.moe", "preset": "k3-shard", "batch": b, "layers": "first_moe", "expert_format": "mxfp4"}
+              for b in (1, 8)]
     cases += [{"family": "router", "preset": "k3-shard", "batch": b} for b in (1, 8, 64)]
     return cases
 
@@ -69,8 +85,8 @@ MUTANTS: dict[str, tuple[list, dict]] = {
                                           "return base + cute.arch.popc(bal & ~below)"]]],
                              {"family": "mk.ROUTER", "preset": "micro", "batch": 8, "ties": True}),
     "mk-down-expert-stride": (["mk_moe", [[
-        "return gchunks(ctx.s_addr[4] + expert_row_offset(ctx.s_d1[4], ctx.s_d2[4], e, r, Int64) * 2)",
-        "return gchunks(ctx.s_addr[4] + (Int64(e) + Int64(r)) * Int64(ctx.s_d2[4]) * 2)"]]],
+        "wv = gchunks(ctx.s_addr[4] + expert_row_offset(ctx.s_d1[4], ctx.s_d2[4], e, r, Int64) * 2)",
+        "wv = gchunks(ctx.s_addr[4] + (Int64(e) + Int64(r)) * Int64(ctx.s_d2[4]) * 2)"]]],
         {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
     "mk-down-slot-row": (["mk_moe", [["(b * ctx.s_d1[0] + j) * hs", "(b * ctx.s_d1[0]) * hs"]]],
                          {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
@@ -82,6 +98,18 @@ MUTANTS: dict[str, tuple[list, dict]] = {
                         {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
     "mk-argmax-last-max": (["mk_misc", [["take = v > best", "take = v >= best"]]],
                            {"family": "mk.misc", "preset": "micro", "batch": 8}),
+    # MXFP4 experts: w1's scale byte read one group to the right (the next group's, or the next row's first)
+    "mk-fp4-scale-group": (["mk_moe", [["cute.copy(ld_s, sa[(gi, None)], rs[None, 0])",
+                                        "cute.copy(ld_s, sa[(gi + 1, None)], rs[None, 0])"]]],
+                           {"family": "mk.moe", "preset": "micro", "batch": 8, "expert_format": "mxfp4"}),
+    # the two codes of a byte swapped (high nibble taken as the even column), in the decode shared with the fused
+    # kernel (module _common: the opcodes run with the mutated helpers)
+    "mk-fp4-nibble-order": (["_common", [["return 8 * j + s + 4 * hi", "return 8 * j + ((s + 4 * hi) ^ 1)"]]],
+                            {"family": "mk.moe", "preset": "micro", "batch": 8, "expert_format": "mxfp4"}),
+    # the code rows at half their stride (d2 counted in 16-bit units): other rows' codes, still 16-byte aligned
+    "mk-fp4-code-row-stride": (["mk_moe", [["fp4_row_offsets(ctx.s_d1[jc], ctx.s_d2[jc], ctx.s_d1[js]",
+                                            "fp4_row_offsets(ctx.s_d1[jc], ctx.s_d2[jc] // 2, ctx.s_d1[js]"]]],
+                               {"family": "mk.moe", "preset": "tiny", "batch": 1, "expert_format": "mxfp4"}),
 }
 
 

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from kimik3.kernels import attn_res, gemv, kda, mla_decode, moe, router
+from kimik3.kernels import _common, attn_res, gemv, kda, mla_decode, moe, router
 from kimik3.kernels import registry as R
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -215,7 +215,7 @@ def test_mxfp4_dequant_bitwise() -> None:
 
 
 def _fp4_expand_model(words: np.ndarray) -> np.ndarray:
-    """moe._fp4_expand on four uint32 words: (t & 7) << 9 | (t & 8) << 12 as fp16x2, pair order."""
+    """_common.fp4_expand on four uint32 words: (t & 7) << 9 | (t & 8) << 12 as fp16x2, pair order."""
     h32 = np.zeros(16, dtype=np.uint32)
     for j in range(4):
         for s in range(4):
@@ -225,7 +225,7 @@ def _fp4_expand_model(words: np.ndarray) -> np.ndarray:
 
 
 def _x_pair_order_model(x: np.ndarray) -> np.ndarray:
-    """moe._x_pair_order: element q = 8j + 2s + hi holds column 8j + s + 4 hi."""
+    """_common.x_pair_order: element q = 8j + 2s + hi holds column 8j + s + 4 hi."""
     return np.array([x[hi * 4 + s + 8 * j] for j in range(4) for s in range(4) for hi in range(2)])
 
 
@@ -243,7 +243,7 @@ def test_mxfp4_kernel_bit_tricks() -> None:
         # q = 2(4j+s) + hi; columns 8j+s (+4): even columns of a byte are lo nibbles
         for q in range(32):
             col = 8 * (q // 8) + (q // 2) % 4 + 4 * (q % 2)
-            assert moe._pair_col(q) == col  # the kernel reads x in this order
+            assert _common.fp4_pair_col(q) == col  # the kernels read x in this order
             assert vals[q] == (want_lo if col % 2 == 0 else want_hi)
     for e in range(0, 241):
         bits = np.array([(e + 14) << 23], dtype=np.uint32)

@@ -2,9 +2,10 @@
 the synchronisation the design relies on; the host side (static shapes, device contract, prebuilt export, launch
 signature) is checked on the CPU.
 
-Compiling is the cost, so by default only tiny B=1 for sm_90a and sm_100a, k3-shard B=8 for sm_90a, and micro B=1
-exported through the prebuilt path with TVM-FFI; artefacts are cached by source hash (``build.py``), so a second
-run only re-exports micro. The full matrix (every preset x batch x arch) is marked slow.
+Compiling is the cost, so by default only tiny B=1 for sm_90a and sm_100a, k3-shard B=8 for sm_90a, tiny B=1 with
+MXFP4 routed experts (``MKConfig.fp4``) for sm_90a, and micro B=1 exported through the prebuilt path with TVM-FFI;
+artefacts are cached by source hash (``build.py``), so a second run only re-exports micro. The full matrix (every
+preset x batch x arch, dense and MXFP4) is marked slow.
 """
 
 from __future__ import annotations
@@ -22,10 +23,18 @@ from kimik3.kernels import build as B  # noqa: E402
 from kimik3.kernels import registry as R  # noqa: E402
 
 from kimik3.megakernel import build_program  # noqa: E402
-from kimik3.megakernel.gpu import MAX_BUFS, MAX_CTRS, MAX_INSTR, PROG_WORDS, check_device_contract, static_shapes  # noqa: E402,E501
+from kimik3.megakernel.gpu import (  # noqa: E402
+    MAX_BUFS,
+    MAX_CTRS,
+    MAX_INSTR,
+    PROG_WORDS,
+    check_device_contract,
+    static_shapes,
+    variant_name,
+)
 from kimik3.megakernel.instructions import Op, Operand  # noqa: E402
 
-CI_SM90 = ["megakernel/tiny/b1", "megakernel/k3-shard/b8"]
+CI_SM90 = ["megakernel/tiny/b1", "megakernel/k3-shard/b8", "megakernel/tiny/b1-mxfp4"]
 CI_SM100 = ["megakernel/tiny/b1"]
 # the design's synchronisation, in the PTX: acquire spin with back-off, release signal, first-error CAS, error-word
 # poll, timestamps, SM id, asynchronous weight prefetch into smem, CTA barriers
@@ -73,10 +82,27 @@ def test_compiles_for_sm100a(name: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("name", [f"megakernel/{p}/b{b}" for p in ("micro", "tiny", "k3-shard") for b in (1, 8, 64)])
+@pytest.mark.parametrize("name", [f"megakernel/{p}/b{b}{f}" for p in ("micro", "tiny", "k3-shard") for b in (1, 8, 64)
+                                  for f in ("", "-mxfp4")])
 def test_full_matrix(name: str, arch: str) -> None:
     v = R.get_variant(name)
     _check(B.build(v, arch), v, arch)
+
+
+# The VM's header check reads word H_EXPERT_FORMAT (byte 88 of the program) in the entry block, next to the magic
+HEADER_FORMAT_LOAD = re.compile(r"ld\.global\.b32\s+%r\d+,\s*\[%rd\d+\+88\]")
+
+
+def test_mxfp4_variant_reads_codes_and_scales() -> None:
+    """The MXFP4 kernel streams the expert codes as 16-byte groups prefetched into L1 with their scale bytes, widens
+    fp16-placed codes (no sm_100a-only e2m1 conversion), and both kernels check the program's expert format; the
+    dense kernel has none of the MXFP4 instructions."""
+    fp4 = B.build(R.get_variant("megakernel/tiny/b1-mxfp4"), "sm_90a").ptx
+    dense = B.build(R.get_variant("megakernel/tiny/b1"), "sm_90a").ptx
+    for feature in ("prefetch.global.L1", "ld.global.nc.b8", "cvt.f32.f16", "ld.global.nc.v4.b32"):
+        assert feature in fp4, feature
+    assert "cvt.f32.f16" not in dense and "prefetch.global.L1" not in dense and "e2m1" not in fp4
+    assert HEADER_FORMAT_LOAD.search(fp4) and HEADER_FORMAT_LOAD.search(dense)
 
 
 def test_ptx_structure_of_the_wait_loop() -> None:
@@ -136,6 +162,17 @@ def test_registered_and_buildable_through_the_cli_paths() -> None:
     from kimik3.kernels import megakernel as mk
 
     assert mk.SOURCE_HASH == kernel_source_hash("megakernel")
+    # MXFP4 routed experts: a variant per format, named and shaped as the host names and shapes it
+    f = R.get_variant("megakernel/k3-shard/b8-mxfp4")
+    assert f.name == variant_name("k3-shard", 8, "mxfp4") and f.expert_format == "mxfp4"
+    assert f.shapes == static_shapes("k3-shard", 8, expert_format="mxfp4") and f.shapes["fp4"] and not v.shapes["fp4"]
+    assert [x.name for x in R.variants_for(["tiny"], [1], ["megakernel", "moe.mxfp4"], ("dense", "mxfp4"))] == [
+        "megakernel/tiny/b1", "megakernel/tiny/b1-mxfp4", "moe.mxfp4/tiny/b1"]
+    for bad in ("megakernel/tiny/b1-dense", "moe.bf16/tiny/b1-mxfp4", "megakernel/tiny/b1-fp8"):
+        with pytest.raises(ValueError, match="bad kernel variant name"):
+            R.get_variant(bad)
+    with pytest.raises(ValueError, match="unknown expert formats"):
+        R.variants_for(["tiny"], [1], ["megakernel"], ("fp8",))
 
 
 def test_static_shapes_follow_the_config() -> None:

@@ -10,7 +10,9 @@ declarations disagree with the device code.
 
 Whole ``micro`` and ``tiny`` programs at batch 1, 8 and 64 under both policies; ``k3-shard`` at batch 1 with the
 write count and at batch 64 every instruction's access corners (bounds and prefetch); the other ``k3-shard`` batches
-with the write count are marked slow. Each of them replays every weight-stage copy too (an instruction's own stage
+with the write count are marked slow; programs carrying MXFP4 routed experts (codes and E8M0 scales,
+``mk_addr.fp4_row_offsets``) at ``micro`` / ``tiny`` and ``k3-shard`` batch 1. Each of them replays every weight-stage
+copy too (an instruction's own stage
 and the next-stage descriptor the device copies before the waits): only static weights, every staged element in
 the declared box, each descriptor equal to the next instruction's own stage; planted descriptors into an
 activation or a state, and rows past the box, are reported.
@@ -19,6 +21,7 @@ activation or a state, and rows past the box, are reported.
 from __future__ import annotations
 
 import dataclasses
+import re
 from functools import cache
 from pathlib import Path
 
@@ -37,9 +40,10 @@ SMS = {"micro": 8, "tiny": 8, "k3-shard": 132}
 
 
 @cache
-def _program(preset: str, batch: int, policy: str = "critical_path"):
+def _program(preset: str, batch: int, policy: str = "critical_path", expert_format: str = "dense"):
     """The int32 program as the device reads it: built, encoded, decoded."""
-    return decode_program(encode_program(build_program(preset, batch, SMS[preset], policy=policy)))
+    return decode_program(encode_program(build_program(preset, batch, SMS[preset], policy=policy,
+                                                       expert_format=expert_format)))
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -63,6 +67,24 @@ def _assert_stages_replayed(p, rep) -> None:
     nxt = sum(ins.next_stage[0] >= 0 for ins in p.instructions)
     assert own > len(p.instructions) // 4 and nxt >= own - len(p.queues)
     assert rep.stage_copies == own + nxt and rep.elements_staged > 0
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("preset", ["micro", "tiny"])
+def test_mxfp4_whole_program_replays_clean(preset: str, batch: int) -> None:
+    """MXFP4 routed experts: the expert opcodes read whole 16-byte code groups and their scale bytes of every
+    expert's rows (and x up to the last group's column), inside the code and scale boxes."""
+    p = _program(preset, batch, expert_format="mxfp4")
+    assert p.expert_format == "mxfp4"
+    rep = mk_addr.replay(p, get_preset(preset))
+    assert rep.ok, rep.summary()
+    assert rep.instructions == len(p.instructions)
+    _assert_stages_replayed(p, rep)
+
+
+def test_mxfp4_k3_shard_batch1_whole_program() -> None:
+    rep = mk_addr.replay(_program("k3-shard", 1, expert_format="mxfp4"), get_preset("k3-shard"))
+    assert rep.ok, rep.summary()
 
 
 def test_k3_shard_batch1_whole_program() -> None:
@@ -101,14 +123,19 @@ MUTANTS = {
     # the [b, r, c] offset with the row and batch strides swapped: caught wherever d1 > 1
     "elem-offset-stride": ([("(wide(b) * wide(d1) + wide(r)) * wide(d2)", "(wide(b) + wide(r) * wide(d1)) * wide(d2)")],
                            {"bounds"}, ("tiny", 8)),
+    # MXFP4 code rows at the scales' row stride (d2 / 16): runs of codes that start mid-row and cross rows
+    "fp4-code-row-stride": ([("return expert_row_offset(d1, d2, e, r, wide), expert_row_offset(sd1,",
+                              "return expert_row_offset(d1, sd2, e, r, wide), expert_row_offset(sd1,")],
+                            {"bounds"}, ("tiny", 8, "mxfp4")),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_planted_mutant_is_caught(name: str) -> None:
-    reps, rules, (preset, batch) = MUTANTS[name]
+    reps, rules, (preset, batch, *fmt) = MUTANTS[name]
     mutant = load_mutant("mk_addr", reps)
-    rep = mk_addr.replay(_program(preset, batch), get_preset(preset), helpers=mutant)
+    rep = mk_addr.replay(_program(preset, batch, expert_format=(fmt or ["dense"])[0]), get_preset(preset),
+                         helpers=mutant)
     assert not rep.ok, f"planted mutant {name} not reported"
     assert rules <= {f.rule for f in rep.findings}, rep.summary()
 
@@ -117,9 +144,12 @@ def test_mutated_lines_are_the_ones_the_device_code_calls() -> None:
     """The mutants above change the functions the opcodes call: the device code must keep calling them."""
     k = ROOT / "kernels"
     gemv, moe, operands = ((k / f"{m}.py").read_text() for m in ("mk_gemv", "mk_moe", "mk_operands"))
-    assert "from .mk_addr import tile_rows" in gemv and "from .mk_addr import expert_row_offset" in moe
+    moe_import = re.search(r"from \.mk_addr import ([^\n]+)", moe).group(1)
+    assert "from .mk_addr import tile_rows" in gemv and {"expert_row_offset", "fp4_row_offsets"} <= {
+        n.strip() for n in moe_import.split(",")}
     assert gemv.count("tile_rows(") == 5  # NORM_PROJ, MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD
     assert moe.count("expert_row_offset(") == 3  # EXPERT_GATE_UP (w1, w3), EXPERT_DOWN (w2)
+    assert moe.count("fp4_row_offsets(") == 1  # fp4_row: every MXFP4 code / scale row of both expert opcodes
     assert "return elem_offset(d1, d2, b, r, c, Int64)" in operands  # _eoff: every other [b, r, c] offset
 
 
@@ -161,6 +191,22 @@ def test_every_opcode_reaches_the_edge_of_its_boxes(op: Op, side: str) -> None:
     js = [j for j, o in enumerate(ops) if (o.mode & int(Mode.WRITE)) == (int(Mode.WRITE) if side == "write" else 0)]
     j = js[-1] if side == "write" else js[0]
     b0, b1, r0, r1, c0, c1 = ops[j].box
+    rep = mk_addr.replay(_with_operand(p, i, j, box=(b0, b1, r0, r1, c0, c1 - 1)), get_preset("micro"),
+                         instructions=[i], check_writes=False)
+    assert any(f.rule == "bounds" and f.instruction == i for f in rep.findings), (op.name, j, rep.summary())
+
+
+FP4_EDGES = [(Op.EXPERT_GATE_UP, j) for j in (0, 3, 4, 6, 7)] + [(Op.EXPERT_DOWN, j) for j in (0, 4, 6)]
+
+
+@pytest.mark.parametrize(("op", "j"), FP4_EDGES, ids=[f"{o.name}-{j}" for o, j in FP4_EDGES])
+def test_mxfp4_expert_reads_reach_the_edge_of_their_boxes(op: Op, j: int) -> None:
+    """MXFP4 programs: the input rows, the code rows and the scale rows of the expert opcodes, each declared one
+    column narrower, are reported (the replay reads every code group and scale byte of a row, and x up to the last
+    group's column)."""
+    p = _program("micro", 8, expert_format="mxfp4")
+    i = _first(p, op)
+    b0, b1, r0, r1, c0, c1 = p.instructions[i].operands[j].box
     rep = mk_addr.replay(_with_operand(p, i, j, box=(b0, b1, r0, r1, c0, c1 - 1)), get_preset("micro"),
                          instructions=[i], check_writes=False)
     assert any(f.rule == "bounds" and f.instruction == i for f in rep.findings), (op.name, j, rep.summary())

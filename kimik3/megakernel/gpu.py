@@ -109,7 +109,8 @@ def _check_format(expert_format: str) -> None:
 
 def static_shapes(cfg: ModelConfig | str, batch: int, prog_words: int = PROG_WORDS, max_instr: int = MAX_INSTR,
                   max_bufs: int = MAX_BUFS, max_ctrs: int = MAX_CTRS, expert_format: str = "dense") -> dict[str, Any]:
-    """The megakernel's compile-time shapes for a config and batch size (the fields of ``MKConfig``): widths and
+    """The megakernel's compile-time shapes for a config and batch size (the fields of ``MKConfig`` but ``arch``,
+    which ``compile_for`` sets from its target): widths and
     constants of the model, the batch, the parameter capacities and whether the routed experts are MXFP4
     (``fp4``). JSON-serialisable; the registry's ``megakernel`` family and the prebuilt manifest use it as the
     variant's shapes."""

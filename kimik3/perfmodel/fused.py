@@ -119,7 +119,7 @@ def fused_times(preset: str, batch: int, design: dict[str, Any], consts: Constan
             bw = min(active * min(inflight / (lat * 1e-9), consts.sm_max_Bps), consts.achievable_Bps)
             b = share * nbytes
             mem = lat + b / bw * 1e9 if b > 0 else lat
-            fma = share * flops / 2 * float(spec.get("issue_per_fma", 1.0)) / (
+            fma = share * flops / 2 * evaluate(spec.get("issue_per_fma", 1.0), env) / (
                 active * consts.issue_slots_per_sm_cycle * consts.sm_clock_Hz) * 1e9
             l2 = sum(max(0.0, evaluate(r["bytes"], env)) for r in spec.get("rereads", [])) * share
             reread = l2 / (active * consts.l2_share_Bps) * 1e9

@@ -1,0 +1,94 @@
+"""The GEMV opcodes' work items (``kimik3.kernels.mk_addr.gemv_item``): item ``k`` of a GEMV instruction over ``n``
+weight rows in ``nbt`` batch passes is a (weight row, pass) pair; warp ``w`` takes items ``w, w + NW, ...``
+(``kernels/mk_gemv.py``). The mapping must cover every (row, pass) exactly once (a pair twice is a double store, a
+missing one an output never written), go pass by pass (the warps share one pass's x rows), and within a pass give
+each warp ascending rows (LM_HEAD's running arg-max keeps the first of equal scores by that order). Wrong mappings
+planted here, and one planted in a copy of ``mk_addr.py``, must be reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from kimik3.kernels.device_fns import NW
+from kimik3.kernels.host_exec import load_mutant
+from kimik3.kernels.mk_addr import gemv_batch_tile, gemv_item
+
+Item = Callable[[int, int, int], tuple[Any, Any]]
+
+# row counts below, at and above one round of the warps, and not multiples of it; pass counts of real batches
+# (B // gemv_batch_tile(B): 1 up to batch 8, 2 at 16, 8 at 64, 3 at 9, 11 at 11) and a few more
+ROWS = (1, 5, NW - 1, NW, NW + 1, 2 * NW + 5, 100)
+PASSES = tuple(sorted({1, 2, 3, 5, 8} | {b // gemv_batch_tile(b) for b in (1, 8, 9, 11, 16, 64)}))
+
+
+def item_problems(item: Item, n: int, nbt: int) -> list[str]:
+    """What is wrong with the work-item mapping ``item`` over ``n`` rows and ``nbt`` passes (empty: nothing)."""
+    pairs = [item(k, n, nbt) for k in range(n * nbt)]
+    out: list[str] = []
+    bad = [(k, p) for k, p in enumerate(pairs) if not (0 <= p[0] < n and 0 <= p[1] < nbt)]
+    if bad:
+        return [f"items outside rows [0, {n}) x passes [0, {nbt}): {bad[:4]}"]
+    seen: dict[tuple[int, int], int] = {}
+    for k, (j, t) in enumerate(pairs):
+        if (j, t) in seen:
+            out.append(f"(row {j}, pass {t}) at items {seen[(j, t)]} and {k}")
+        seen[(j, t)] = k
+    missing = [(j, t) for t in range(nbt) for j in range(n) if (j, t) not in seen]
+    if missing:
+        out.append(f"{len(missing)} (row, pass) pairs never computed, e.g. {missing[:4]}")
+    late = [k for k in range(1, len(pairs)) if pairs[k][1] < pairs[k - 1][1]]
+    if late:
+        k = late[0]
+        out.append(f"item {k} goes back to pass {pairs[k][1]} after item {k - 1} in pass {pairs[k - 1][1]}")
+    for w in range(NW):
+        mine = pairs[w::NW]
+        down = [(a, b) for a, b in zip(mine, mine[1:]) if a[1] == b[1] and b[0] <= a[0]]
+        if down:
+            out.append(f"warp {w}: rows not ascending within a pass: {down[0][0]} then {down[0][1]}")
+    return out
+
+
+@pytest.mark.parametrize("nbt", PASSES)
+@pytest.mark.parametrize("n", ROWS)
+def test_gemv_items_cover_each_row_and_pass_once_in_pass_order(n: int, nbt: int) -> None:
+    assert item_problems(gemv_item, n, nbt) == []
+
+
+def test_one_pass_is_the_row() -> None:
+    """Up to batch 8 there is one pass: the item is the row, no pass arithmetic (the device loop stays minimal)."""
+    assert [gemv_item(k, 7, 1) for k in range(7)] == [(k, 0) for k in range(7)]
+
+
+def test_the_warps_are_twelve() -> None:
+    assert NW == 12  # 384 threads per CTA (isa.CTA_THREADS); the row counts above straddle one round of them
+
+
+PLANTED: dict[str, tuple[Item, str]] = {
+    # every pair once, but row by row: a warp's consecutive items switch x rows (passes) and come back
+    "row-major": (lambda k, n, nbt: (k // nbt, k % nbt), "goes back to pass"),
+    # pass by pass, every pair once, rows descending within a pass
+    "rows-descending": (lambda k, n, nbt: (n - 1 - k % n, k // n), "not ascending"),
+    # the pass stride off by one: rows of pass t spill into the next pass, the last row of each pass lost
+    "pass-stride": (lambda k, n, nbt: (k % n, k // (n + 1)), "never computed"),
+    # the one-pass shortcut taken for every pass count: passes 1.. never computed, rows out of range
+    "always-one-pass": (lambda k, n, nbt: (k, 0), "outside rows"),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANTED))
+def test_planted_mapping_is_caught(name: str) -> None:
+    item, expect = PLANTED[name]
+    found = [p for n in ROWS for nbt in PASSES if nbt > 1 or name == "rows-descending"
+             for p in item_problems(item, n, nbt)]
+    assert found, f"planted mapping {name} not caught"
+    assert any(expect in p for p in found), (name, found[:3])
+
+
+def test_planted_mapping_in_mk_addr_is_caught() -> None:
+    """The check reads the real function: the same mapping planted in a copy of ``mk_addr.py`` fails it."""
+    mutant = load_mutant("mk_addr", [("    return k % n, k // n\n", "    return k // nbt, k % nbt\n")])
+    assert item_problems(mutant.gemv_item, NW + 1, 2)
+    assert item_problems(gemv_item, NW + 1, 2) == []
