@@ -228,8 +228,8 @@ report.section("L3.mla.w_uk", moe.head_gemv)
 #
 # MXFP4 (`expert_format="mxfp4"`, packed once at stage construction): one 16-byte load is exactly one 32-column scale
 # group; the E2M1 codes are expanded in registers by masking them into fp16 (`(c & 7) << 9`, exact) and the group
-# scale is applied once per 32-column dot product — 4.25 bits per weight read instead of 16. Dense MLPs and the
-# shared experts run through the same kernel as a one-expert MoE that every token picks with weight 1.
+# scale (a power of two: exact) is folded into the expanded weights — 4.25 bits per weight read instead of 16. Dense
+# MLPs and the shared experts run through the same kernel as a one-expert MoE that every token picks with weight 1.
 
 # %%
 report.section("L0.moe.experts", moe.expert_gemv_kernel, moe._bf16_step)
@@ -237,11 +237,13 @@ report.section("L0.moe.experts", moe.expert_gemv_kernel, moe._bf16_step)
 # %%
 from dataclasses import replace
 
+from kimik3.kernels import _common  # the MXFP4 decode helpers the fused MoE kernel shares with the megakernel
+
 ln16 = report.launch("L0.moe.experts")
 op4 = replace(ln16.op, family="moe.mxfp4")
 res4, how4 = report.build(op4)
 display(Markdown(f"**MXFP4 variant** `{op4.name}` — *PTX / ptxas*: {how4}"))
-show_source(moe._fp4_expand, moe._fp4_step)
+show_source(_common.fp4_expand, moe._fp4_step)
 if res4 is not None:
     display(ptx_highlights(res4["ptx"]))
     display(pd.DataFrame(res4["kernels"])[["name", "registers", "spill_stores", "stack", "shared_bytes"]])
