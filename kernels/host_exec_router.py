@@ -972,16 +972,9 @@ def _router_spec(S: _MkSetup, ins: Any, v: list[torch.Tensor]) -> None:
     c = S.cfg
     idx, w = topk_spec(torch.sigmoid(v[0][:, 0, :]), v[1].reshape(-1), c.num_experts_per_tok,
                        c.routed_scaling_factor, c.norm_topk_prob)
-    idx = idx.long()
-    uniq = idx.unique()
-    n = uniq.numel()
-    match = idx[:, :, None] == uniq[None, None, :]
-    v[2].fill_(-1)
-    v[2][0, 0, :n] = uniq
-    v[3].zero_()
-    v[3][:, 0, :n] = (w[:, :, None] * match).sum(1)
-    v[4].zero_()
-    v[4][:, 0, :n] = match.any(1)
+    from kimik3.megakernel.interpreter import write_slots
+
+    write_slots(idx.long(), w, v[2], v[3], v[4])
 
 
 def _mk_case(case: dict[str, Any], mname: str | None, mod: ModuleType | None) -> tuple[HostRun, dict[str, float], str]:

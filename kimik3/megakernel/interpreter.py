@@ -418,15 +418,22 @@ def _router(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None
     """model.route from the logits on (sigmoid scores, biased choice, (grouped) top-k, renormalised weights); then
     compact the distinct chosen experts (ascending, as the naive loop visits them) into slots."""
     w, idx = route_from_logits(v[0][:, 0, :], v[1].reshape(-1), it.cfg)
+    write_slots(idx, w, v[2], v[3], v[4])
+
+
+def write_slots(idx: torch.Tensor, w: torch.Tensor, sel: torch.Tensor, mw: torch.Tensor, use: torch.Tensor) -> None:
+    """ROUTER's outputs from the chosen experts ``idx`` [B, k] and their weights ``w``: the distinct experts in
+    ascending id into the slots ``sel`` [1, 1, Dmax] (-1 past the last), each token's weight per slot ``mw`` and its use
+    flag ``use`` [B, 1, Dmax] (0 where unused)."""
     uniq = idx.unique()
     n = uniq.numel()
     match = idx[:, :, None] == uniq[None, None, :]  # [B, k, n]
-    v[2].fill_(-1)
-    v[2][0, 0, :n] = uniq
-    v[3].zero_()
-    v[3][:, 0, :n] = (w[:, :, None] * match).sum(1)
-    v[4].zero_()
-    v[4][:, 0, :n] = match.any(1)
+    sel.fill_(-1)
+    sel[0, 0, :n] = uniq
+    mw.zero_()
+    mw[:, 0, :n] = (w[:, :, None] * match).sum(1)
+    use.zero_()
+    use[:, 0, :n] = match.any(1)
 
 
 def _expert_rows(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor], j: int, e: int) -> torch.Tensor:
