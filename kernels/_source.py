@@ -18,7 +18,7 @@ DEPENDENCIES: dict[str, tuple[str, ...]] = {"router": ("gemv", "_trace"), "megak
                                            "kda": ("_trace",)}
 # The megakernel's opcode families, one module each (the VM in megakernel.py dispatches to them): hashed with the
 # megakernel (through CONTRACTS below, which every kernel's hash and the hash-coverage test read)
-OPCODE_MODULES: tuple[str, ...] = ("mk_operands", "mk_gemv", "mk_kda", "mk_mla", "mk_moe", "mk_misc")
+OPCODE_MODULES: tuple[str, ...] = ("mk_operands", "mk_mma", "mk_gemv", "mk_kda", "mk_mla", "mk_moe", "mk_misc")
 # DSL-free contract modules a kernel module imports (the megakernel's instruction encoding; the fused kernels'
 # layouts, eps values and parameter order): they decide what the kernel compiles to, so its hash covers them
 CONTRACTS: dict[str, tuple[str, ...]] = {

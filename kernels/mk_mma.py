@@ -1,0 +1,153 @@
+"""The warp-level tensor-core step of the megakernel's weight-streaming opcodes: ``mma.sync.aligned.m16n8k16``,
+bf16 inputs, fp32 accumulators, and its fragment layout written down once for the device code and the host.
+
+At batch 8 a CUDA-core GEMV issues 8 FMAs (plus converts) per weight element and re-reads every x row for every
+weight row; one ``mma.sync`` does 16 rows x 8 batch columns x 16 k in one warp instruction and each x fragment
+serves 16 weight rows. The weights keep their row-major layout: ``mma`` sums over k, so any bijection between the
+instruction's logical k and the memory's physical k is exact as long as A and B use the same one. The one used here
+lets every lane load whole 16-byte chunks:
+
+* lane ``l`` is (group ``g = l // 4``, quad ``q = l % 4``);
+* per 32-element k block, lane (g, q) loads chunk ``q`` (elements ``8q .. 8q+7``) of weight rows ``g`` and ``g + 8``
+  and of x row (batch column) ``g``, as four bf16x2 registers each (``CHUNK_REGS``);
+* the first ``mma`` takes registers 0, 1 of each, the second registers 2, 3 (:func:`mma_chunk`).
+
+PTX fragment layout of m16n8k16 (bf16), lane (g, q): A ``a0`` = (row g, k 2q..2q+1), ``a1`` = (row g+8, k 2q..),
+``a2`` = (row g, k 2q+8..2q+9), ``a3`` = (row g+8, k 2q+8..); B ``b0`` = (k 2q..2q+1, column g), ``b1`` =
+(k 2q+8..2q+9, column g); C/D ``c0, c1`` = (row g, columns 2q, 2q+1), ``c2, c3`` = (row g+8, columns 2q, 2q+1).
+:func:`mma_reference` evaluates exactly this on the host (an ``mma.sync`` aborts a host execution), so a lane that
+puts a register in the wrong slot gives a wrong product there too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+__all__ = ["MMA_ROWS", "MMA_COLS", "MMA_K", "CHUNK_K", "CHUNK_REGS", "lane_group", "lane_quad", "acc_row",
+           "acc_col", "mma_bf16", "mma_chunk", "mma_reference", "bf16x2_to_f32", "f32_to_bf16x2"]
+
+MMA_ROWS = 16  # weight rows per mma (M)
+MMA_COLS = 8  # batch columns per mma (N)
+MMA_K = 16  # k per mma
+CHUNK_K = 32  # k per lane-quad chunk step: 4 lanes x 8 bf16
+CHUNK_REGS = 4  # bf16x2 registers in one 16-byte chunk
+
+_MMA_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+
+
+def lane_group(lane: Any) -> Any:
+    """Row (of A and C) and batch column (of B) group of a lane: lane // 4."""
+    return lane // 4
+
+
+def lane_quad(lane: Any) -> Any:
+    """Quad index of a lane (its k pair in A / B, its column pair in C): lane % 4."""
+    return lane % 4
+
+
+def acc_row(lane: Any, i: int) -> Any:
+    """Tile row of accumulator register ``i`` (0..3) of ``lane``."""
+    return lane // 4 + 8 * (i // 2)
+
+
+def acc_col(lane: Any, i: int) -> Any:
+    """Batch column of accumulator register ``i`` (0..3) of ``lane``."""
+    return 2 * (lane % 4) + i % 2
+
+
+@dsl_user_op
+def _mma_16816(a0: Any, a1: Any, a2: Any, a3: Any, b0: Any, b1: Any, c0: Any, c1: Any, c2: Any, c3: Any, *,
+               loc: Any = None, ip: Any = None) -> tuple[Float32, Float32, Float32, Float32]:
+    args = [Uint32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3, b0, b1)]
+    args += [Float32(v).ir_value(loc=loc, ip=ip) for v in (c0, c1, c2, c3)]
+    res = llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * 4), args, _MMA_PTX,
+                          "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
+                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@cute.jit
+def mma_bf16(acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor) -> None:
+    """``acc += A·B`` for one m16n8k16 tile: ``acc`` (4,) fp32 registers (c0..c3), ``a`` (4,) uint32 bf16x2
+    registers (a0..a3), ``b`` (2,) uint32 (b0, b1). Warp-collective and device-only."""
+    d = _mma_16816(a[0], a[1], a[2], a[3], b[0], b[1], acc[0], acc[1], acc[2], acc[3])
+    for i in cutlass.range_constexpr(4):
+        acc[i] = d[i]
+
+
+@cute.jit
+def mma_chunk(acc: cute.Tensor, wg: cute.Tensor, wg8: cute.Tensor, xg: cute.Tensor) -> None:
+    """One 32-element k block in the chunk layout (module docstring): ``wg``, ``wg8``, ``xg`` are the lane's (4,)
+    uint32 registers of its chunk of weight rows g and g + 8 and of x row g. Two ``mma.sync``."""
+    for h in cutlass.range_constexpr(2):
+        a = cute.make_rmem_tensor((4,), Uint32)
+        b = cute.make_rmem_tensor((2,), Uint32)
+        a[0] = wg[2 * h]
+        a[1] = wg8[2 * h]
+        a[2] = wg[2 * h + 1]
+        a[3] = wg8[2 * h + 1]
+        b[0] = xg[2 * h]
+        b[1] = xg[2 * h + 1]
+        mma_bf16(acc, a, b)
+
+
+# --------------------------------------------------------------------------------------------- host side
+def bf16x2_to_f32(bits: torch.Tensor) -> torch.Tensor:
+    """uint32 bf16x2 register bits (any integer dtype holding them) -> [..., 2] fp32 (low half first)."""
+    v = bits.to(torch.int64) & 0xFFFFFFFF
+    lo = ((v & 0xFFFF) << 16).to(torch.int32).view(torch.float32)
+    hi = (((v >> 16) & 0xFFFF) << 16).to(torch.int32).view(torch.float32)
+    return torch.stack([lo, hi], dim=-1)
+
+
+def f32_to_bf16x2(pairs: torch.Tensor) -> torch.Tensor:
+    """[..., 2] values -> the int64 bits of their bf16x2 register (round to nearest even), low half first."""
+    h = pairs.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    return h[..., 0] | (h[..., 1] << 16)
+
+
+def mma_reference(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
+    """Host evaluation of ``mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32`` on register fragments.
+
+    ``a`` [..., 32, 4] and ``b`` [..., 32, 2]: the lanes' uint32 bf16x2 registers (as integers); ``c`` [..., 32, 4]
+    fp32 or None (zeros). Returns D [..., 32, 4] fp32 in the C layout. Products of bf16 are exact in fp32; the
+    sum is taken in fp64 and rounded once (the hardware's order inside one mma is unspecified)."""
+    if a.shape[-2:] != (32, 4) or b.shape[-2:] != (32, 2):
+        raise ValueError(f"mma_reference: a must be [..., 32, 4] and b [..., 32, 2], got {list(a.shape)}, "
+                         f"{list(b.shape)}")
+    lead = a.shape[:-2]
+    A = torch.zeros(*lead, MMA_ROWS, MMA_K, dtype=torch.float64)
+    Bm = torch.zeros(*lead, MMA_K, MMA_COLS, dtype=torch.float64)
+    av = bf16x2_to_f32(a).to(torch.float64)  # [..., 32, 4, 2]
+    bv = bf16x2_to_f32(b).to(torch.float64)  # [..., 32, 2, 2]
+    for lane in range(32):
+        g, q = lane // 4, lane % 4
+        for r, (row, k0) in enumerate(((g, 2 * q), (g + 8, 2 * q), (g, 2 * q + 8), (g + 8, 2 * q + 8))):
+            A[..., row, k0:k0 + 2] = av[..., lane, r, :]
+        for r, k0 in enumerate((2 * q, 2 * q + 8)):
+            Bm[..., k0:k0 + 2, g] = bv[..., lane, r, :]
+    D = A @ Bm
+    if c is not None:
+        D = D + _c_matrix(c)
+    out = torch.empty(*lead, 32, 4, dtype=torch.float32)
+    for lane in range(32):
+        for i in range(4):
+            out[..., lane, i] = D[..., acc_row(lane, i), acc_col(lane, i)].to(torch.float32)
+    return out
+
+
+def _c_matrix(c: torch.Tensor) -> torch.Tensor:
+    """C fragments [..., 32, 4] -> the [..., 16, 8] fp64 matrix."""
+    M = torch.zeros(*c.shape[:-2], MMA_ROWS, MMA_COLS, dtype=torch.float64)
+    for lane in range(32):
+        for i in range(4):
+            M[..., acc_row(lane, i), acc_col(lane, i)] = c[..., lane, i].to(torch.float64)
+    return M
