@@ -815,7 +815,7 @@ def _mxfp4_item(it: dict[str, Any], model: Any, prebuilt: Path | None, dry: bool
 
     import kimik3.megakernel.interpreter  # noqa: F401  (registers stage "megakernel-interp")
     from kimik3.validation import reference_trace
-    from kimik3.validation.compare import _run_stage  # the comparison loop, which also returns each step's logits
+    from kimik3.validation.compare import run_stage  # the comparison loop, also returning each step's logits
     from kimik3.validation.metric import rel_error
 
     B = it["batch"]
@@ -826,13 +826,13 @@ def _mxfp4_item(it: dict[str, Any], model: Any, prebuilt: Path | None, dry: bool
     if dry:
         rec["megakernel_vs_naive"] = "left out in the dry run: GPU launches only"
     else:
-        mk, mk_out, _ = _run_stage(model, "megakernel", trace, False, **opts)
+        mk, mk_out, _ = run_stage(model, "megakernel", trace, False, **opts)
         rec["megakernel_vs_naive"] = mk.as_dict()
     if it["interp"]:
         # the CPU interpreter of the same kind of program, in fp32 on the same (bf16-rounded) weights: the reference
         # the megakernel's bf16 error is measured against; against naive (bf16 on the device) by the bf16 rule
         cpu = model if dry else copy.deepcopy(model).to("cpu").cast_(torch.float32)
-        ir, ir_out, _ = _run_stage(cpu, "megakernel-interp", trace, False)
+        ir, ir_out, _ = run_stage(cpu, "megakernel-interp", trace, False)
         d = ir.as_dict()  # the dry run: fp32 against naive in fp32, the fp32 rule (greedy: the same tokens)
         if not dry:  # fp32 against naive in bf16 on the device: teacher-forced, the bf16 rule
             d.update(mode="teacher-forced", tolerance=TOL["bf16_stage"], passed=d["max_error"] <= TOL["bf16_stage"])

@@ -52,13 +52,16 @@ def megakernel_opcode_report(model: Any, batch: int, prompt_len: int, design: st
     if getattr(program, "cfg", None) is None:
         program.cfg = model.config
     context = prompt_len + steps
-    rep = opcode_report(program, timings, model.config.name or "custom", context, design)
     t0 = int(timings[:, 0].min()) if len(timings) else 0
-    rep.update(batch=batch, prompt_len=prompt_len, steps=steps, num_sms=program.num_sms,
-               constants=load_constants().hardware, device=torch.cuda.get_device_name(),
-               instruction_timings_ns=[[int(a - t0), int(b - t0), int(c)] for a, b, c in timings[:, :3]],
-               instruction_ops=[x.op.name for x in program.instructions])
-    return rep
+    raw = {"batch": batch, "prompt_len": prompt_len, "steps": steps, "num_sms": program.num_sms,
+           "constants": load_constants().hardware, "device": torch.cuda.get_device_name(),
+           "instruction_timings_ns": [[int(a - t0), int(b - t0), int(c)] for a, b, c in timings[:, :3]],
+           "instruction_ops": [x.op.name for x in program.instructions]}
+    try:
+        rep = opcode_report(program, timings, model.config.name or "custom", context, design)
+    except ValueError as e:  # the measurement is kept even when the model cannot score it
+        return {**raw, "design": design, "label": "measured (not scored)", "model_error": str(e)}
+    return {**rep, **raw}
 
 
 def fused_kernel_report(kernel_records: Sequence[dict[str, Any]], preset: str, batch: int, context_len: int,

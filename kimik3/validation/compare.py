@@ -32,6 +32,7 @@ __all__ = [
     "ReferenceTrace",
     "bf16_pair",
     "compare_to_reference",
+    "run_stage",
     "compare_with_trace",
     "mixed_lengths",
     "poison_stage_state",
@@ -207,7 +208,7 @@ class _Refused(Exception):
 
 
 @torch.no_grad()
-def _run_stage(model: KimiForCausalLM, stage: str, trace: ReferenceTrace, stop_on_token_mismatch: bool,
+def run_stage(model: KimiForCausalLM, stage: str, trace: ReferenceTrace, stop_on_token_mismatch: bool,
                routes: list[torch.Tensor] | None = None, **stage_options: Any
                ) -> tuple[StageComparison, list[torch.Tensor], int]:
     """The loop of :func:`compare_to_reference` against a stored reference; also returns the stage's logits per
@@ -249,4 +250,4 @@ def compare_with_trace(model: KimiForCausalLM, stage: str, trace: ReferenceTrace
                        ) -> StageComparison:
     """:func:`kimik3.validation.compare_to_reference` with the reference run taken from ``trace`` (same prompt,
     same loop, same rules): what lets one fp64 reference run serve every stage."""
-    return _run_stage(model, stage, trace, True, **stage_options)[0]
+    return run_stage(model, stage, trace, True, **stage_options)[0]

@@ -29,11 +29,11 @@ from kimik3.validation.compare import (
     ReferenceTrace,
     StageComparison,
     _Refused,
-    _run_stage,
     compare_to_reference,
     compare_with_trace,
     mixed_lengths,
     reference_trace,
+    run_stage,
 )
 from kimik3.validation.config import _DTYPES, _SHORT, ValidationConfig, default_config
 from kimik3.validation.metric import TOL, rel_error
@@ -679,7 +679,7 @@ def _accuracy_cell(model: KimiForCausalLM, stage: str, trace: ReferenceTrace, pr
     det: dict[str, Any] = {}
     routes: list[torch.Tensor] | None = [] if record_routes else None
     try:
-        res, outs, poisoned = _run_stage(model, stage, trace, stop_on_token_mismatch=True, routes=routes)
+        res, outs, poisoned = run_stage(model, stage, trace, stop_on_token_mismatch=True, routes=routes)
     except _Refused as e:
         return Cell(**base, status="not-run", reason=f"{stage}: refused at construction: {e}",
                     seconds=time.perf_counter() - t0), det
@@ -717,8 +717,8 @@ def _determinism_cell(model: KimiForCausalLM, stage: str, trace: ReferenceTrace,
     try:
         first = det.get("outputs")
         if first is None:  # the accuracy run stopped early (tokens diverged) or failed: two fresh runs
-            _, first, _ = _run_stage(model, stage, trace, stop_on_token_mismatch=False)
-        _, second, _ = _run_stage(model, stage, trace, stop_on_token_mismatch=False, **other)
+            _, first, _ = run_stage(model, stage, trace, stop_on_token_mismatch=False)
+        _, second, _ = run_stage(model, stage, trace, stop_on_token_mismatch=False, **other)
     except Exception as e:  # noqa: BLE001
         return Cell(**base, status="failed", reason=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
     for s, (a, b) in enumerate(zip(first, second)):
