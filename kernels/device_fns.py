@@ -18,7 +18,14 @@ Conventions (all static, all checked on the host by :mod:`kimik3.megakernel.gpu`
   another CTA writes during the launch with plain ``ld.global`` (the ``.nc`` path is not coherent with writes made
   during the kernel, field guide §5).
 
-The CTA is ``NT`` threads (``NW`` warps); GEMV rows go one per warp, lanes owning chunks ``l, l+32, ...`` (guide §2).
+The CTA is ``NT`` threads (``NW`` warps). GEMV work items go one per warp, two ways:
+
+* CUDA cores (:func:`weight_row_dot`, batch passes of 1 to 7 rows, and the MLA opcodes' rows): one weight row per
+  item, lanes owning chunks ``l, l+32, ...`` (guide §2), FMAs in fp32, γ folded into the weight, a warp sum after;
+* tensor cores (:func:`weight_tile_mma`, the GEMV opcodes' passes of 8 rows): a 16-row weight tile per item,
+  ``mma.sync.m16n8k16`` bf16 in the chunk layout of ``kernels/mk_mma.py`` (lane (g, q) loads chunk ``4·kb + q`` of
+  weight rows g, g + 8 and of x row g per 32-element k block ``kb``), x normalised per lane as it is loaded
+  (``bf16(γ·bf16(x·rstd))``, the reference's rounding), results in the C fragment layout, no warp sum.
 """
 
 from __future__ import annotations
@@ -27,10 +34,11 @@ from typing import Any
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 
 from ._common import bf16_round, exp_fast, sigmoid, warp_argmax, warp_max, warp_sum
 from .isa import CTA_THREADS
+from .mk_mma import CHUNK_REGS, MMA_ROWS, mma_chunk
 
 __all__ = [
     "NT",
@@ -42,6 +50,7 @@ __all__ = [
     "gchunks",
     "row_dot",
     "weight_row_dot",
+    "weight_tile_mma",
     "block_allreduce",
     "rstd_rows",
     "silu",
@@ -205,6 +214,114 @@ def weight_row_dot(stage: Any, staged_rows: Int32, wrow0: Int64, j: Int32, nch: 
                 U, lane, wide_tail)
 
 
+# ---------------------------------------------------------------------------------------------- GEMV tiles (mma)
+@cute.jit
+def _mma_step(wa: Any, a0: Int32, wb: Any, b0: Int32, W_SMEM: cutlass.Constexpr, xv: Any, xg: Int32, gv: Any,
+              rstd: Any, c: Int32, acc: cute.Tensor, n: cutlass.Constexpr, lim: Any = None, sink: Any = None,
+              kb0: Int32 = 0) -> None:
+    """``n`` k blocks (chunks ``c, c + 4, ...``) of a lane's two weight rows (chunk ``a0 + ·`` of ``wa``, ``b0 + ·``
+    of ``wb``) against its x row (chunk ``xg + ·`` of ``xv``), through ``mk_mma.mma_chunk``.
+
+    All ``2n`` weight loads (and the ``n`` x loads) are issued before the first mma. With ``gv`` (the RMSNorm
+    weight) and ``rstd`` the x chunk is normalised as it is used, as ``kimik3.model.rms_norm`` does it:
+    ``bf16(γ · bf16(x · rstd))``, each product rounded to bf16, so the mma's B operand is the reference's normalised
+    activation bit for bit. With ``lim`` (the tail step) a chunk at or past ``lim`` is read at ``lim - 1`` (in
+    bounds, unconditional) and its x registers are zeroed, so it adds exactly 0.
+
+    ``sink`` (host execution only): instead of the mma, k block ``kb0 + u``'s registers (weight rows g, g + 8,
+    x row g: 12 words) are written to ``sink[kb0 + u, :]``; the host evaluates the mma (``mk_mma.mma_reference``)."""
+    if const_expr(W_SMEM):
+        ld_w = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+    else:
+        ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
+    # activations: written by other CTAs during the launch, so never through the .nc path
+    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)
+    ld_g = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
+    cc = [c + 4 * u if const_expr(lim is None) else cutlass.min(c + 4 * u, lim - 1) for u in range(n)]
+    rwa = cute.make_rmem_tensor((VEC, n), BFloat16)
+    rwb = cute.make_rmem_tensor((VEC, n), BFloat16)
+    rx = cute.make_rmem_tensor((VEC, n), BFloat16)
+    for u in cutlass.range_constexpr(n):
+        cute.copy(ld_w, wa[(a0 + cc[u], None)], rwa[None, u])
+        cute.copy(ld_w, wb[(b0 + cc[u], None)], rwb[None, u])
+    for u in cutlass.range_constexpr(n):
+        cute.copy(ld_x, xv[(xg + cc[u], None)], rx[None, u])
+    rg = None
+    if const_expr(gv is not None):
+        rg = cute.make_rmem_tensor((VEC, n), BFloat16)
+        for u in cutlass.range_constexpr(n):
+            cute.copy(ld_g, gv[(cc[u], None)], rg[None, u])
+    ua = cute.recast_tensor(rwa, Uint32)
+    ub = cute.recast_tensor(rwb, Uint32)
+    ux = cute.recast_tensor(rx, Uint32)
+    for u in cutlass.range_constexpr(n):
+        if const_expr(gv is not None):
+            xh = (rx[None, u].load().to(Float32) * rstd).to(BFloat16)
+            rx[None, u].store((xh.to(Float32) * rg[None, u].load().to(Float32)).to(BFloat16))
+        if const_expr(lim is not None):
+            for i in cutlass.range_constexpr(CHUNK_REGS):
+                ux[i, u] = ux[i, u] if c + 4 * u < lim else Uint32(0)
+        _chunk_mma(acc, ua[None, u], ub[None, u], ux[None, u], sink, kb0 + u)
+
+
+@cute.jit
+def _chunk_mma(acc: cute.Tensor, wg: cute.Tensor, wg8: cute.Tensor, xg: cute.Tensor, sink: Any, kb: Int32) -> None:
+    """``mk_mma.mma_chunk`` on a lane's registers, or (``sink``, host execution) the registers as it would take
+    them: ``sink[kb, :]`` = weight row g, weight row g + 8, x row g (4 words each)."""
+    if const_expr(sink is None):
+        mma_chunk(acc, wg, wg8, xg)
+    else:
+        for i in cutlass.range_constexpr(CHUNK_REGS):
+            sink[kb, i] = Int32(wg[i])
+            sink[kb, CHUNK_REGS + i] = Int32(wg8[i])
+            sink[kb, 2 * CHUNK_REGS + i] = Int32(xg[i])
+
+
+@cute.jit
+def weight_tile_mma(stage: Any, staged_rows: Int32, wrow0: Int64, j0: Int32, n: Int32, nch: Int32, xv: Any,
+                    x0: Int32, xs: Int32, gv: Any, rstd: Any, acc: cute.Tensor, U: cutlass.Constexpr,
+                    lane: Any = None, sink: Any = None) -> None:
+    """One tensor-core GEMV tile: ``acc`` (4,) fp32 = the lane's C fragments (``mk_mma.acc_row`` / ``acc_col``) of
+    ``W[j0 : j0 + 16] · X^T``, for the weight box of ``n`` rows whose row 0 is at byte address ``wrow0`` and the
+    8 x rows of a batch pass (row ``b`` at chunk ``x0 + b·xs`` of ``xv``), normalised as loaded when ``gv`` (γ) and
+    ``rstd`` (this lane's x row's rstd) are given.
+
+    Lane (g, q) (``mk_mma`` chunk layout) reads chunk ``4·kb + q`` of weight rows ``j0 + g`` and ``j0 + g + 8`` and
+    of x row ``g``, for every 32-element k block ``kb``. Rows past the box end are read at row ``n - 1`` (valid
+    memory, unconditional loads); their accumulators are garbage the caller never stores. The tile comes from
+    the shared-memory stage when every row it reads is staged (``< staged_rows``, row ``j`` at chunk ``j·nch``),
+    else from global memory (the staged rows are a copy of the same weights, so the one tile straddling the
+    stage's end is exact either way; the branch is warp-uniform).
+
+    Steps of ``U`` k blocks (2U weight + U x 16-byte loads in flight per lane) run in a real loop; the leftover
+    k blocks (and a partial last block when the row is not a multiple of 32 elements) are one clamped step."""
+    if const_expr(lane is None):
+        lane = cute.arch.lane_idx()
+    acc.fill(0.0)
+    g = lane // 4
+    q = lane % 4
+    ra = cutlass.min(j0 + g, n - 1)
+    rb = cutlass.min(j0 + g + MMA_ROWS // 2, n - 1)
+    xg = x0 + g * xs
+    steps = nch // (4 * U)  # a k block is 4 chunks (one per quad lane)
+    if cutlass.min(j0 + (MMA_ROWS - 1), n - 1) < staged_rows:
+        for it in cutlass.range(steps, unroll=1):
+            _mma_step(stage, ra * nch, stage, rb * nch, True, xv, xg, gv, rstd, it * (4 * U) + q, acc, U,
+                      None, sink, it * U)
+        if steps * (4 * U) < nch:
+            _mma_step(stage, ra * nch, stage, rb * nch, True, xv, xg, gv, rstd, steps * (4 * U) + q, acc, U,
+                      nch, sink, steps * U)
+    else:
+        wa = gchunks(wrow0 + Int64(ra) * Int64(nch) * 16)
+        wb = gchunks(wrow0 + Int64(rb) * Int64(nch) * 16)
+        for it in cutlass.range(steps, unroll=1):
+            _mma_step(wa, Int32(0), wb, Int32(0), False, xv, xg, gv, rstd, it * (4 * U) + q, acc, U, None, sink,
+                      it * U)
+        if steps * (4 * U) < nch:
+            _mma_step(wa, Int32(0), wb, Int32(0), False, xv, xg, gv, rstd, steps * (4 * U) + q, acc, U, nch, sink,
+                      steps * U)
+
+
 # ---------------------------------------------------------------------------------------------- reductions
 @cute.jit
 def block_allreduce(vals: cute.Tensor, s_red: cute.Tensor, n: cutlass.Constexpr) -> None:
@@ -238,8 +355,10 @@ def rstd_rows(xaddr: Int64, xs: Int32, nrows: Int32, nch: Int32, eps: cutlass.Co
     28). A chunk past the row's end is read at its last chunk and counted 0 times (straight-line code, as
     ``_dot_step``'s tail).
 
-    The GEMVs apply rstd once per output after the dot product (guide §3.1), so the normalised x is never
-    materialised: the result differs from the reference's bf16(γ·bf16(x·rstd)) at bf16-rounding level."""
+    The CUDA-core GEMV path applies rstd once per output after the dot product (guide §3.1), so the normalised x
+    is never materialised: its result differs from the reference's bf16(γ·bf16(x·rstd)) at bf16-rounding level.
+    The tensor-core path (:func:`weight_tile_mma`) normalises each x chunk as it loads it, exactly as the
+    reference."""
     warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
     xv = gchunks(xaddr)
     ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)

@@ -4,9 +4,9 @@ The device opcodes (``kernels/mk_*.py``, dispatched by ``kernels/megakernel.py``
 from the instruction words and the buffers' dims. The pieces of that arithmetic that decide *which* rows, columns
 and elements a CTA touches are defined once, here, as plain integer functions: :func:`elem_offset` (the element
 offset of every ``[b, r, c]`` the opcodes compute), :func:`tile_rows` (the weight rows / output columns of a tiled
-GEMV instruction), :func:`gemv_item` (the weight row and batch pass of a GEMV opcode's work item) and
-:func:`expert_row_offset` (row ``r`` of expert ``e`` in an ``[E, rows, cols]`` expert weight), with
-:func:`fp4_row_offsets` for the code and scale rows of an MXFP4 expert weight. They use nothing but
+GEMV instruction), :func:`gemv_item` (the weight row or 16-row tile, :func:`gemv_tiles`, and batch pass of a GEMV
+opcode's work item) and :func:`expert_row_offset` (row ``r`` of expert ``e`` in an ``[E, rows, cols]`` expert
+weight), with :func:`fp4_row_offsets` for the code and scale rows of an MXFP4 expert weight. They use nothing but
 ``+ - *`` (``// %`` by a positive divisor) and a ``wide`` cast, so the device code calls them on traced DSL integers
 (``wide=Int64``: the same IR as before) and :func:`replay` calls them on Python ints. One definition, two
 executions.
@@ -51,7 +51,8 @@ from typing import Any
 
 from .isa import BT_MAX, CHUNK_BYTES, STAGE_BYTES, Kind, Mode, Op
 
-__all__ = ["GEMV_BT", "GEMV_UNROLL", "gemv_unroll", "gemv_batch_tile", "gemv_item", "elem_offset", "tile_rows",
+__all__ = ["GEMV_BT", "GEMV_UNROLL", "GEMV_MMA_ROWS", "gemv_unroll", "gemv_mma_unroll", "gemv_batch_tile",
+           "gemv_tile_rows", "gemv_tiles", "gemv_item", "elem_offset", "tile_rows",
            "expert_row_offset", "FP4_GROUP", "FP4_GROUP_BYTES", "fp4_row_offsets", "Finding", "ReplayReport", "replay"]
 
 VEC = 8  # bf16 elements per 16-byte chunk (the device code's VEC)
@@ -79,6 +80,32 @@ def gemv_unroll(arch: str) -> int:
     return GEMV_UNROLL_BY_ARCH.get(arch, GEMV_UNROLL)
 
 
+# A batch pass of GEMV_BT = 8 rows is the N of the tensor-core step (kernels/mk_mma.py, mma.sync m16n8k16): its
+# work items are 16-row weight tiles (GEMV_MMA_ROWS, mk_mma.MMA_ROWS) instead of single rows, each lane streaming
+# GEMV_UNROLL / 2 k blocks of 32 elements per step (2 weight chunks each: the same 16-byte loads in flight).
+GEMV_MMA_ROWS = 16
+
+
+def gemv_tile_rows(bt: int) -> int:
+    """Weight rows per GEMV work item for a batch pass of ``bt`` rows: a 16-row mma tile when the pass is
+    :data:`GEMV_BT` (8) rows, else one row (the CUDA-core path)."""
+    return GEMV_MMA_ROWS if bt == GEMV_BT else 1
+
+
+def gemv_tiles(n: Any, rows: int) -> Any:
+    """Work-item tiles of ``rows`` weight rows covering ``n`` rows (the last one may run past ``n``: its rows from
+    ``n`` on are read clamped and never stored)."""
+    return (n + (rows - 1)) // rows
+
+
+def gemv_mma_unroll(arch: str, normed: bool = False) -> int:
+    """32-element k blocks in flight per lane per step of the tensor-core GEMV path: each is two 16-byte weight
+    loads, so :func:`gemv_unroll` / 2 keeps the CUDA-core path's bytes in flight (sm_90a: 4 blocks, 12 warps x 32
+    lanes x 4 x 32 B = 48 KiB per SM). An x normalised as loaded (``normed``) also holds a γ chunk per block: one
+    block fewer there (36 KiB per SM) keeps the megakernel under the register cap without spills."""
+    return max(1, gemv_unroll(arch) // 2 - (1 if normed else 0))
+
+
 def gemv_batch_tile(batch: int) -> int:
     """Batch rows per pass of the GEMV opcodes: the largest divisor of ``batch`` up to :data:`GEMV_BT`, so every
     pass is full and the work-item loop stays a real loop (code size independent of the batch)."""
@@ -88,8 +115,9 @@ def gemv_batch_tile(batch: int) -> int:
 
 
 def gemv_item(k: Any, n: Any, nbt: int) -> tuple[Any, Any]:
-    """(weight row, batch pass) of work item ``k`` of a GEMV opcode over ``n`` weight rows in ``nbt`` passes (batch
-    // the batch tile): item ``t·n + j`` is pass ``t`` of row ``j``. Warp ``w`` takes items ``w, w + NW, ...``: the
+    """(weight row or tile, batch pass) of work item ``k`` of a GEMV opcode over ``n`` weight rows (tiles of
+    :func:`gemv_tile_rows` rows: ``n`` = :func:`gemv_tiles`) in ``nbt`` passes (batch // the batch tile): item
+    ``t·n + j`` is pass ``t`` of row (tile) ``j``. Warp ``w`` takes items ``w, w + NW, ...``: the
     warps sweep one pass (its x rows) at a time, and within a pass a warp's rows ascend (LM_HEAD's running arg-max
     relies on it). With one pass the item is the row and the pass a constant 0: batch <= 8 has no pass arithmetic."""
     if nbt == 1:
@@ -192,16 +220,19 @@ def shapes_for(cfg: Any, batch: int, expert_format: str = "dense") -> _Shapes:
 
 
 @functools.cache
-def _pass_runs(item: Callable[[int, int, int], tuple[int, int]], n: int, nbt: int, bt: int
-               ) -> tuple[tuple[int, int, int], ...]:
+def _pass_runs(item: Callable[[int, int, int], tuple[int, int]], n: int, nbt: int, bt: int, tr: int = 1,
+               tiles: Callable[[int, int], int] | None = None) -> tuple[tuple[int, int, int], ...]:
     """The tile rows a GEMV opcode computes for each batch row, as ``(batch row, first tile row, rows)`` runs: the
-    work items ``k < n·nbt`` mapped to (row, pass) by ``item`` (the device's ``gemv_item``), pass ``t`` covering
-    batch rows ``t·bt ... t·bt + bt - 1``. A correct mapping gives one run ``[0, n)`` per batch row; a row twice
-    in a pass is a second run (a double store), a missing one a gap (an element never stored)."""
+    work items ``k < tiles(n, tr)·nbt`` (``tiles``: the device's ``gemv_tiles``) mapped to (tile of ``tr`` rows,
+    pass) by ``item`` (the device's ``gemv_item``), the tile's rows below ``n`` stored, pass ``t`` covering batch
+    rows ``t·bt ... t·bt + bt - 1``.
+    A correct mapping gives one run ``[0, n)`` per batch row; a row twice in a pass is a second run (a double
+    store), a missing one a gap (an element never stored)."""
     rows: dict[int, list[int]] = {}
-    for k in range(n * nbt):
-        j, t = item(k, n, nbt)
-        rows.setdefault(t, []).append(j)
+    nt = (tiles or gemv_tiles)(n, tr)
+    for k in range(nt * nbt):
+        jt, t = item(k, nt, nbt)
+        rows.setdefault(t, []).extend(j for j in range(jt * tr, jt * tr + tr) if j < n)
     runs = []
     for t, js in sorted(rows.items()):
         js.sort()
@@ -220,6 +251,8 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
     """Every run of elements the device code of ``op`` touches, per operand (see the module docstring)."""
     E, T, X = helpers.elem_offset, helpers.tile_rows, helpers.expert_row_offset
     G = getattr(helpers, "gemv_item", gemv_item)
+    TR = getattr(helpers, "gemv_tile_rows", gemv_tile_rows)(s.gbt)  # weight rows per GEMV work item
+    NT = getattr(helpers, "gemv_tiles", gemv_tiles)
     B = s.B
 
     def d1(j: int) -> int:
@@ -259,7 +292,7 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
             yield _Acc(wj, row0(wj), L, "r", n, L)  # rows j < n of the box, from weight_row_dot
         if oj is not None:
             c0 = box[oj][4] if o_c0 is None else o_c0
-            for b, j0, m in _pass_runs(G, n, s.gnbt, s.gbt):  # row j of the tile -> column c0 + j
+            for b, j0, m in _pass_runs(G, n, s.gnbt, s.gbt, TR, NT):  # row j of the tile -> column c0 + j
                 yield _Acc(oj, E(d1(oj), d2(oj), b, o_entry, c0 + j0), m, o_how)
 
     if op == Op.EMBED:
@@ -296,7 +329,7 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
             yield from gemv(ia, (iu,), 1 if ln else None, None, bool(ln), n, "")
         if mlp:
             yield from gemv(ih, (idn,), None, None, False, n, "")
-        for b, j0, m in _pass_runs(G, n, s.gnbt, s.gbt):
+        for b, j0, m in _pass_runs(G, n, s.gnbt, s.gbt, TR, NT):
             yield _Acc(io, E(d1(io), d2(io), b, box[io][2], box[io][4] + j0), m, "rw")
     elif op == Op.LM_HEAD:
         ti, r0 = args[0], args[2]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from kimik3.kernels.device_fns import NW
 from kimik3.kernels.host_exec import load_mutant
-from kimik3.kernels.mk_addr import gemv_batch_tile, gemv_item
+from kimik3.kernels.mk_addr import gemv_batch_tile, gemv_item, gemv_tile_rows, gemv_tiles
 
 Item = Callable[[int, int, int], tuple[Any, Any]]
 
@@ -60,6 +60,20 @@ def test_gemv_items_cover_each_row_and_pass_once_in_pass_order(n: int, nbt: int)
 def test_one_pass_is_the_row() -> None:
     """Up to batch 8 there is one pass: the item is the row, no pass arithmetic (the device loop stays minimal)."""
     assert [gemv_item(k, 7, 1) for k in range(7)] == [(k, 0) for k in range(7)]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8, 16, 64])
+def test_tiles_cover_the_box_rows(batch: int) -> None:
+    """A pass of 8 rows takes the tensor-core path: items are 16-row tiles (``mk_mma.MMA_ROWS``; ``mk_addr`` cannot
+    import it), the tiles cover every row and none starts past the box. Other passes: one row per item."""
+    from kimik3.kernels.mk_mma import MMA_ROWS
+
+    bt = gemv_batch_tile(batch)
+    tr = gemv_tile_rows(bt)
+    assert tr == (MMA_ROWS if bt == 8 else 1)
+    for n in ROWS:
+        nt = gemv_tiles(n, tr)
+        assert (nt - 1) * tr < n <= nt * tr, (n, tr, nt)
 
 
 def test_the_warps_are_twelve() -> None:

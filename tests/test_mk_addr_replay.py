@@ -117,6 +117,9 @@ MUTANTS = {
     # (the next tile's first column, stored twice)
     "tile-row-off-by-one": ([("    return r1 - r0\n", "    return r1 - r0 + 1\n")], {"bounds", "write_once"},
                             ("micro", 8)),
+    # the tensor-core path's tile count rounded down: the rows of a box's last, partial 16-row tile never stored
+    "gemv-tiles-floor": ([("    return (n + (rows - 1)) // rows\n", "    return n // rows\n")], {"write_once"},
+                         ("tiny", 8)),
     # the expert stride dropped to one row (d2 instead of d1·d2): expert e's rows land in expert 0's
     "expert-stride": ([("return elem_offset(d1, d2, e, r, 0, wide)", "return elem_offset(1, d2, e, r, 0, wide)")],
                       {"bounds"}, ("micro", 8)),
@@ -147,7 +150,10 @@ def test_mutated_lines_are_the_ones_the_device_code_calls() -> None:
     moe_import = re.search(r"from \.mk_addr import ([^\n]+)", moe).group(1)
     assert "from .mk_addr import tile_rows" in gemv and {"expert_row_offset", "fp4_row_offsets"} <= {
         n.strip() for n in moe_import.split(",")}
-    assert gemv.count("tile_rows(") == 5  # NORM_PROJ, MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD
+    assert len(re.findall(r"\btile_rows\(", gemv)) == 5  # NORM_PROJ, MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD
+    # the tensor-core path's tiles (every opcode but FFN_OUT in op_*, FFN_OUT's in _ffn_out_mma) and its item order
+    assert gemv.count("mk_addr.gemv_tiles(n, TR)") == 5 and gemv.count("mk_addr.gemv_item(k, nt, NBT)") == 5
+    assert "mk_addr.gemv_tile_rows(BT)" in gemv
     assert moe.count("expert_row_offset(") == 3  # EXPERT_GATE_UP (w1, w3), EXPERT_DOWN (w2)
     assert moe.count("fp4_row_offsets(") == 1  # fp4_row: every MXFP4 code / scale row of both expert opcodes
     assert "return elem_offset(d1, d2, b, r, c, Int64)" in operands  # _eoff: every other [b, r, c] offset
