@@ -84,9 +84,12 @@ def mma_bf16(acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor) -> None:
 
 
 @cute.jit
-def mma_chunk(acc: cute.Tensor, wg: cute.Tensor, wg8: cute.Tensor, xg: cute.Tensor) -> None:
+def mma_chunk(acc: cute.Tensor, wg: cute.Tensor, wg8: cute.Tensor, xg: cute.Tensor, sink: Any = None) -> None:
     """One 32-element k block in the chunk layout (module docstring): ``wg``, ``wg8``, ``xg`` are the lane's (4,)
-    uint32 registers of its chunk of weight rows g and g + 8 and of x row g. Two ``mma.sync``."""
+    uint32 registers of its chunk of weight rows g and g + 8 and of x row g. Two ``mma.sync``.
+
+    ``sink`` (host execution only): a (2, 6) uint32 tensor that receives each mma's operands (a0..a3, b0, b1) instead
+    of issuing it, so a host run evaluates exactly the registers assembled here with :func:`mma_reference`."""
     for h in cutlass.range_constexpr(2):
         a = cute.make_rmem_tensor((4,), Uint32)
         b = cute.make_rmem_tensor((2,), Uint32)
@@ -96,7 +99,13 @@ def mma_chunk(acc: cute.Tensor, wg: cute.Tensor, wg8: cute.Tensor, xg: cute.Tens
         a[3] = wg8[2 * h + 1]
         b[0] = xg[2 * h]
         b[1] = xg[2 * h + 1]
-        mma_bf16(acc, a, b)
+        if cutlass.const_expr(sink is None):
+            mma_bf16(acc, a, b)
+        else:
+            for i in cutlass.range_constexpr(4):
+                sink[h, i] = a[i]
+            for i in cutlass.range_constexpr(2):
+                sink[h, 4 + i] = b[i]
 
 
 # --------------------------------------------------------------------------------------------- host side

@@ -24,19 +24,34 @@ def _chunk_regs(rows: torch.Tensor) -> torch.Tensor:
     return M.f32_to_bf16x2(pairs)
 
 
-def _host_mma_chunk(acc: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """What ``mma_chunk`` does, lane by lane, with the registers each lane loads."""
-    wr, xr = _chunk_regs(w), _chunk_regs(x)
-    a = torch.zeros(2, 32, 4, dtype=torch.int64)
-    b = torch.zeros(2, 32, 2, dtype=torch.int64)
-    for lane in range(32):
+@cute.jit
+def _lane_operands(mW: cute.Tensor, mX: cute.Tensor, mOut: cute.Tensor) -> None:
+    """Every lane's chunk loads (the chunk layout) and ``mma_chunk``'s operand assembly, executed on the host: the
+    operands land in mOut[lane] (2 mmas x (a0..a3, b0, b1)) instead of an mma."""
+    for lane in cutlass.range(32):
         g, q = M.lane_group(lane), M.lane_quad(lane)
-        for h in range(2):
-            a[h, lane] = torch.stack([wr[g, q, 2 * h], wr[g + 8, q, 2 * h], wr[g, q, 2 * h + 1],
-                                      wr[g + 8, q, 2 * h + 1]])
-            b[h, lane] = torch.stack([xr[g, q, 2 * h], xr[g, q, 2 * h + 1]])
+        wg = cute.make_rmem_tensor((4,), Uint32)
+        wg8 = cute.make_rmem_tensor((4,), Uint32)
+        xg = cute.make_rmem_tensor((4,), Uint32)
+        for i in cutlass.range_constexpr(4):
+            wg[i] = mW[g, 4 * q + i]
+            wg8[i] = mW[g + 8, 4 * q + i]
+            xg[i] = mX[g, 4 * q + i]
+        acc = cute.make_rmem_tensor((4,), Float32)
+        M.mma_chunk(acc, wg, wg8, xg, mOut[lane, None, None])
+
+
+def _host_mma_chunk(acc: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``mma_chunk`` on the host: its operands as assembled by the device code, the mmas by the PTX-table model."""
+    from cutlass.cute.runtime import from_dlpack
+
+    wr = w.contiguous().view(torch.int32)  # [16, 16]: row r's 32 bf16 as 16 bf16x2 registers
+    xr = x.contiguous().view(torch.int32)  # [8, 16]
+    ops = torch.zeros(32, 2, 6, dtype=torch.int32)
+    _lane_operands(from_dlpack(wr), from_dlpack(xr), from_dlpack(ops))
+    ops = ops.to(torch.int64) & 0xFFFFFFFF
     for h in range(2):
-        acc = M.mma_reference(a[h], b[h], acc)
+        acc = M.mma_reference(ops[:, h, :4], ops[:, h, 4:], acc)
     return acc
 
 
@@ -70,6 +85,14 @@ def test_reference_is_the_ptx_layout() -> None:
             b[lane, 1] = one
     d = _matrix(M.mma_reference(a, b))
     assert d[1].tolist() == [1.0] * 8 and d.abs().sum().item() == 8.0
+
+
+def test_accumulator_layout_is_the_ptx_table() -> None:
+    """c0..c3 of m16n8k16 with fp32 accumulators (PTX ISA): row groupID (+8 for c2, c3), column 2·(lane % 4) + (i & 1)
+    — pinned to literal values, since acc_row / acc_col also drive mma_reference and every checker."""
+    assert [(M.acc_row(5, i), M.acc_col(5, i)) for i in range(4)] == [(1, 2), (1, 3), (9, 2), (9, 3)]
+    assert [(M.acc_row(30, i), M.acc_col(30, i)) for i in range(4)] == [(7, 4), (7, 5), (15, 4), (15, 5)]
+    assert (M.lane_group(30), M.lane_quad(30)) == (7, 2)
 
 
 def test_reference_rejects_bad_shapes() -> None:
