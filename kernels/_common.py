@@ -57,6 +57,8 @@ __all__ = [
     "fp4_pair_col",
     "x_pair_order",
     "fp4_scale",
+    "fp4_bf16x2",
+    "x_pair_bf16x2",
     "torch_dtype",
     "launch",
     "ref_rms_norm",
@@ -376,3 +378,23 @@ def fp4_scale(e: Any) -> Float32:
     """2^(e - 127) · 2^14 as fp32 bits ((e + 14) << 23): the E8M0 scale, also undoing fp4_expand's fp16 placement.
     Scale bytes above 240 (2^114 and up) do not fit this form and are not expected."""
     return ((Uint32(e) + 14) << 23).bitcast(Float32)
+
+
+@cute.jit
+def fp4_bf16x2(w: Uint32, scale: Float32) -> cute.Tensor:
+    """The 8 E2M1 codes of one 32-bit word times their group's ``fp4_scale`` as (4,) uint32 bf16x2 registers (the
+    tensor-core A operand), in pair order: register s holds (column s, column s + 4), low half first. The values are
+    E2M1 · 2^(e - 127): two significant bits, so the fp32 -> bf16 conversion is exact."""
+    t = cute.make_rmem_tensor((VEC,), BFloat16)
+    t.store(fp4_expand(w, scale).to(BFloat16))
+    return cute.recast_tensor(t, Uint32)
+
+
+@cute.jit
+def x_pair_bf16x2(rx: cute.Tensor, j: cutlass.Constexpr) -> cute.Tensor:
+    """rx: (8,) bf16, columns 8j..8j+7 of a group in order -> (4,) uint32 bf16x2 registers in the pair order of word
+    j's ``fp4_bf16x2`` (the B operand matching it): static register moves, element by element."""
+    xp = cute.make_rmem_tensor((VEC,), BFloat16)
+    for q in cutlass.range_constexpr(VEC):
+        xp[q] = rx[fp4_pair_col(VEC * j + q) - VEC * j]
+    return cute.recast_tensor(xp, Uint32)

@@ -20,6 +20,9 @@ stored twice or never is reported). The results are compared with the CPU interp
 What stays unexecuted (GPU only, small enough to read): the warp / lane indices, the shuffles of LM_HEAD's arg-max,
 shared memory and barriers, the RMSNorm prologue's ``rsqrt.approx`` (evaluated here in exact fp32).
 
+LM_HEAD's tensor-core tiles are switched off on the device for now (``mk_addr.LM_HEAD_MMA``: they make ptxas spill
+the batch-8 megakernels); its host run checks that path so it can be switched back on.
+
 Run it in a subprocess when a helper may be mutated (``tests/test_host_exec_mk_gemv.py``).
 """
 
@@ -41,6 +44,7 @@ __all__ = ["tile_registers", "mma_tiles", "run_gemv_op", "run_case", "main"]
 
 LANES = 32
 VEC = 8
+ARCH = "sm_90a"  # the compile target whose k blocks per step (mk_addr.gemv_mma_unroll) the host runs use
 REGS = 3 * M.CHUNK_REGS  # per k block and lane: weight row g, weight row g + 8, x row g
 
 _DRIVERS: dict[tuple[str, Any], Any] = {}
@@ -156,7 +160,7 @@ class _Tiles:
     """The work items of one instruction as the device deals them: (tile, pass) pairs in item order, the warp of
     each, and per item the (row, batch row) of every lane's accumulator register."""
 
-    def __init__(self, A: ModuleType, n: int, B: int) -> None:
+    def __init__(self, A: ModuleType, n: int, B: int, nw: int) -> None:
         bt = A.gemv_batch_tile(B)
         if bt != M.MMA_COLS:
             raise ValueError(f"host_exec_mk_gemv: batch {B} has passes of {bt} rows, not the mma path's 8")
@@ -164,7 +168,7 @@ class _Tiles:
         nt, nbt = A.gemv_tiles(n, self.tr), B // bt
         pairs = [A.gemv_item(k, nt, nbt) for k in range(nt * nbt)]
         self.items = [(int(jt) * self.tr, int(t) * bt) for jt, t in pairs]
-        self.warp = [k % 12 for k in range(len(pairs))]  # items w, w + NW, ... (device_fns.NW)
+        self.warp = [k % nw for k in range(len(pairs))]  # warp w takes items w, w + nw, ... (nw: device_fns.NW)
         lane = torch.arange(LANES)[:, None]
         i = torch.arange(4)[None, :]
         r, c = M.acc_row(lane, i), M.acc_col(lane, i)  # [32, 4]
@@ -180,13 +184,14 @@ def _gemv(F: ModuleType, T: _Tiles, W: torch.Tensor, staged: int, x: torch.Tenso
 
 
 def run_gemv_op(op: str, *, preset: str = "tiny", B: int = 8, K: int = 256, n: int = 37, K2: int | None = None,
-                staged: int = 0, seed: int = 0, U: int = 4, fp32: bool = False, accumulate: bool = True,
+                staged: int = 0, seed: int = 0, U: int | None = None, fp32: bool = False, accumulate: bool = True,
                 flags: int = 7, r0: int = 0, ties: bool = False, mutant: list | None = None
                 ) -> tuple[HostRun, dict[str, torch.Tensor]]:
     """One instruction of GEMV opcode ``op`` (:data:`OPS`) over a weight box of ``n`` rows x ``K`` (FFN_OUT's mlp
     source: ``K2``), its first ``staged`` rows in the stage, batch ``B``, on fresh random inputs (``ties``, LM_HEAD:
     a dominant row repeated in the same lane, across groups of a tile and in another tile, so the arg-max is a tie
-    the lowest id must win). Returns the run
+    the lowest id must win). ``U``: k blocks per step for every source; None: what the device runs for each
+    (``mk_addr.gemv_mma_unroll`` for :data:`ARCH`, one block fewer for an x normalised as loaded). Returns the run
     (outputs poisoned with NaN, every store counted) and the interpreter's reference outputs."""
     from kimik3.config import get_preset
     from kimik3.megakernel import interpreter as I
@@ -206,7 +211,11 @@ def run_gemv_op(op: str, *, preset: str = "tiny", B: int = 8, K: int = 256, n: i
     def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * scale).bfloat16()
 
-    T = _Tiles(A, n, B)
+    T = _Tiles(A, n, B, F.NW)
+
+    def u(normed: bool) -> int:
+        return U if U is not None else A.gemv_mma_unroll(ARCH, normed)
+
     it = SimpleNamespace(cfg=cfg, dtype=torch.bfloat16)
     run = HostRun({})
     ref: dict[str, torch.Tensor] = {}
@@ -224,7 +233,7 @@ def run_gemv_op(op: str, *, preset: str = "tiny", B: int = 8, K: int = 256, n: i
         y = torch.zeros(B, 1, n, dtype=torch.float32 if fp32 else torch.bfloat16)
         I._norm_proj(it, SimpleNamespace(args=(int(fp32),)), [x[:, None], gamma[None, None], W[None], y])
         ref["y"] = y[:, 0]
-        acc = _gemv(F, T, W, staged, x, gamma, _rstd(x, eps), U)
+        acc = _gemv(F, T, W, staged, x, gamma, _rstd(x, eps), u(True))
         wr = out("y", y[:, 0])
         wr.store((Cb[V], R[V]), acc[V], "NORM_PROJ")
     elif op == "mlp_gate_up":
@@ -233,8 +242,8 @@ def run_gemv_op(op: str, *, preset: str = "tiny", B: int = 8, K: int = 256, n: i
         I._mlp_gate_up(it, SimpleNamespace(args=()), [x[:, None], gamma[None, None], W[None], Wu[None], h])
         ref["h"] = h[:, 0]
         r = _rstd(x, eps)
-        ag = _gemv(F, T, W, staged, x, gamma, r, U)
-        au = _gemv(F, T, Wu, 0, x, gamma, r, U)
+        ag = _gemv(F, T, W, staged, x, gamma, r, u(True))
+        au = _gemv(F, T, Wu, 0, x, gamma, r, u(True))
         wr = out("h", h[:, 0])
         wr.store((Cb[V], R[V]), glu(cfg, _bf(ag[V]), _bf(au[V])), "MLP_GATE_UP")
     elif op == "o_proj_residual":
@@ -242,7 +251,7 @@ def run_gemv_op(op: str, *, preset: str = "tiny", B: int = 8, K: int = 256, n: i
         y = res.clone()
         I._o_proj_residual(it, SimpleNamespace(args=(int(accumulate),)), [x[:, None], W[None], y])
         ref["y"] = y[:, 0]
-        acc = _gemv(F, T, W, staged, x, None, None, U)
+        acc = _gemv(F, T, W, staged, x, None, None, u(False))
         wr = out("y", y[:, 0])
         v = _bf(acc[V])
         if accumulate:
@@ -266,22 +275,22 @@ def run_gemv_op(op: str, *, preset: str = "tiny", B: int = 8, K: int = 256, n: i
         ref["y"] = y[:, 0]
         o = torch.zeros(V.shape)
         if routed:
-            o = _bf(_gemv(F, T, W, staged, x, gamma if ln else None, _rstd(x, eps) if ln else None, U))
+            o = _bf(_gemv(F, T, W, staged, x, gamma if ln else None, _rstd(x, eps) if ln else None, u(ln)))
         if mlp:
-            o = _bf(o + _bf(_gemv(F, T, Wd, 0 if routed else staged, hid, None, None, U)))
+            o = _bf(o + _bf(_gemv(F, T, Wd, 0 if routed else staged, hid, None, None, u(False))))
         wr = out("y", y[:, 0])
         wr.store((Cb[V], R[V]), res[:, 0].float()[Cb[V], R[V]] + o[V], "FFN_OUT")
     else:  # lm_head
         if ties:
-            # rows g, g + 8 of one lane, another group of the tile, and warp 0's next tile (12 warps of 16 rows)
-            dup = [j for j in (3, 5, 11, 16 * 12 + 3) if j < n]
+            # rows g, g + 8 of one lane, another group of the tile, and warp 0's next tile
+            dup = [j for j in (3, 5, 11, T.tr * F.NW + 3) if j < n]
             W[dup] = W[3] * 4
         logits = torch.zeros(B, 1, n)
         bv = torch.zeros(B, 1, 1)
         bi = torch.zeros(B, 1, 1, dtype=torch.int64)
         I._lm_head(it, SimpleNamespace(args=(0, 0, r0)), [x[:, None], gamma[None, None], W[None], logits, bv, bi])
         ref.update(logits=logits[:, 0], best_v=bv[:, 0, 0], best_i=bi[:, 0, 0])
-        d = _bf(_gemv(F, T, W, staged, x, gamma, _rstd(x, eps), U))
+        d = _bf(_gemv(F, T, W, staged, x, gamma, _rstd(x, eps), u(True)))
         wr = out("logits", logits[:, 0])
         wr.store((Cb[V], R[V]), d[V], "LM_HEAD")
         wr.check()
@@ -302,7 +311,7 @@ def run_gemv_op(op: str, *, preset: str = "tiny", B: int = 8, K: int = 256, n: i
         got_i = torch.full((B,), -1, dtype=torch.int64)
         for b in range(B):  # the CTA's merge over the warps, in warp order (ties to the lower id)
             v, i = -float("inf"), 2**31 - 1
-            for w in range(12):
+            for w in range(F.NW):
                 ov, oi = best.get((w, b), (-float("inf"), 2**31 - 1))
                 if ov > v or (ov == v and oi < i):
                     v, i = ov, oi

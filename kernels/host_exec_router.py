@@ -21,8 +21,13 @@ the GPU code calls, run on CPU tensors over every block / warp / lane of a real 
   operand's buffer, so a store outside the declared box is reported too). The reference is the
   CPU interpreter's implementation of the opcode (``kimik3.megakernel.interpreter``) on the same input buffers.
   A program built with ``expert_format="mxfp4"`` (case key ``expert_format``) runs the kernel compiled with
-  ``MKConfig.fp4``: the expert opcodes' MXFP4 tiles (code groups, E8M0 scales, two w2 rows per EXPERT_DOWN warp task)
-  against the interpreter's dequantise-then-dense bodies, on random codes and scales of a realistic range.
+  ``MKConfig.fp4``: the expert opcodes' tensor-core work items (16 rows x 8 tokens) against the interpreter's
+  dequantise-then-dense bodies, on random codes and scales of a realistic range. Every lane's code runs as on the
+  GPU (row and group addresses, code / scale / x loads, the decode to bf16x2, the x pair order, the fragment
+  registers, the epilogues' (row, token) of each accumulator register); only ``mma.sync`` itself (warp-collective,
+  device-only) is replaced: each lane's registers are recorded (``_MmaRecord``) and the mmas evaluated in program
+  order by ``mk_mma.mma_reference`` (``_mma_steps``); EXPERT_DOWN's column shuffles are replayed by indexing the
+  evaluated fragments.
 
 What the thin layer computes with approximate instructions (SiTU-GLU's ``tanh.approx`` / ``ex2.approx``, the
 AttnRes softmax) is evaluated here in exact fp32, as in ``host_exec``. Run in a subprocess when a helper may be
@@ -446,11 +451,10 @@ def _mk_gate_up_host(M: ModuleType) -> Any:
 
 
 def _mk_down_host(M: ModuleType) -> Any:
-    """The prologue's slot lists (tokens and router weights of every slot), then every warp, row task (``M.down_rows``
-    rows from r = r0 + (warp + k·NW)·rows: one dense, two MXFP4), used slot, pass of ``M.down_pass`` tokens and lane
-    of an EXPERT_DOWN: the lane partials of each row of the task, per token their warp sum (replayed in the shuffle
-    order), the weighted output and each lane's fp32 combine; the lanes' accumulators and output offsets per (warp,
-    task, row of the task, b) come back."""
+    """The prologue's slot lists (tokens and router weights of every slot), then every warp, row r = r0 + warp, r0 +
+    warp + NW, ..., used slot, pass of ``M.down_pass`` tokens and lane of a dense EXPERT_DOWN: the lane partials,
+    per token their warp sum (replayed in the shuffle order), the weighted output and each lane's fp32 combine; the
+    lanes' accumulators and output offsets per (warp, row iteration, b) come back."""
     key = ("mk_down", M)
     if key in _DRIVERS:
         return _DRIVERS[key]
@@ -465,7 +469,6 @@ def _mk_down_host(M: ModuleType) -> Any:
               mOut: cute.Tensor, mOff: cute.Tensor, cfg: cutlass.Constexpr):
         ctx = _ctx(mk_operands, cfg, mIns, mAddr, mD1, mD2, mI32, mF32)
         T = M.down_pass(cfg)
-        RW = M.down_rows(cfg)
         EXP, CNT, _ = M.slot_lists(cfg)
         APL = -(-cfg.B // 32)
         r0, r1 = mIns[W_ARGS + 2], mIns[W_ARGS + 3]
@@ -474,12 +477,9 @@ def _mk_down_host(M: ModuleType) -> Any:
         hv = M.gchunks(mAddr[0])
         hs, nch = M.down_dims(ctx)
         a = cute.make_rmem_tensor((T,), Float32)
-        a2 = None
-        if const_expr(RW > 1):
-            a2 = cute.make_rmem_tensor((T,), Float32)
         for warp in cutlass.range(NW):
             it = Int32(0)
-            for r in cutlass.range(r0 + warp * RW, r1, NW * RW):
+            for r in cutlass.range(r0 + warp, r1, NW):
                 if it < its:
                     mAcc.fill(0.0)
                     for j in cutlass.range(cfg.dmax):
@@ -488,33 +488,192 @@ def _mk_down_host(M: ModuleType) -> Any:
                             wv = M.down_row(ctx, mI32[EXP + j], r)
                             for t0 in cutlass.range(0, n, T):
                                 for lane in cutlass.range(LANES):
-                                    M.down_tile(ctx, hv, hs, nch, wv, j, t0, n, a, lane, a2)
+                                    M.down_tile(ctx, hv, hs, nch, wv, j, t0, n, a, lane)
                                     for t in cutlass.range_constexpr(T):
-                                        mPT[0, lane, t] = a[t]
-                                        if const_expr(RW > 1):
-                                            mPT[1, lane, t] = a2[t]
+                                        mPT[lane, t] = a[t]
                                 for t in cutlass.range_constexpr(T):
                                     if t0 + t < n:
-                                        for q in cutlass.range_constexpr(RW):
-                                            for lane in cutlass.range(LANES):
-                                                mP[lane] = mPT[q, lane, t]
-                                            _bfly_sum(mP, mT)
-                                            for lane in cutlass.range(LANES):
-                                                M.down_combine(mAcc[q, lane, None],
-                                                               M.down_weighted(ctx, mP[lane], j, t0 + t),
-                                                               M.slot_token(ctx, j, t0 + t), lane)
+                                        for lane in cutlass.range(LANES):
+                                            mP[lane] = mPT[lane, t]
+                                        _bfly_sum(mP, mT)
+                                        for lane in cutlass.range(LANES):
+                                            M.down_combine(mAcc[lane, None], M.down_weighted(ctx, mP[lane], j, t0 + t),
+                                                           M.slot_token(ctx, j, t0 + t), lane)
                     for lane in cutlass.range(LANES):
                         for m in cutlass.range_constexpr(APL):
                             b = lane + 32 * m
                             if b < cfg.B:
-                                for q in cutlass.range_constexpr(RW):
-                                    if r + q < r1:
-                                        mOut[warp, it, q, b] = mAcc[q, lane, m]
-                                        mOff[warp, it, q, b] = M.down_out(ctx, b, r + q)
+                                mOut[warp, it, b] = mAcc[lane, m]
+                                mOff[warp, it, b] = M.down_out(ctx, b, r)
                 it = it + 1
 
     _DRIVERS[key] = drive
     return drive
+
+
+class _MmaRecord:
+    """The host's stand-in for ``mk_moe.fp4_mma_tile``'s tensor-core step (an ``mma.sync`` aborts a host run): each
+    call stores the lane's A registers of rows g and g + 8 and its B registers (``mma_chunk``'s operands, 4 uint32
+    each as int32 bits) at row ``step`` of ``view`` [steps, 12]; :func:`_mma_steps` then evaluates the mmas."""
+
+    def __init__(self, view: Any) -> None:
+        self.view = view
+
+    def __call__(self, acc: Any, wg: Any, wg8: Any, xg: Any, step: Any) -> None:
+        for k, regs in enumerate((wg, wg8, xg)):
+            for i in range(4):
+                self.view[step, 4 * k + i] = Int32(regs[i])
+
+
+def _mma_steps(rec: torch.Tensor, nb: int) -> list[torch.Tensor]:
+    """Evaluate the recorded tensor-core steps of work items: ``rec`` [..., 32 lanes, steps, 12] from
+    :class:`_MmaRecord`; step s feeds accumulator s % nb. Each step is ``mk_mma.mma_chunk``: two ``mma.sync``, the
+    first on registers 0, 1 of each operand, the second on 2, 3 (a0 = wg, a1 = wg8 at k 2q.., a2 = wg, a3 = wg8 at
+    k 2q + 8..), each run through ``mk_mma.mma_reference`` on the lanes' registers in program order. Returns the nb
+    accumulators [..., 32, 4] (C layout)."""
+    from . import mk_mma
+
+    lead = rec.shape[:-3]
+    accs = [torch.zeros(*lead, LANES, 4) for _ in range(nb)]
+    r = rec.to(torch.int64) & 0xFFFFFFFF
+    for s in range(rec.shape[-2]):
+        wg, wg8, xg = r[..., s, 0:4], r[..., s, 4:8], r[..., s, 8:12]
+        for h in range(2):
+            a = torch.stack([wg[..., 2 * h], wg8[..., 2 * h], wg[..., 2 * h + 1], wg8[..., 2 * h + 1]], dim=-1)
+            b = torch.stack([xg[..., 2 * h], xg[..., 2 * h + 1]], dim=-1)
+            accs[s % nb] = mk_mma.mma_reference(a, b, accs[s % nb])
+    return accs
+
+
+def _fp4_steps(ngr: int, nb: int) -> int:
+    """Recorded steps of one MXFP4 work item: 4 words per k block of 4 groups, per weight."""
+    return -(-ngr // 4) * 4 * nb
+
+
+def _mk_gate_up_fp4_host(M: ModuleType) -> Any:
+    """MXFP4 EXPERT_GATE_UP: the prologue's slot lists, then every slot j of [s0, s1), warp, row tile rt = r0 +
+    16·(warp + k·NW), pass of 8 list positions and lane: ``M.fp4_tile_rows`` and ``M.fp4_mma_tile`` with the mma step
+    recorded (mRec [j - s0, warp, tile, pass, lane, step, 12]), and each accumulator register's output offset
+    (``M.fp4_gate_up_out``, mOff [..., lane, 4]; -1: not stored)."""
+    key = ("mk_gate_up_fp4", M)
+    if key in _DRIVERS:
+        return _DRIVERS[key]
+    from . import mk_operands
+
+    NW, W_ARGS, R, C = M.NW, M.W_ARGS, M.FP4_ROWS, M.MMA_COLS
+    lists = _lists_host(M)
+
+    @cute.jit
+    def drive(mIns: cute.Tensor, mAddr: cute.Tensor, mD1: cute.Tensor, mD2: cute.Tensor, mI32: cute.Tensor,
+              mF32: cute.Tensor, mE: cute.Tensor, mRec: cute.Tensor, mOff: cute.Tensor, cfg: cutlass.Constexpr):
+        ctx = _ctx(mk_operands, cfg, mIns, mAddr, mD1, mD2, mI32, mF32)
+        EXP, CNT, _ = M.slot_lists(cfg)
+        s0, s1, r0, r1 = mIns[W_ARGS], mIns[W_ARGS + 1], mIns[W_ARGS + 2], mIns[W_ARGS + 3]
+        its = cute.size(mOff, mode=[2])
+        lists(ctx, s0, s1, False)
+        xv = M.gchunks(mAddr[0])
+        xs, ngr = M.gate_up_dims(ctx)
+        ag = cute.make_rmem_tensor((4,), Float32)
+        au = cute.make_rmem_tensor((4,), Float32)
+        for jj in cutlass.range(s1 - s0):
+            mE[jj] = mI32[EXP + jj]
+            n = mI32[CNT + jj]
+            if n > 0:
+                e = mI32[EXP + jj]
+                for warp in cutlass.range(NW):
+                    it = Int32(0)
+                    for rt in cutlass.range(r0 + warp * R, r1, NW * R):
+                        if it < its:
+                            for t0 in cutlass.range(0, n, C):
+                                k = t0 // C
+                                for lane in cutlass.range(LANES):
+                                    wg = M.fp4_tile_rows(ctx, 3, 6, e, rt, lane)
+                                    wu = M.fp4_tile_rows(ctx, 4, 7, e, rt, lane)
+                                    M.fp4_mma_tile(ctx, xv, xs, ngr, wg, wu, jj, t0, n, ag, au, M.GATE_UP_BLOCKS,
+                                                   False, lane, _MmaRecord(mRec[jj, warp, it, k, lane, None, None]))
+                                    for i in cutlass.range_constexpr(4):
+                                        mOff[jj, warp, it, k, lane, i] = M.fp4_gate_up_out(ctx, s0, jj, t0, n, rt,
+                                                                                           lane, i)
+                        it = it + 1
+
+    _DRIVERS[key] = drive
+    return drive
+
+
+def _mk_down_fp4_host(M: ModuleType) -> Any:
+    """MXFP4 EXPERT_DOWN, in two drivers around the Python side's mmas. ``tiles``: the prologue's slot lists (tokens
+    and router weights), then every warp, row tile rt = r0 + 16·(warp + k·NW), used slot, pass of 8 list positions
+    and lane: ``M.fp4_tile_rows`` and ``M.fp4_mma_tile`` with the mma step recorded (mRec [warp, tile, slot, pass,
+    lane, step, 12]). ``combine``: from the evaluated fragments mFr [warp, tile, slot, pass, lane, 4], per warp and
+    row tile the opcode's epilogue: column c's values shuffled from the lane and registers ``M.fp4_column_src`` names
+    (``shfl.sync.idx``, replayed here by indexing), ``M.fp4_down_combine`` of every lane, slots in order, then each
+    lane's combine accumulators and their offsets (``M.fp4_down_out``) into mOut / mOff [warp, tile, lane, 2, m]."""
+    key = ("mk_down_fp4", M)
+    if key in _DRIVERS:
+        return _DRIVERS[key]
+    from . import mk_operands
+
+    NW, W_ARGS, R, C = M.NW, M.W_ARGS, M.FP4_ROWS, M.MMA_COLS
+    lists = _lists_host(M)
+
+    @cute.jit
+    def tiles(mIns: cute.Tensor, mAddr: cute.Tensor, mD1: cute.Tensor, mD2: cute.Tensor, mI32: cute.Tensor,
+              mF32: cute.Tensor, mRec: cute.Tensor, cfg: cutlass.Constexpr):
+        ctx = _ctx(mk_operands, cfg, mIns, mAddr, mD1, mD2, mI32, mF32)
+        EXP, CNT, _ = M.slot_lists(cfg)
+        r0, r1 = mIns[W_ARGS + 2], mIns[W_ARGS + 3]
+        its = cute.size(mRec, mode=[1])
+        lists(ctx, Int32(0), Int32(cfg.dmax), True)
+        hv = M.gchunks(mAddr[0])
+        hs, ngr = M.down_dims(ctx)
+        a = cute.make_rmem_tensor((4,), Float32)
+        for warp in cutlass.range(NW):
+            it = Int32(0)
+            for rt in cutlass.range(r0 + warp * R, r1, NW * R):
+                if it < its:
+                    for j in cutlass.range(cfg.dmax):
+                        n = mI32[CNT + j]
+                        if n > 0:
+                            for t0 in cutlass.range(0, n, C):
+                                for lane in cutlass.range(LANES):
+                                    wv = M.fp4_tile_rows(ctx, 4, 6, mI32[EXP + j], rt, lane)
+                                    M.fp4_mma_tile(ctx, hv, hs, ngr, wv, None, j, t0, n, a, None, M.DOWN_BLOCKS, True,
+                                                   lane, _MmaRecord(mRec[warp, it, j, t0 // C, lane, None, None]))
+                it = it + 1
+
+    @cute.jit
+    def combine(mIns: cute.Tensor, mAddr: cute.Tensor, mD1: cute.Tensor, mD2: cute.Tensor, mI32: cute.Tensor,
+                mF32: cute.Tensor, mFr: cute.Tensor, mAcc: cute.Tensor, mOut: cute.Tensor, mOff: cute.Tensor,
+                cfg: cutlass.Constexpr):
+        ctx = _ctx(mk_operands, cfg, mIns, mAddr, mD1, mD2, mI32, mF32)
+        _, CNT, _ = M.slot_lists(cfg)
+        r0, r1 = mIns[W_ARGS + 2], mIns[W_ARGS + 3]
+        its = cute.size(mOut, mode=[1])
+        MW = M.fp4_combine_width(cfg)
+        for warp in cutlass.range(NW):
+            it = Int32(0)
+            for rt in cutlass.range(r0 + warp * R, r1, NW * R):
+                if it < its:
+                    mAcc.fill(0.0)
+                    for j in cutlass.range(cfg.dmax):
+                        n = mI32[CNT + j]
+                        if n > 0:
+                            for t0 in cutlass.range(0, n, C):
+                                for c in cutlass.range_constexpr(M.down_pass(cfg)):
+                                    for lane in cutlass.range(LANES):
+                                        src, i = M.fp4_column_src(lane, c)
+                                        fr = mFr[warp, it, j, t0 // C, src, None]
+                                        M.fp4_down_combine(ctx, mAcc[lane, None, None], fr[i], fr[i + 2], j, t0 + c, n,
+                                                           lane)
+                    for lane in cutlass.range(LANES):
+                        for h in cutlass.range_constexpr(2):
+                            for m in cutlass.range_constexpr(MW):
+                                mOut[warp, it, lane, h, m] = mAcc[lane, h, m]
+                                mOff[warp, it, lane, h, m] = M.fp4_down_out(ctx, rt, lane, h, m)
+                it = it + 1
+
+    _DRIVERS[key] = (tiles, combine)
+    return tiles, combine
 
 
 def _mk_misc_host(X: ModuleType, which: str) -> Any:
@@ -675,12 +834,12 @@ class _MkSetup:
                         t.dtype)
 
     def extent(self, op: Any) -> tuple[int, int]:
-        """(most slots, most row iterations of a warp) over the program's instructions of ``op`` (EXPERT_DOWN: row
-        tasks of ``mk_moe.down_rows`` rows)."""
+        """(most slots, most work items of a warp) over the program's instructions of ``op`` (items of
+        ``mk_moe.row_tile`` rows)."""
         from .device_fns import NW
-        from .mk_moe import down_rows
+        from .mk_moe import row_tile
 
-        per = NW * (down_rows(self.mk) if op.name == "EXPERT_DOWN" else 1)
+        per = NW * row_tile(self.mk)
         ins = [i for i in self.p.instructions if i.op == op]
         return (max(max(i.args[1] - i.args[0], 1) for i in ins),
                 max(-(-(i.args[3] - i.args[2]) // per) for i in ins))
@@ -828,9 +987,29 @@ def _run_mk_instruction(S: _MkSetup, v: int, mods: dict[str, ModuleType], run: H
         wmw.check(expect[3])
         wuse.check(expect[4])
         run.lanes_run += B * LANES
+    elif op == "EXPERT_GATE_UP" and cfg.fp4:
+        smax, its = S.extent(ins.op)
+        npass = -(-B // M.MMA_COLS)
+        ngr = int(words[3][3]) // M.FP4_GROUP_BYTES
+        e_rec = torch.full((smax,), -9, dtype=torch.int32)
+        # registers never recorded stay a bf16 NaN pair: a step the lane code skipped poisons the product
+        rec = torch.full((smax, M.NW, its, npass, LANES, _fp4_steps(ngr, 2), 12), 0x7FC07FC0, dtype=torch.int32)
+        off = torch.full((smax, M.NW, its, npass, LANES, 4), -1, dtype=torch.int64)
+        _launch(_mk_gate_up_fp4_host(M), [*words, *_scratch(), e_rec, rec, off], (cfg,))
+        ga, ua = _mma_steps(rec, 2)  # the tensor-core steps (an mma.sync aborts a host run)
+        h, wh = out(5)
+        live = off >= 0
+        from kimik3.model import glu
+
+        # the epilogue: each accumulator register's (row, token), bf16 rounding, SiTU-GLU (approximate tanh / exp on
+        # the GPU, exact here), one bf16 cast
+        vals = glu(S.cfg, ga[live].to(torch.bfloat16), ua[live].to(torch.bfloat16))
+        _store(wh, shapes[5], boxes[5], off[live], vals, "gate/up")
+        expect = {5: _gate_up_expect(S, v, shapes[5])}
+        wh.check(expect[5])
+        run.lanes_run += int(live.any(-1).any(-1).sum()) * LANES
     elif op == "EXPERT_GATE_UP":
-        s0, s1, r0, r1 = ins.args
-        sel = S.views(v)[1]
+        s0, s1 = ins.args[:2]
         smax, its = S.extent(ins.op)  # fixed record shapes over the program: one compile per opcode
         e_rec = torch.full((smax,), -9, dtype=torch.int32)
         part = torch.full((smax, M.NW, its, B, LANES, 2), float("nan"))
@@ -846,21 +1025,34 @@ def _run_mk_instruction(S: _MkSetup, v: int, mods: dict[str, ModuleType], run: H
         ua = warp_sum(part[..., 1], 4)[live].to(torch.bfloat16)
         vals = glu(S.cfg, ga, ua)
         _store(wh, shapes[5], boxes[5], off[live], vals, "gate/up")
-        use = S.views(v)[2][:, 0, :].bool()  # [B, s1 - s0]
-        m = torch.zeros(shapes[5], dtype=torch.bool)
-        for jj in range(s1 - s0):
-            if int(sel.reshape(-1)[jj]) >= 0:
-                m[:, s0 + jj, r0:r1] |= use[:, jj, None].expand(-1, r1 - r0)
-        expect = {5: m}
-        wh.check(m)
+        expect = {5: _gate_up_expect(S, v, shapes[5])}
+        wh.check(expect[5])
         run.lanes_run += int(live.sum()) * LANES
+    elif op == "EXPERT_DOWN" and cfg.fp4:
+        _, its = S.extent(ins.op)
+        npass, MW = -(-B // M.MMA_COLS), M.fp4_combine_width(cfg)
+        ngr = int(words[3][4]) // M.FP4_GROUP_BYTES
+        rec = torch.full((M.NW, its, cfg.dmax, npass, LANES, _fp4_steps(ngr, 1), 12), 0x7FC07FC0, dtype=torch.int32)
+        tiles, combine = _mk_down_fp4_host(M)
+        scratch = _scratch()
+        _launch(tiles, [*words, *scratch, rec], (cfg,))
+        (fr,) = _mma_steps(rec, 1)  # the tensor-core steps (an mma.sync aborts a host run)
+        res = torch.full((M.NW, its, LANES, 2, MW), float("nan"))
+        off = torch.full((M.NW, its, LANES, 2, MW), -1, dtype=torch.int64)
+        _launch(combine, [*words, *scratch, fr, torch.full((LANES, 2, MW), float("nan")), res, off], (cfg,))
+        y, wy = out(5)
+        live = off >= 0
+        _store(wy, shapes[5], boxes[5], off[live], res[live], "down")
+        expect = {5: _box_mask(shapes[5], boxes[5])}
+        wy.check(expect[5])
+        run.lanes_run += int(live.any(-1).any(-1).sum())
     elif op == "EXPERT_DOWN":
         _, its = S.extent(ins.op)
-        APL, RW = -(-B // 32), M.down_rows(cfg)
-        acc = torch.zeros((RW, LANES, APL))
-        res = torch.full((M.NW, its, RW, B), float("nan"))
-        off = torch.full((M.NW, its, RW, B), -1, dtype=torch.int64)
-        pt = torch.full((RW, LANES, M.down_pass(cfg)), float("nan"))
+        APL = -(-B // 32)
+        acc = torch.zeros((LANES, APL))
+        res = torch.full((M.NW, its, B), float("nan"))
+        off = torch.full((M.NW, its, B), -1, dtype=torch.int64)
+        pt = torch.full((LANES, M.down_pass(cfg)), float("nan"))
         _launch(_mk_down_host(M), [*words, *_scratch(), torch.zeros(LANES), torch.zeros(LANES), pt, acc, res, off],
                 (cfg,))
         y, wy = out(5)
@@ -935,6 +1127,19 @@ def _run_mk_instruction(S: _MkSetup, v: int, mods: dict[str, ModuleType], run: H
             k = int((got.long() != want.long()).nonzero()[0, 0])
             run.problems.append(f"{tag} {name}: {int((got.long() != want.long()).sum())} element(s) differ from "
                                 f"the interpreter, first {int(got[k])} vs {int(want[k])}")
+
+
+def _gate_up_expect(S: _MkSetup, v: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The hidden elements EXPERT_GATE_UP instruction v must store: rows [r0, r1) of the slots holding an expert, for
+    the tokens that use them."""
+    s0, s1, r0, r1 = S.p.instructions[v].args
+    sel = S.views(v)[1]
+    use = S.views(v)[2][:, 0, :].bool()  # [B, s1 - s0]
+    m = torch.zeros(shape, dtype=torch.bool)
+    for jj in range(s1 - s0):
+        if int(sel.reshape(-1)[jj]) >= 0:
+            m[:, s0 + jj, r0:r1] |= use[:, jj, None].expand(-1, r1 - r0)
+    return m
 
 
 def _scratch() -> tuple[torch.Tensor, torch.Tensor]:

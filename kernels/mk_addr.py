@@ -51,9 +51,10 @@ from typing import Any
 
 from .isa import BT_MAX, CHUNK_BYTES, STAGE_BYTES, Kind, Mode, Op
 
-__all__ = ["GEMV_BT", "GEMV_UNROLL", "GEMV_MMA_ROWS", "gemv_unroll", "gemv_mma_unroll", "gemv_batch_tile",
-           "gemv_tile_rows", "gemv_tiles", "gemv_item", "elem_offset", "tile_rows",
-           "expert_row_offset", "FP4_GROUP", "FP4_GROUP_BYTES", "fp4_row_offsets", "Finding", "ReplayReport", "replay"]
+__all__ = ["GEMV_BT", "GEMV_UNROLL", "GEMV_MMA_ROWS", "LM_HEAD_MMA", "gemv_unroll", "gemv_mma_unroll",
+           "gemv_batch_tile", "gemv_tile_rows", "lm_head_tile_rows", "gemv_tiles", "gemv_item", "elem_offset",
+           "tile_rows", "expert_row_offset", "FP4_GROUP", "FP4_GROUP_BYTES", "fp4_row_offsets", "Finding",
+           "ReplayReport", "replay"]
 
 VEC = 8  # bf16 elements per 16-byte chunk (the device code's VEC)
 # MXFP4 experts (an "mxfp4" program): one E8M0 scale byte per FP4_GROUP columns, whose codes (two per byte) are one
@@ -96,6 +97,22 @@ def gemv_tiles(n: Any, rows: int) -> Any:
     """Work-item tiles of ``rows`` weight rows covering ``n`` rows (the last one may run past ``n``: its rows from
     ``n`` on are read clamped and never stored)."""
     return (n + (rows - 1)) // rows
+
+
+# LM_HEAD's tiles stay on the CUDA-core path (one weight row per item, at every pass width). With all five GEMV opcodes
+# on tensor cores ptxas spills the batch-8 megakernels for sm_90a (168 registers, 12-156 B: words of the VM that live
+# across the dispatch); with one of them (NORM_PROJ, O_PROJ_RESIDUAL or LM_HEAD) on CUDA cores tiny/b8 fits in 150-152
+# and the dense variants in at most 159 registers. LM_HEAD's own pressure is not the cause: the spill stays with one k
+# block per step, without γ, without the arg-max epilogue or the stage branch, and with every other opcode's k blocks
+# per step lowered. The tensor-core LM_HEAD is kept and host-executed (kernels/host_exec_mk_gemv.py) for when the spill
+# is solved.
+LM_HEAD_MMA = False
+
+
+def lm_head_tile_rows(bt: int) -> int:
+    """Weight rows per LM_HEAD work item for a batch pass of ``bt`` rows: :func:`gemv_tile_rows` when
+    :data:`LM_HEAD_MMA`, else 1 (the CUDA-core path)."""
+    return gemv_tile_rows(bt) if LM_HEAD_MMA else 1
 
 
 def gemv_mma_unroll(arch: str, normed: bool = False) -> int:
@@ -279,7 +296,7 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
         yield _Acc(js, so, ng, "r")
 
     def gemv(xj: int, wjs: tuple[int, ...], gj: int | None, oj: int | None, rstd: bool, n: int, o_how: str,
-             o_entry: int = 0, o_c0: int | None = None) -> Iterator[_Acc]:
+             o_entry: int = 0, o_c0: int | None = None, tr: int = TR) -> Iterator[_Acc]:
         """A tiled GEMV: rstd of x rows (when normed), every batch tile through weight_row_dot for rows [0, n)."""
         L = chunked(d2(wjs[0]))
         xs = d1(xj) * d2(xj)  # batch stride of x (elements), from _row0 of the x operand
@@ -292,7 +309,7 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
             yield _Acc(wj, row0(wj), L, "r", n, L)  # rows j < n of the box, from weight_row_dot
         if oj is not None:
             c0 = box[oj][4] if o_c0 is None else o_c0
-            for b, j0, m in _pass_runs(G, n, s.gnbt, s.gbt, TR, NT):  # row j of the tile -> column c0 + j
+            for b, j0, m in _pass_runs(G, n, s.gnbt, s.gbt, tr, NT):  # row j of the tile -> column c0 + j
                 yield _Acc(oj, E(d1(oj), d2(oj), b, o_entry, c0 + j0), m, o_how)
 
     if op == Op.EMBED:
@@ -333,7 +350,8 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
             yield _Acc(io, E(d1(io), d2(io), b, box[io][2], box[io][4] + j0), m, "rw")
     elif op == Op.LM_HEAD:
         ti, r0 = args[0], args[2]
-        yield from gemv(0, (2,), 1, 3, True, T(r0, args[3]), "w", o_c0=r0)
+        yield from gemv(0, (2,), 1, 3, True, T(r0, args[3]), "w", o_c0=r0,
+                        tr=getattr(helpers, "lm_head_tile_rows", lm_head_tile_rows)(s.gbt))
         yield _Acc(4, E(d1(4), d2(4), 0, 0, ti), 1, "w", B, d1(4) * d2(4))
         yield _Acc(5, E(d1(5), d2(5), 0, 0, ti), 1, "w", B, d1(5) * d2(5))
     elif op == Op.ARGMAX:

@@ -19,7 +19,8 @@ Two paths, chosen at trace time by the pass width:
   applied afterwards. The accumulators come out in the C fragment layout: lane l's register i is (tile row
   ``mk_mma.acc_row(l, i)``, pass row ``mk_mma.acc_col(l, i)``), stored by that lane with no warp sum; rows past
   the box (the last tile's) are never stored.
-* other passes (1 to 7 rows): CUDA cores, one weight row per item through ``device_fns.weight_row_dot``
+* other passes (1 to 7 rows), and LM_HEAD at every pass width (``mk_addr.LM_HEAD_MMA``: its tensor-core tiles
+  make ptxas spill the batch-8 megakernels): CUDA cores, one weight row per item through ``device_fns.weight_row_dot``
   (``mk_addr.GEMV_UNROLL`` (8) 16-byte weight loads in flight per lane per step: 384 threads x 8 x 16 B = 48 KiB
   per SM), the warp sum, then the epilogue; gamma is folded into the weight in fp32 and rstd applied to the dot.
 
@@ -351,12 +352,13 @@ def op_lm_head(ctx: _Ctx) -> None:
     staged = _staged_rows(ctx, Int32(2))
     gv = gchunks(ctx.s_addr[1])
     logits = gflat(Float32, ctx.s_addr[3])
-    # per-(warp, token) running arg-max in smem; slot (w, b) is only ever touched by lane b % BT of warp w (the
-    # lane that stores token b's results below), so no intra-warp synchronisation is needed
+    # per-(warp, token) running arg-max in smem; slot (w, b) is only ever touched by one lane of warp w, the lane
+    # that holds token b's winner below (CUDA cores: lane b % BT; tensor cores: lane (b % 8) // 2), so no
+    # intra-warp synchronisation is needed
     s_bv = cute.make_tensor(ctx.s_f32.iterator + F32_VEC, cute.make_layout(NW * cfg.B))
     s_bi = ctx.s_i32
     MMA, TR, UM = _mma(cfg, True)
-    if const_expr(MMA):
+    if const_expr(MMA and mk_addr.LM_HEAD_MMA):  # off: see mk_addr.LM_HEAD_MMA
         # the slots of batch columns 2q, 2q + 1 of every pass belong to lane q < 4 (it holds the tile's winner)
         if ctx.lane < MMA_COLS // 2:
             for b in cutlass.range(2 * ctx.lane, cfg.B, MMA_COLS, unroll=1):

@@ -8,12 +8,26 @@ token's candidates a lane holds and the top-k's comparisons (``router_choices``,
 chosen experts into slots and the slot weights / use flags (``router_slot_of``, ``router_round_end``,
 ``router_slot``), the expert opcodes' slot lists built once per instruction (``slot_expert``, ``slot_take``,
 ``slot_put``, ``slot_end``, ``slot_token``; the ballot compaction reuses ``router_slot_of`` / ``router_round_end``),
-the weight rows and the per-lane dots of one weight step against every token of a pass (``gate_up_rows``,
-``gate_up_tile``, ``down_row``, ``down_tile``; with MXFP4 experts, ``MKConfig.fp4``, the code and scale rows
-``fp4_row`` and the decoding tile ``fp4_tile`` behind them), the weighted fp32 combine (``down_weighted``,
-``down_combine``) and the element offsets of every store. ``kernels/host_exec_router.py`` runs
-the same helpers on the host over every warp and lane of each instruction of a program and replays the thin layer
-in the kernel's order."""
+the weighted fp32 combine (``down_weighted``, ``down_combine``) and the element offsets of every store.
+
+Dense experts (bf16 weights): a warp takes one weight row at a time and each lane dots its 16-byte chunks with every
+token of a pass on CUDA cores (``gate_up_rows``, ``gate_up_tile``, ``down_row``, ``down_tile``), warp sums, lane 0
+stores.
+
+MXFP4 experts (``MKConfig.fp4``): tensor cores, ``mma.sync.m16n8k16`` bf16 x bf16 -> fp32 through ``mk_mma``. A
+warp's work item is 16 weight rows (EXPERT_GATE_UP: the same rows of w1 and w3) x up to 8 tokens of a slot as the
+mma's columns (``fp4_tile_rows``, ``fp4_mma_tile``): per 128-column k block lane (g, q) decodes group q of its rows
+g and g + 8 (``fp4_row`` code / scale views; ``_common.fp4_bf16x2``: exact E2M1 · 2^(e - 127) as bf16x2 in pair
+order) and puts the same 32 x values of its token column g in the same order (``_common.x_pair_bf16x2``), so a
+lane's physical k depends on q only, as the mma's fragment layout requires; 8 mma.sync per block and weight. The
+epilogues work on the accumulator fragments (lane holds rows ``acc_row``, tokens ``acc_col``): EXPERT_GATE_UP
+applies SiTU-GLU per (row, token) (``fp4_gate_up_out``), EXPERT_DOWN shuffles each token column to the lanes that
+keep that token (``fp4_column_src``) and combines it, router-weighted, in fp32 (``fp4_down_combine``,
+``fp4_down_out``).
+
+``kernels/host_exec_router.py`` runs the same helpers on the host over every warp and lane of each instruction of a
+program and replays the thin layer in the kernel's order; the one device-only step it cannot run, the mma, it
+records (the registers each lane hands it) and evaluates with ``mk_mma.mma_reference``."""
 
 from __future__ import annotations
 
@@ -23,7 +37,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr
 
-from ._common import fp4_place, fp4_scale, fp4_widen, x_pair_order
+from ._common import fp4_bf16x2, fp4_scale, x_pair_bf16x2
 from ._trace import evict_last, tracing_for_host
 from .device_fns import (
     BIG,
@@ -40,6 +54,7 @@ from .isa import (
     W_ARGS,
 )
 from .mk_addr import FP4_GROUP, FP4_GROUP_BYTES, expert_row_offset, fp4_row_offsets
+from .mk_mma import MMA_COLS, MMA_ROWS, acc_col, acc_row, lane_group, lane_quad, mma_chunk
 from .mk_operands import (
     F32_VEC,
     F32_WORDS,
@@ -212,7 +227,7 @@ def op_router(ctx: _Ctx) -> None:
 
 # The expert opcodes stream: a prologue reads every slot's expert id and use flags ONCE per instruction into the
 # CTA's scratch (the slot's tokens as a list, EXPERT_DOWN also their router weights), one barrier, then each warp
-# walks its weight rows; each weight chunk a lane loads is dotted with every token of the slot's list,
+# walks its weight rows. Dense experts: each weight chunk a lane loads is dotted with every token of the slot's list,
 # GATE_UP_TILE / DOWN_TILE tokens per pass (a weight row is read once per instruction while its slot has no more
 # tokens than that; more: once per pass, the later passes from L1 / L2).
 # Tokens per pass: 4 fp32 accumulators per lane (x 2 for gate and up) up to batch 8, 2 above. Larger passes made
@@ -224,38 +239,45 @@ WIDE_BATCH_TILE = 2  # both opcodes' pass above batch 8
 GATE_UP_LOADS = 4  # 16-byte chunks per lane per step of EACH of w1 and w3: 8 loads (48 KiB per CTA) in flight
 DOWN_LOADS = 6  # 16-byte w2 chunks per lane per step: 6 loads (36 KiB per CTA) in flight; a k3 w2 row (384 chunks)
 # is then exactly two steps, no clamped chunk
-# MXFP4 (MKConfig.fp4): one 16-byte load is one 32-column group of codes. EXPERT_GATE_UP keeps GATE_UP_LOADS groups of
-# each of w1 and w3 in flight per lane (prefetched into L1 at the start of a step; a k3 row, 112 groups: one step). A
-# k3 w2 row is only 96 groups (3 per lane), so an EXPERT_DOWN warp takes DOWN_ROWS_FP4 rows at once, DOWN_LOADS /
-# DOWN_ROWS_FP4 groups of each (6 loads, 36 KiB per CTA, one step, none clamped), the two rows sharing every x load
-# like the gate and up rows do.
-DOWN_ROWS_FP4 = 2
+# MXFP4 (MKConfig.fp4): tensor cores (mk_mma: mma.sync m16n8k16, bf16 in, fp32 accumulators). A warp's work item is
+# FP4_ROWS = 16 weight rows (EXPERT_GATE_UP: the same 16 rows of w1 and of w3) x a pass of up to 8 tokens of the slot
+# as the mma's 8 columns, at every batch (B = 1: one real column). Per 128-column k block (FP4_BLOCK_GROUPS MXFP4
+# groups) lane (g, q) takes group q of rows g and g + 8 (16 code bytes + 1 scale byte each) and the same 32 x values of
+# its column g, so every lane's physical k depends on q only (fp4_mma_tile). Per step a lane prefetches
+# GATE_UP_BLOCKS / DOWN_BLOCKS k blocks of code groups and scale bytes into L1 (GATE_UP: 2 x 4 groups of 16 bytes,
+# DOWN: 4 x 2: 128 bytes per lane, 48 KiB per 12-warp CTA in flight), then loads them block by block from L1.
+FP4_ROWS = MMA_ROWS
+FP4_BLOCK_GROUPS = 4  # MXFP4 groups per k block: one per lane quad
+GATE_UP_BLOCKS = 2
+DOWN_BLOCKS = 4
 X_CHUNKS_PER_GROUP = FP4_GROUP // VEC  # 16-byte x chunks of one MXFP4 group (one per 8-code word)
 
 
-# sm_100a's ptxas spills the MXFP4 tiles at 4 tokens per pass (batch 8: micro, tiny, k3-shard); 2 there
-FP4_TILE_BY_ARCH = {"sm_100a": 2}
-
-
-def _fp4_cap(T: int, cfg: Any) -> int:
-    return min(T, FP4_TILE_BY_ARCH.get(cfg.arch, T)) if cfg.fp4 else T
-
-
 def gate_up_pass(cfg: Any) -> int:
-    """Tokens per pass of EXPERT_GATE_UP for the config's batch, expert format (``cfg.fp4``) and compile target
-    (``cfg.arch``)."""
-    return _fp4_cap(min(cfg.B, GATE_UP_TILE if cfg.B <= 8 else WIDE_BATCH_TILE), cfg)
+    """Tokens per pass of EXPERT_GATE_UP for the config's batch and expert format (``cfg.fp4``: the mma's 8
+    columns)."""
+    if cfg.fp4:
+        return min(cfg.B, MMA_COLS)
+    return min(cfg.B, GATE_UP_TILE if cfg.B <= 8 else WIDE_BATCH_TILE)
 
 
 def down_pass(cfg: Any) -> int:
     """Tokens per pass of EXPERT_DOWN (as :func:`gate_up_pass`)."""
-    return _fp4_cap(min(cfg.B, DOWN_TILE if cfg.B <= 8 else WIDE_BATCH_TILE), cfg)
+    if cfg.fp4:
+        return min(cfg.B, MMA_COLS)
+    return min(cfg.B, DOWN_TILE if cfg.B <= 8 else WIDE_BATCH_TILE)
 
 
-def down_rows(cfg: Any) -> int:
-    """w2 rows an EXPERT_DOWN warp takes at once: 1 (dense), DOWN_ROWS_FP4 (MXFP4); row task k of warp w starts at
-    r0 + (w + k·NW)·rows."""
-    return DOWN_ROWS_FP4 if cfg.fp4 else 1
+def row_tile(cfg: Any) -> int:
+    """Weight rows of a warp's work item in both expert opcodes: 1 (dense), FP4_ROWS (MXFP4); item k of warp w starts
+    at row r0 + (w + k·NW)·rows of the instruction's box."""
+    return FP4_ROWS if cfg.fp4 else 1
+
+
+def fp4_combine_width(cfg: Any) -> int:
+    """MXFP4 EXPERT_DOWN: combine accumulators per lane and row: lane (g, q) keeps tokens q, q + 4, ... of its rows
+    g and g + 8."""
+    return -(-cfg.B // 4)
 
 
 def slot_lists(cfg: Any) -> tuple[int, int, int]:
@@ -368,13 +390,10 @@ def fp4_row(ctx: _Ctx, jc: cutlass.Constexpr, js: cutlass.Constexpr, e: Int32, r
 
 @cute.jit
 def gate_up_rows(ctx: _Ctx, e: Int32, r: Int32) -> tuple[Any, Any]:
-    """Row r of expert e's gate (w1, operand 3) and up (w3, operand 4) projections, as 16-byte chunks; MXFP4: as
-    :func:`fp4_row` views (scales: operands 6, 7)."""
-    if const_expr(ctx.cfg.fp4):
-        wg, wu = fp4_row(ctx, 3, 6, e, r), fp4_row(ctx, 4, 7, e, r)
-    else:
-        wg = gchunks(ctx.s_addr[3] + expert_row_offset(ctx.s_d1[3], ctx.s_d2[3], e, r, Int64) * 2)
-        wu = gchunks(ctx.s_addr[4] + expert_row_offset(ctx.s_d1[4], ctx.s_d2[4], e, r, Int64) * 2)
+    """Row r of expert e's gate (w1, operand 3) and up (w3, operand 4) projections, as 16-byte chunks (dense
+    experts; MXFP4: :func:`fp4_tile_rows` of operands 3, 6 and 4, 7)."""
+    wg = gchunks(ctx.s_addr[3] + expert_row_offset(ctx.s_d1[3], ctx.s_d2[3], e, r, Int64) * 2)
+    wu = gchunks(ctx.s_addr[4] + expert_row_offset(ctx.s_d1[4], ctx.s_d2[4], e, r, Int64) * 2)
     return wg, wu
 
 
@@ -393,115 +412,113 @@ def gate_up_x(ctx: _Ctx, jj: Int32, p: Int32, xs: Int32) -> Int32:
 
 
 @cute.jit
-def _fp4_token(ld_x: Any, xv: Any, c: Int32, rx: cute.Tensor, pka: cute.Tensor, pkb: cute.Tensor, fa: Float32,
-               fb: Float32, aa: cute.Tensor, ab: cute.Tensor, t: cutlass.Constexpr) -> None:
-    """One token's share of one group: its 4 x chunks from chunk c (loads in flight together), each word of rows A and
-    B widened to fp32 (``fp4_widen``) and dotted with its chunk in pair order, one fp32 FMA chain per row over the
-    group's 32 columns; then the group partials times the group scales, one FMA into ``aa[t]`` / ``ab[t]``."""
-    for j in cutlass.range_constexpr(X_CHUNKS_PER_GROUP):
-        cute.copy(ld_x, xv[(c + j, None)], rx[None, j])
-    pa, pb = Float32(0.0), Float32(0.0)
-    for j in cutlass.range_constexpr(X_CHUNKS_PER_GROUP):
-        x = x_pair_order(rx[None, j], j)
-        wa = fp4_widen(pka[None, j].load())
-        wb = fp4_widen(pkb[None, j].load())
-        for k in cutlass.range_constexpr(VEC):
-            pa = pa + wa[k] * x[k]
-            pb = pb + wb[k] * x[k]
-    aa[t] = aa[t] + pa * fa
-    ab[t] = ab[t] + pb * fb
+def fp4_tile_rows(ctx: _Ctx, jc: cutlass.Constexpr, js: cutlass.Constexpr, e: Int32, rt: Any, lane: Any
+                  ) -> tuple[Any, Any]:
+    """The lane's two rows of the 16-row work item from row ``rt`` of expert e's MXFP4 weight (codes operand jc,
+    scales js): rows rt + g and rt + g + 8 as :func:`fp4_row` views. A row past the box's end (``W_ARGS + 3``)
+    reads the box's last row instead (in-bounds, straight-line); its results are not stored."""
+    r1 = ctx.s_ins[W_ARGS + 3]
+    g = lane_group(lane)
+    return (fp4_row(ctx, jc, js, e, cutlass.min(rt + g, r1 - 1)),
+            fp4_row(ctx, jc, js, e, cutlass.min(rt + g + 8, r1 - 1)))
 
 
 @cute.jit
-def fp4_tile(ctx: _Ctx, xv: Any, xs: Int32, ngr: Int32, wa: Any, wb: Any, jj: Int32, t0: Int32, n: Int32,
-             aa: cute.Tensor, ab: cute.Tensor, U: cutlass.Constexpr, DOWN: cutlass.Constexpr, lane: Any = None
-             ) -> None:
-    """MXFP4: a lane's partial dots of two weight rows A and B (:func:`fp4_row` views of ``ngr`` groups: the gate
-    and up rows of EXPERT_GATE_UP, two w2 rows of EXPERT_DOWN) with the x rows of tokens t0 .. t0 + T - 1 of list jj
-    (those below n; ``DOWN``: the hidden rows [b, slot jj], else the input rows): ``aa[t]``, ``ab[t]``.
+def _mma_device(acc: cute.Tensor, wg: cute.Tensor, wg8: cute.Tensor, xg: cute.Tensor, step: Any) -> None:
+    """The tensor-core step of :func:`fp4_mma_tile` on the GPU (the host execution records the registers instead)."""
+    mma_chunk(acc, wg, wg8, xg)
 
-    Per step each lane prefetches U groups of each row into L1 (``prefetch.global.L1`` of the 16-byte code loads and
-    the scale bytes: all of the step's weight bytes in flight at once, no register held while they land), then works
-    group by group: its codes (one 16-byte load per row, an L1 hit, kept packed until used) and scale bytes; groups
-    past the row's end are read at its last group and get scale 0 (straight-line, in-bounds loads, as the dense tiles
-    clamp). The group's 8-code words of both rows are placed as fp16 bits once (``fp4_place``: integer ops, 4
-    registers per word), and each token of the pass reads the group's 4 x chunks (16-byte loads, from L1), widens the
-    words to fp32 and dots them in pair order into one group partial per row, which the group's E8M0 scale
-    (``fp4_scale``, a power of two that also folds the placement's 2^-14 back) multiplies once: one FMA into the
-    token's accumulator. Every (group, token) is its own block under the warp-uniform branch on the token count,
-    token 0's too: a block that every later token's block follows would let the compiler widen the group's words
-    once for all tokens (64 fp32 registers live) and spill.
 
-    Scaling the partial instead of each weight: a power of two commutes with fp32 rounding, so the group partial is
-    exactly scale x (the same 32-term FMA chain over scaled weights), and the one FMA rounds acc + partial · scale
-    once; it is not the association of a chain running through the accumulator (per-weight scaling folded into one
-    FMA chain from acc), so results differ from that in the last bits. Unscaled terms are E2M1 · 2^-14 · x: they
-    leave the normal fp32 range only for |x| < 2^-111."""
-    if const_expr(lane is None):
-        lane = cute.arch.lane_idx()
-    T = cute.size(aa)
+@cute.jit
+def _fp4_block(ld_w: Any, ld_s: Any, w: Any, gi: Any, keep: Any, xr: list, acc: cute.Tensor, mma: Any, step0: Any,
+               NB: cutlass.Constexpr) -> None:
+    """One k block of one weight for one lane: group gi of its rows g and g + 8 (one 16-byte code load and one scale
+    byte each, L1 hits after the step's prefetch), each of the group's 4 code words decoded to bf16x2 registers
+    (``fp4_bf16x2``: exact E2M1 · 2^(e - 127), pair order) and stepped with the x registers ``xr[j]`` of the same
+    32 columns in the same order (``mma_chunk``: two mma.sync). ``keep`` (-1 / 0) zeroes the scales of a group past
+    the row's end (read at the last group)."""
+    (cg, sg), (c8, s8) = w
+    rc = cute.make_rmem_tensor((X_CHUNKS_PER_GROUP, 2), Uint32)
+    rs = cute.make_rmem_tensor((1, 2), Uint8)
+    cute.copy(ld_w, cg[(gi, None)], rc[None, 0])
+    cute.copy(ld_w, c8[(gi, None)], rc[None, 1])
+    cute.copy(ld_s, sg[(gi, None)], rs[None, 0])
+    cute.copy(ld_s, s8[(gi, None)], rs[None, 1])
+    fg = (fp4_scale(rs[0, 0]).bitcast(Int32) & keep).bitcast(Float32)
+    f8 = (fp4_scale(rs[0, 1]).bitcast(Int32) & keep).bitcast(Float32)
+    for j in cutlass.range_constexpr(X_CHUNKS_PER_GROUP):
+        mma(acc, fp4_bf16x2(rc[j, 0], fg), fp4_bf16x2(rc[j, 1], f8), xr[j], step0 + j * NB)
+
+
+@cute.jit
+def fp4_mma_tile(ctx: _Ctx, xv: Any, xs: Int32, ngr: Int32, wa: Any, wb: Any, jj: Int32, t0: Int32, n: Int32,
+                 acc_a: cute.Tensor, acc_b: Any, U: cutlass.Constexpr, DOWN: cutlass.Constexpr, lane: Any,
+                 mma: Any = None) -> None:
+    """MXFP4 on tensor cores: one lane's share of a 16-row x 8-token work item. ``wa`` (and ``wb``, or None) are the
+    lane's rows g, g + 8 (:func:`fp4_tile_rows`) of a weight of ``ngr`` groups; the 8 mma columns are the list
+    positions t0 .. t0 + 7 of list jj (``DOWN``: the hidden rows [b, slot jj], else the input rows). The accumulator
+    fragments ``acc_a`` (``acc_b``) end holding rows ``acc_row(lane, i)``, positions t0 + ``acc_col(lane, i)``.
+
+    K layout: per k block of FP4_BLOCK_GROUPS groups (128 columns) lane (g, q) takes group q, so the physical k of
+    every register depends on q only, as ``mma.sync`` needs (A rows g and g + 8 and B column g share it). Column g is
+    the token at position t0 + g, clamped to the list's last (n - 1): an absent column reads a real x row, and only
+    reaches accumulator column g, which is not stored. Groups past the row's end (the last block of a row whose
+    group count is not a multiple of 4) are read at the last group with scale 0. Per step the lane prefetches U
+    blocks' code groups and scale bytes into L1 (no registers held while they land), then works block by block.
+
+    ``mma``: the step ``mma(acc, wg, wg8, xg, step)`` (default: ``mma_chunk`` on the GPU; the host execution passes a
+    recorder and evaluates ``mk_mma.mma_reference`` itself); ``step`` = (block·4 + word)·NB + weight (NB = 2 with
+    ``wb``)."""
+    if const_expr(mma is None):
+        mma = _mma_device
+    NB = 1 if const_expr(wb is None) else 2
+    q = lane_quad(lane)
     ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint32, num_bits_per_copy=128, invariant=True)
     ld_s = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint8, num_bits_per_copy=8, invariant=True)
     if const_expr(DOWN):  # as the dense tiles: the latent input is kept in L1, the hidden rows are not
         ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)
     else:
         ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, **evict_last())
-    ca, sa = wa
-    cb, sb = wb
-    aa.fill(0.0)
-    ab.fill(0.0)
-    nt = n - t0
-    rc = cute.make_rmem_tensor((4, 2), Uint32)  # the group's codes of rows A, B
-    rs = cute.make_rmem_tensor((1, 2), Uint8)  # and their scale bytes
-    pka = cute.make_rmem_tensor((4, X_CHUNKS_PER_GROUP), Uint32)  # the group's words placed as fp16 bits
-    pkb = cute.make_rmem_tensor((4, X_CHUNKS_PER_GROUP), Uint32)
+    p = cutlass.min(t0 + lane_group(lane), n - 1)
+    xr0 = down_x(ctx, jj, p, xs) if const_expr(DOWN) else gate_up_x(ctx, jj, p, xs)
+    acc_a.fill(0.0)
+    if const_expr(wb is not None):
+        acc_b.fill(0.0)
     rx = cute.make_rmem_tensor((VEC, X_CHUNKS_PER_GROUP), BFloat16)
-    for it in cutlass.range((ngr + 32 * U - 1) // (32 * U), unroll=1):
-        g = it * (32 * U) + lane
+    nblk = (ngr + FP4_BLOCK_GROUPS - 1) // FP4_BLOCK_GROUPS
+    for it in cutlass.range((nblk + U - 1) // U, unroll=1):
         if const_expr(not tracing_for_host()):  # (a cache hint: no effect on any value, nothing on the host)
             for up in cutlass.range_constexpr(U):
-                gp = cutlass.min(g + 32 * up, ngr - 1)
-                for view in (ca, cb, sa, sb):
+                gp = cutlass.min((it * U + up) * FP4_BLOCK_GROUPS + q, ngr - 1)
+                views = (*wa[0], *wa[1]) if const_expr(wb is None) else (*wa[0], *wa[1], *wb[0], *wb[1])
+                for view in views:
                     cute.arch.prefetch(view[(gp, None)].iterator.llvm_ptr, cache_level="L1")
-        for u in cutlass.range(U, unroll=1):  # a loop: one group's registers live at a time
-            gi = cutlass.min(g + 32 * u, ngr - 1)
-            cute.copy(ld_w, ca[(gi, None)], rc[None, 0])
-            cute.copy(ld_w, cb[(gi, None)], rc[None, 1])
-            cute.copy(ld_s, sa[(gi, None)], rs[None, 0])
-            cute.copy(ld_s, sb[(gi, None)], rs[None, 1])
-            c = gi * X_CHUNKS_PER_GROUP  # the group's first x chunk
-            # a group past the row's end gets scale 0: all-zero bits, without a branch (keeps the step straight-line)
-            keep = ~((ngr - 1 - (g + 32 * u)) >> 31)  # -1 while g + 32u < ngr, else 0
-            fa = (fp4_scale(rs[0, 0]).bitcast(Int32) & keep).bitcast(Float32)
-            fb = (fp4_scale(rs[0, 1]).bitcast(Int32) & keep).bitcast(Float32)
-            for j in cutlass.range_constexpr(X_CHUNKS_PER_GROUP):
-                pka[None, j].store(fp4_place(rc[j, 0]))
-                pkb[None, j].store(fp4_place(rc[j, 1]))
-            for t in cutlass.range_constexpr(T):
-                if t < nt:  # the token's x row from the list in smem (no register held across the groups)
-                    xr = down_x(ctx, jj, t0 + t, xs) if const_expr(DOWN) else gate_up_x(ctx, jj, t0 + t, xs)
-                    _fp4_token(ld_x, xv, xr + c, rx, pka, pkb, fa, fb, aa, ab, t)
+        for u in cutlass.range(U, unroll=1):  # a loop: one block's registers live at a time
+            kb = it * U + u
+            if kb < nblk:  # warp-uniform
+                gq = kb * FP4_BLOCK_GROUPS + q
+                gi = cutlass.min(gq, ngr - 1)
+                keep = ~((ngr - 1 - gq) >> 31)  # -1 while the group is in the row, else 0
+                for j in cutlass.range_constexpr(X_CHUNKS_PER_GROUP):
+                    cute.copy(ld_x, xv[(xr0 + gi * X_CHUNKS_PER_GROUP + j, None)], rx[None, j])
+                xr = []
+                for j in cutlass.range_constexpr(X_CHUNKS_PER_GROUP):
+                    xr.append(x_pair_bf16x2(rx[None, j], j))
+                step0 = kb * (FP4_BLOCK_GROUPS * NB)
+                _fp4_block(ld_w, ld_s, wa, gi, keep, xr, acc_a, mma, step0, NB)
+                if const_expr(wb is not None):
+                    _fp4_block(ld_w, ld_s, wb, gi, keep, xr, acc_b, mma, step0 + 1, NB)
 
 
 @cute.jit
 def gate_up_tile(ctx: _Ctx, xv: Any, xs: Int32, nch: Int32, wg: Any, wu: Any, jj: Int32, t0: Int32, n: Int32,
                  ag: cute.Tensor, au: cute.Tensor, lane: Any = None) -> None:
-    """A lane's partial dots of the gate and up rows with tokens t0 .. t0 + T - 1 of list jj (those below n):
-    ``ag[t]``, ``au[t]``. Per step each lane has GATE_UP_LOADS chunks of each row in flight (chunks past the row's
-    end are read at its last chunk and count 0: straight-line, in-bounds loads), then dots them with every token
-    of the pass (the branch on the token count is warp-uniform). MXFP4: :func:`fp4_tile` (GATE_UP_LOADS groups of
-    each row per step)."""
+    """Dense experts: a lane's partial dots of the gate and up rows with tokens t0 .. t0 + T - 1 of list jj (those
+    below n): ``ag[t]``, ``au[t]``. Per step each lane has GATE_UP_LOADS chunks of each row in flight (chunks past
+    the row's end are read at its last chunk and count 0: straight-line, in-bounds loads), then dots them with every
+    token of the pass (the branch on the token count is warp-uniform). MXFP4: :func:`fp4_mma_tile`."""
     if const_expr(lane is None):
         lane = cute.arch.lane_idx()
-    if const_expr(ctx.cfg.fp4):
-        fp4_tile(ctx, xv, xs, nch, wg, wu, jj, t0, n, ag, au, GATE_UP_LOADS, False, lane)
-    else:
-        _gate_up_tile_dense(ctx, xv, xs, nch, wg, wu, jj, t0, n, ag, au, lane)
-
-
-@cute.jit
-def _gate_up_tile_dense(ctx: _Ctx, xv: Any, xs: Int32, nch: Int32, wg: Any, wu: Any, jj: Int32, t0: Int32, n: Int32,
-                        ag: cute.Tensor, au: cute.Tensor, lane: Any) -> None:
     T, U = cute.size(ag), GATE_UP_LOADS
     ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
     ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, **evict_last())
@@ -537,7 +554,30 @@ def gate_up_out(ctx: _Ctx, b: Int32, j: Int32, r: Int32) -> Int64:
 
 
 @cute.jit
+def fp4_gate_up_out(ctx: _Ctx, s0: Int32, jj: Int32, t0: Int32, n: Int32, rt: Any, lane: Any,
+                    i: cutlass.Constexpr) -> Int64:
+    """MXFP4: the element offset of the hidden activation held by accumulator register i of ``lane`` after the work
+    item (rows from rt, list positions from t0): row rt + ``acc_row``, the token at position t0 + ``acc_col``;
+    -1 (not stored) past the list's end or the box's last row."""
+    r = rt + acc_row(lane, i)
+    p = t0 + acc_col(lane, i)
+    off = Int64(-1)
+    if p < n:
+        if r < ctx.s_ins[W_ARGS + 3]:
+            off = gate_up_out(ctx, slot_token(ctx, jj, p), s0 + jj, r)
+    return off
+
+
+@cute.jit
 def op_expert_gate_up(ctx: _Ctx) -> None:
+    if const_expr(ctx.cfg.fp4):
+        _op_expert_gate_up_fp4(ctx)
+    else:
+        _op_expert_gate_up_dense(ctx)
+
+
+@cute.jit
+def _op_expert_gate_up_dense(ctx: _Ctx) -> None:
     cfg = ctx.cfg
     T = gate_up_pass(cfg)
     EXP, CNT, _ = slot_lists(cfg)
@@ -565,14 +605,39 @@ def op_expert_gate_up(ctx: _Ctx) -> None:
 
 
 @cute.jit
+def _op_expert_gate_up_fp4(ctx: _Ctx) -> None:
+    """MXFP4: work items of 16 rows (the same rows of w1 and w3) x up to 8 tokens per warp; the epilogue applies
+    SiTU-GLU to the (gate, up) accumulators of the same (row, token) that the lane holds and stores h."""
+    cfg = ctx.cfg
+    EXP, CNT, _ = slot_lists(cfg)
+    s0, s1, r0, r1 = ctx.s_ins[W_ARGS], ctx.s_ins[W_ARGS + 1], ctx.s_ins[W_ARGS + 2], ctx.s_ins[W_ARGS + 3]
+    _build_slot_lists(ctx, s0, s1, False)
+    xv = gchunks(ctx.s_addr[0])
+    xs, ngr = gate_up_dims(ctx)
+    out = gflat(BFloat16, ctx.s_addr[5])
+    ag = cute.make_rmem_tensor((4,), Float32)
+    au = cute.make_rmem_tensor((4,), Float32)
+    lane = ctx.lane
+    for jj in cutlass.range(s1 - s0, unroll=1):
+        n = ctx.s_i32[CNT + jj]
+        if n > 0:
+            e = ctx.s_i32[EXP + jj]
+            for rt in cutlass.range(r0 + ctx.warp * FP4_ROWS, r1, NW * FP4_ROWS, unroll=1):
+                wg, wu = fp4_tile_rows(ctx, 3, 6, e, rt, lane), fp4_tile_rows(ctx, 4, 7, e, rt, lane)
+                for t0 in cutlass.range(0, n, MMA_COLS, unroll=1):
+                    fp4_mma_tile(ctx, xv, xs, ngr, wg, wu, jj, t0, n, ag, au, GATE_UP_BLOCKS, False, lane)
+                    for i in cutlass.range_constexpr(4):
+                        off = fp4_gate_up_out(ctx, s0, jj, t0, n, rt, lane, i)
+                        if off >= 0:
+                            h = glu(bf16_round(ag[i]), bf16_round(au[i]), cfg.situ, cfg.situ_beta, cfg.situ_lin)
+                            out[off] = h.to(BFloat16)
+
+
+@cute.jit
 def down_row(ctx: _Ctx, e: Int32, r: Int32) -> Any:
-    """Row r of expert e's down projection (w2, operand 4), as 16-byte chunks. MXFP4: the rows r and r + 1 of the
-    warp's task (r + 1 clamped to the box's last row, whose second copy is then not stored) as :func:`fp4_row`
-    views (scales: operand 6)."""
-    if const_expr(ctx.cfg.fp4):
-        wv = (fp4_row(ctx, 4, 6, e, r), fp4_row(ctx, 4, 6, e, cutlass.min(r + 1, ctx.s_ins[W_ARGS + 3] - 1)))
-    else:
-        wv = gchunks(ctx.s_addr[4] + expert_row_offset(ctx.s_d1[4], ctx.s_d2[4], e, r, Int64) * 2)
+    """Row r of expert e's down projection (w2, operand 4), as 16-byte chunks (dense experts; MXFP4:
+    :func:`fp4_tile_rows` of operands 4 and 6)."""
+    wv = gchunks(ctx.s_addr[4] + expert_row_offset(ctx.s_d1[4], ctx.s_d2[4], e, r, Int64) * 2)
     return wv
 
 
@@ -593,22 +658,12 @@ def down_x(ctx: _Ctx, j: Int32, p: Int32, hs: Int32) -> Int32:
 
 @cute.jit
 def down_tile(ctx: _Ctx, hv: Any, hs: Int32, nch: Int32, wv: Any, j: Int32, t0: Int32, n: Int32, a: cute.Tensor,
-              lane: Any = None, a2: Any = None) -> None:
-    """A lane's partial dots of the down row with the hidden rows [b, slot j] (operand 0) of tokens t0 ..
-    t0 + T - 1 of slot j's list (those below n): ``a[t]``. DOWN_LOADS w2 chunks per lane in flight per step,
-    clamped at the row's end as in :func:`gate_up_tile`. MXFP4: the task's two rows (``down_row``) into ``a`` and
-    ``a2`` by :func:`fp4_tile`, DOWN_LOADS / DOWN_ROWS_FP4 groups of each per step."""
+              lane: Any = None) -> None:
+    """Dense experts: a lane's partial dots of the down row with the hidden rows [b, slot j] (operand 0) of tokens
+    t0 .. t0 + T - 1 of slot j's list (those below n): ``a[t]``. DOWN_LOADS w2 chunks per lane in flight per step,
+    clamped at the row's end as in :func:`gate_up_tile`. MXFP4: :func:`fp4_mma_tile`."""
     if const_expr(lane is None):
         lane = cute.arch.lane_idx()
-    if const_expr(ctx.cfg.fp4):
-        fp4_tile(ctx, hv, hs, nch, wv[0], wv[1], j, t0, n, a, a2, DOWN_LOADS // DOWN_ROWS_FP4, True, lane)
-    else:
-        _down_tile_dense(ctx, hv, hs, nch, wv, j, t0, n, a, lane)
-
-
-@cute.jit
-def _down_tile_dense(ctx: _Ctx, hv: Any, hs: Int32, nch: Int32, wv: Any, j: Int32, t0: Int32, n: Int32,
-                     a: cute.Tensor, lane: Any) -> None:
     T, U = cute.size(a), DOWN_LOADS
     ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
     ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)
@@ -633,16 +688,35 @@ def _down_tile_dense(ctx: _Ctx, hv: Any, hs: Int32, nch: Int32, wv: Any, j: Int3
 
 @cute.jit
 def down_weighted(ctx: _Ctx, dot: Float32, j: Int32, p: Int32) -> Float32:
-    """The expert's output for the p-th token of slot j (its warp-summed dot, rounded to bf16 as the reference's
+    """The expert's output for the p-th token of slot j (its summed dot, rounded to bf16 as the reference's
     activation dtype) times its router weight (operand 3, kept next to the token by the prologue), in fp32."""
     return bf16_round(dot) * ctx.s_f32[j * ctx.cfg.B + p]
 
 
 @cute.jit
-def down_combine(acc: cute.Tensor, y: Float32, b: Int32, lane: Int32) -> None:
-    """The fp32 combine: lane l keeps tokens l, l + 32, ...; token b's weighted output goes to its lane."""
+def down_combine(acc: cute.Tensor, y: Float32, b: Int32, first: Any, STRIDE: cutlass.Constexpr = 32) -> None:
+    """The fp32 combine: acc[m] keeps token first + STRIDE·m (dense: lane l keeps tokens l, l + 32, ...); token b's
+    weighted output goes to its owner."""
     for m in cutlass.range_constexpr(cute.size(acc)):
-        acc[m] = acc[m] + (y if lane + 32 * m == b else Float32(0.0))
+        acc[m] = acc[m] + (y if first + STRIDE * m == b else Float32(0.0))
+
+
+def fp4_column_src(lane: Any, c: int) -> tuple[Any, int]:
+    """Where column c of the accumulator fragments of ``lane``'s rows g (register i) and g + 8 (register i + 2)
+    lives: (lane (g, c // 2), i = c % 2), the inverse of ``acc_row`` / ``acc_col``."""
+    return lane_group(lane) * 4 + c // 2, c % 2
+
+
+@cute.jit
+def fp4_down_combine(ctx: _Ctx, acc: cute.Tensor, v: Float32, v8: Float32, j: Int32, p: Int32, n: Int32,
+                     lane: Any) -> None:
+    """MXFP4: one column of a work item's fragments into the lane's combine: ``v`` / ``v8`` are the sums of the
+    lane's rows g and g + 8 for list position p of slot j (shuffled from the lane holding them); lane (g, q) keeps
+    tokens q, q + 4, ... of its two rows (``acc`` [2, fp4_combine_width]); nothing past the list's end."""
+    if p < n:
+        b = slot_token(ctx, j, p)
+        down_combine(acc[0, None], down_weighted(ctx, v, j, p), b, lane_quad(lane), 4)
+        down_combine(acc[1, None], down_weighted(ctx, v8, j, p), b, lane_quad(lane), 4)
 
 
 @cute.jit
@@ -652,12 +726,32 @@ def down_out(ctx: _Ctx, b: Int32, r: Int32) -> Int64:
 
 
 @cute.jit
+def fp4_down_out(ctx: _Ctx, rt: Any, lane: Any, h: cutlass.Constexpr, m: cutlass.Constexpr) -> Int64:
+    """MXFP4: the element offset of combine accumulator [h, m] of ``lane`` (row rt + g + 8h, token q + 4m), -1 (not
+    stored) past the batch or the box's last row."""
+    b = lane_quad(lane) + 4 * m
+    r = rt + lane_group(lane) + 8 * h
+    off = Int64(-1)
+    if b < ctx.cfg.B:
+        if r < ctx.s_ins[W_ARGS + 3]:
+            off = down_out(ctx, b, r)
+    return off
+
+
+@cute.jit
 def op_expert_down(ctx: _Ctx) -> None:
+    if const_expr(ctx.cfg.fp4):
+        _op_expert_down_fp4(ctx)
+    else:
+        _op_expert_down_dense(ctx)
+
+
+@cute.jit
+def _op_expert_down_dense(ctx: _Ctx) -> None:
     cfg = ctx.cfg
     T = down_pass(cfg)
     EXP, CNT, _ = slot_lists(cfg)
     APL = -(-cfg.B // 32)
-    RW = down_rows(cfg)
     r0, r1 = ctx.s_ins[W_ARGS + 2], ctx.s_ins[W_ARGS + 3]
     _build_slot_lists(ctx, Int32(0), Int32(cfg.dmax), True)
     hv = gchunks(ctx.s_addr[0])
@@ -665,31 +759,55 @@ def op_expert_down(ctx: _Ctx) -> None:
     out = gflat(BFloat16, ctx.s_addr[5])
     a = cute.make_rmem_tensor((T,), Float32)
     acc = cute.make_rmem_tensor((APL,), Float32)
-    a2, acc2 = None, None  # MXFP4: the task's second row r + 1
-    if const_expr(RW > 1):
-        a2 = cute.make_rmem_tensor((T,), Float32)
-        acc2 = cute.make_rmem_tensor((APL,), Float32)
-    for r in cutlass.range(r0 + ctx.warp * RW, r1, NW * RW, unroll=1):
+    for r in cutlass.range(r0 + ctx.warp, r1, NW, unroll=1):
         acc.fill(0.0)
-        if const_expr(RW > 1):
-            acc2.fill(0.0)
         for j in cutlass.range(cfg.dmax, unroll=1):
             n = ctx.s_i32[CNT + j]
             if n > 0:
                 wv = down_row(ctx, ctx.s_i32[EXP + j], r)
                 for t0 in cutlass.range(0, n, T, unroll=1):
-                    down_tile(ctx, hv, hs, nch, wv, j, t0, n, a, None, a2)
+                    down_tile(ctx, hv, hs, nch, wv, j, t0, n, a)
                     for t in cutlass.range_constexpr(T):
                         if t0 + t < n:
                             y = down_weighted(ctx, warp_sum(a[t]), j, t0 + t)
                             down_combine(acc, y, slot_token(ctx, j, t0 + t), ctx.lane)
-                            if const_expr(RW > 1):
-                                y2 = down_weighted(ctx, warp_sum(a2[t]), j, t0 + t)
-                                down_combine(acc2, y2, slot_token(ctx, j, t0 + t), ctx.lane)
         for m in cutlass.range_constexpr(APL):
             b = ctx.lane + 32 * m
             if b < cfg.B:
                 out[down_out(ctx, b, r)] = acc[m].to(BFloat16)
-                if const_expr(RW > 1):
-                    if r + 1 < r1:
-                        out[down_out(ctx, b, r + 1)] = acc2[m].to(BFloat16)
+
+
+@cute.jit
+def _op_expert_down_fp4(ctx: _Ctx) -> None:
+    """MXFP4: work items of 16 w2 rows x up to 8 tokens per warp, every used slot in turn; after each item the
+    fragment column of each token is shuffled to the lanes of its rows that keep the token (lane (g, q): tokens
+    q, q + 4, ...) and added, router-weighted, to the fp32 combine; one bf16 store per (row, token) at the end."""
+    cfg = ctx.cfg
+    T = down_pass(cfg)
+    EXP, CNT, _ = slot_lists(cfg)
+    r0, r1 = ctx.s_ins[W_ARGS + 2], ctx.s_ins[W_ARGS + 3]
+    _build_slot_lists(ctx, Int32(0), Int32(cfg.dmax), True)
+    hv = gchunks(ctx.s_addr[0])
+    hs, ngr = down_dims(ctx)
+    out = gflat(BFloat16, ctx.s_addr[5])
+    lane = ctx.lane
+    a = cute.make_rmem_tensor((4,), Float32)
+    acc = cute.make_rmem_tensor((2, fp4_combine_width(cfg)), Float32)
+    for rt in cutlass.range(r0 + ctx.warp * FP4_ROWS, r1, NW * FP4_ROWS, unroll=1):
+        acc.fill(0.0)
+        for j in cutlass.range(cfg.dmax, unroll=1):
+            n = ctx.s_i32[CNT + j]
+            if n > 0:
+                wv = fp4_tile_rows(ctx, 4, 6, ctx.s_i32[EXP + j], rt, lane)
+                for t0 in cutlass.range(0, n, MMA_COLS, unroll=1):
+                    fp4_mma_tile(ctx, hv, hs, ngr, wv, None, j, t0, n, a, None, DOWN_BLOCKS, True, lane)
+                    for c in cutlass.range_constexpr(T):
+                        src, i = fp4_column_src(lane, c)
+                        v = cute.arch.shuffle_sync(a[i], src)
+                        v8 = cute.arch.shuffle_sync(a[i + 2], src)
+                        fp4_down_combine(ctx, acc, v, v8, j, t0 + c, n, lane)
+        for h in cutlass.range_constexpr(2):
+            for m in cutlass.range_constexpr(fp4_combine_width(cfg)):
+                off = fp4_down_out(ctx, rt, lane, h, m)
+                if off >= 0:
+                    out[off] = acc[h, m].to(BFloat16)

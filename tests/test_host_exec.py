@@ -210,7 +210,7 @@ def test_shared_module_mutant_reaches_the_kernel_module_that_imports_it() -> Non
     assert name == "moe" and moe.C.__name__.endswith("._mutant__common")
     assert [moe.C.fp4_pair_col(q) for q in range(4)] == [0, 1, 2, 3]  # the mutant's adjacent columns (was 0, 4, 1, 5)
     name, mk = load_case_mutant(mut, "mk_moe")
-    assert name == "mk_moe" and mk.x_pair_order.__module__.endswith("._mutant__common")
+    assert name == "mk_moe" and mk.x_pair_bf16x2.__module__.endswith("._mutant__common")
     assert load_case_mutant(["gemv", []], "moe")[0] == "gemv"  # a kernel module's own mutant: itself
     with pytest.raises(ValueError, match="does not import _common"):
         load_case_mutant(mut, "meta")

@@ -94,7 +94,8 @@ def test_planted_mma_gemv_mutant_is_caught(mutant: str, results: dict[str, dict]
 @pytest.mark.slow
 @pytest.mark.parametrize("op", ["norm_proj", "lm_head"])
 def test_mma_gemv_at_k3_shard_width(op: str, tmp_path: Path) -> None:
-    """k3-shard's hidden width (7168: 56 whole steps of 4 k blocks, no tail), a box of 3 tiles and a half."""
+    """k3-shard's hidden width (7168: 896 chunks; at the normalised opcodes' 3 k blocks per step on sm_90a, 74 whole
+    steps of 12 chunks and a clamped tail step of 8), a box of 3 tiles and a half."""
     case = {"op": op, "args": {"preset": "k3-shard", "K": 7168, "n": 56, "staged": 16}}
     (r,) = run_cases("kimik3.kernels.host_exec_mk_gemv", [case], tmp_path, timeout=1800)
     assert r["ok"], f"{op}: problems {r['problems']}, errors {r['errors']} (tolerance {r['tol']})"

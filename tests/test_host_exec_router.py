@@ -12,7 +12,8 @@ through a subprocess: a device-only instruction reached on the host aborts the p
 Whole programs at ``micro`` and ``tiny``; at ``k3-shard`` the first MoE layer's tile corners (first / last slot x
 first / last row tile, every lane) and the misc opcodes; the full ``tiny`` batch-8 / ``k3-shard`` layers are slow.
 The same for programs carrying MXFP4 routed experts (``expert_format="mxfp4"``: the kernel compiled with
-``MKConfig.fp4`` decodes codes and E8M0 scales in registers), against the interpreter's dequantise-then-dense bodies.
+``MKConfig.fp4`` decodes codes and E8M0 scales to bf16 registers for ``mma.sync``; on the host every lane's code runs
+and only the mma is evaluated by ``mk_mma.mma_reference``), against the interpreter's dequantise-then-dense bodies.
 Planted mutants (docs/planted-bugs.md) must fail.
 """
 
@@ -44,17 +45,20 @@ def _cases_ci() -> list[dict]:
     cases += [{"family": "mk.misc", "preset": p, "batch": b} for p, b in (("micro", 8), ("tiny", 1))]
     cases += [{"family": "mk.moe", "preset": "k3-shard", "batch": 1, "layers": "first_moe", "sample": "corners"},
               {"family": "mk.misc", "preset": "k3-shard", "batch": 1}]
-    # MXFP4 experts: passes of 4 tokens (micro batch 8), multi-group rows (tiny: 6 gate/up and 8 down groups, a
-    # partial lane round), the k3-shard widths' corners (112 / 96 groups: one step, lanes 16..31 clamped on gate/up)
+    # MXFP4 experts (tensor cores: 16-row x 8-token work items): a pass of 8 tokens (micro batch 8), several passes
+    # and 16 combine accumulators per lane and row (micro batch 64), multi-block rows (tiny: 6 gate/up groups, a
+    # partial k block, and 8 down groups), the k3-shard widths' corners (112 / 96 groups: 28 / 24 k blocks)
     cases += [{"family": "mk.moe", "preset": p, "batch": b, "expert_format": "mxfp4"} for p, b in (("micro", 8),
+                                                                                                   ("micro", 64),
                                                                                                    ("tiny", 1))]
     cases += [{"family": "mk.moe", "preset": "k3-shard", "batch": 1, "layers": "first_moe", "sample": "corners",
                "expert_format": "mxfp4"}]
-    # EXPERT_DOWN tiles of 7 rows: a warp's last MXFP4 row pair is one row (its second row clamped, not stored)
+    # tiles whose rows are not a multiple of 16: the work item's rows past the box's end read its last row and are
+    # not stored (EXPERT_DOWN: 7 rows; EXPERT_GATE_UP: 20 + 12 rows)
     cases += [{"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8, "expert_format": "mxfp4",
-               "tiling": {"expert_down_rows": 7}}]
-    # the loop shape compiled for sm_100a (MXFP4 passes of 2 tokens at batch 8)
-    cases += [{"family": "mk.moe", "preset": "micro", "batch": 8, "expert_format": "mxfp4", "arch": "sm_100a"}]
+               "tiling": {"expert_down_rows": 7}},
+              {"family": "mk.EXPERT_GATE_UP", "preset": "micro", "batch": 8, "expert_format": "mxfp4",
+               "tiling": {"expert_rows": 20}}]
     return cases
 
 
@@ -71,6 +75,7 @@ def _cases_slow() -> list[dict]:
 
 # Planted bugs (docs/planted-bugs.md): (module, [(original, mutated)]) and the case that must then fail. Each mutated
 # line is the real one in the kernel module, so a refactor that moves it fails load_mutant loudly.
+MX8 = {"family": "mk.moe", "preset": "micro", "batch": 8, "expert_format": "mxfp4"}
 MUTANTS: dict[str, tuple[list, dict]] = {
     "topk-tie-break": (["router", [["return (v > bv) | ((v == bv) & (i < bi))",
                                     "return (v > bv) | ((v == bv) & (i > bi))"]]],
@@ -98,14 +103,30 @@ MUTANTS: dict[str, tuple[list, dict]] = {
                         {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
     "mk-argmax-last-max": (["mk_misc", [["take = v > best", "take = v >= best"]]],
                            {"family": "mk.misc", "preset": "micro", "batch": 8}),
-    # MXFP4 experts: w1's scale byte read one group to the right (the next group's, or the next row's first)
-    "mk-fp4-scale-group": (["mk_moe", [["cute.copy(ld_s, sa[(gi, None)], rs[None, 0])",
-                                        "cute.copy(ld_s, sa[(gi + 1, None)], rs[None, 0])"]]],
-                           {"family": "mk.moe", "preset": "micro", "batch": 8, "expert_format": "mxfp4"}),
-    # the two codes of a byte swapped (high nibble taken as the even column), in the decode shared with the fused
-    # kernel (module _common: the opcodes run with the mutated helpers)
-    "mk-fp4-nibble-order": (["_common", [["return 8 * j + s + 4 * hi", "return 8 * j + ((s + 4 * hi) ^ 1)"]]],
-                            {"family": "mk.moe", "preset": "micro", "batch": 8, "expert_format": "mxfp4"}),
+    # MXFP4 experts (kernels/mk_moe.py fp4_mma_tile and around; every case runs the lane code on the host with the
+    # mma.sync evaluated by mk_mma.mma_reference). w1's scale byte read one group to the right (the next group's, or
+    # the next row's first)
+    "mk-fp4-scale-group": (["mk_moe", [["cute.copy(ld_s, sg[(gi, None)], rs[None, 0])",
+                                        "cute.copy(ld_s, sg[(gi + 1, None)], rs[None, 0])"]]], MX8),
+    # the two codes of a byte swapped (high nibble taken as the even column) in the x pair order shared with the
+    # fused kernel (module _common: the opcodes run with the mutated helpers): x no longer matches the decoded words
+    "mk-fp4-nibble-order": (["_common", [["return 8 * j + s + 4 * hi", "return 8 * j + ((s + 4 * hi) ^ 1)"]]], MX8),
+    # the x registers in column order instead of the decoded words' pair order
+    "mk-fp4-x-register-order": (["_common", [["xp[q] = rx[fp4_pair_col(VEC * j + q) - VEC * j]", "xp[q] = rx[q]"]]],
+                                MX8),
+    # rows g and g + 8 decoded with each other's scale
+    "mk-fp4-row-scale": (["mk_moe", [["mma(acc, fp4_bf16x2(rc[j, 0], fg), fp4_bf16x2(rc[j, 1], f8), xr[j]",
+                                      "mma(acc, fp4_bf16x2(rc[j, 0], f8), fp4_bf16x2(rc[j, 1], fg), xr[j]"]]], MX8),
+    # the x values of the neighbouring group: k no longer matches between A and B
+    "mk-fp4-x-group": (["mk_moe", [["xv[(xr0 + gi * X_CHUNKS_PER_GROUP + j, None)]",
+                                    "xv[(xr0 + (gi ^ 1) * X_CHUNKS_PER_GROUP + j, None)]"]]], MX8),
+    # the lane's second A row one too low (row g + 7 in place of g + 8)
+    "mk-fp4-second-row": (["mk_moe", [["cutlass.min(rt + g + 8, r1 - 1)", "cutlass.min(rt + g + 7, r1 - 1)"]]], MX8),
+    # EXPERT_DOWN's epilogue shuffles column c from the wrong lane of the row group
+    "mk-fp4-column-src": (["mk_moe", [["return lane_group(lane) * 4 + c // 2, c % 2",
+                                       "return lane_group(lane) * 4 + c % 4, c % 2"]]], MX8),
+    # EXPERT_GATE_UP's epilogue stores register i's value at the other row of the lane's pair
+    "mk-fp4-out-row": (["mk_moe", [["r = rt + acc_row(lane, i)\n", "r = rt + acc_row(lane, i ^ 2)\n"]]], MX8),
     # the code rows at half their stride (d2 counted in 16-bit units): other rows' codes, still 16-byte aligned
     "mk-fp4-code-row-stride": (["mk_moe", [["fp4_row_offsets(ctx.s_d1[jc], ctx.s_d2[jc], ctx.s_d1[js]",
                                             "fp4_row_offsets(ctx.s_d1[jc], ctx.s_d2[jc] // 2, ctx.s_d1[js]"]]],
