@@ -392,9 +392,10 @@ display(times_b1.groupby("op").agg(count=("op", "size"), fetch_us=("fetch_ns", "
 # instruction waits and runs* (which rows is decided on the host and stored in the instruction words `W_NEXT_*`; the
 # hazard checker allows it only for static weights); the instruction row of the next queue entry is prefetched too,
 # and all waits are checked in one round trip; the GEMV opcodes keep 8 × 16-byte loads per lane in flight (48 KiB per
-# SM) and walk up to 8 batch rows per pass, so at batch 8 every weight row is read once; the MLA absorption reads
-# W_UK with 16-byte loads, and the partial attention spreads heads over the warps. The same program, the same
-# constants; per opcode the SM time summed over instructions under each design:
+# SM) and walk up to 8 batch rows per pass, so at batch 8 every weight row is read once — on tensor cores at batch
+# passes of 8 (16-row `mma.sync` tiles, next section); the MLA absorption reads W_UK with 16-byte loads, and the
+# partial attention spreads heads over the warps. The same program, the same constants; per opcode the SM time summed
+# over instructions under each design:
 
 # %%
 from kimik3.perfmodel import compare_designs, megakernel_model, roofline_ms
@@ -434,18 +435,18 @@ print("batch 8 with every GEMV x re-read from L2:",
 fig
 
 # %% [markdown]
-# ### MXFP4 experts
+# ### MXFP4 experts, and the tensor cores
 #
 # Stored as MXFP4 the routed experts cost 4.25 bits per weight instead of 16, so the step's bytes (and the roofline)
-# shrink; the expert opcodes read the codes and the scale bytes and expand every weight on the CUDA cores before its
-# FMA. Counted in their PTX, that is about 2.8 instructions per weight and pass (placing the codes as fp16 bits, the
-# loads) and 2.7 per weight and token (widening, half a conversion of x, the FMA) — for a quarter of the bytes. So the
-# expert opcodes stop being limited by the HBM stream and become limited by instruction issue, at batch 1 already and
-# more so at batch 8, where each expert's weights meet about two tokens: the design reaches the roofline with bf16
-# experts but not with MXFP4 ones. The way out is the tensor cores (`mma.sync` with the decoded weights as bf16
-# fragments: one instruction for 16 rows × 8 tokens × 16 columns, the decode once per weight); and since the
-# non-expert opcodes then dominate at batch 8, their GEMVs would need the same treatment. The table (mean µs per
-# instruction in the calibrated model) shows which part sets each expert opcode's pace.
+# shrink — and each byte now carries almost four weights to expand. On the CUDA cores (the first MXFP4 opcodes) that
+# was about 2.8 instructions per weight and pass plus 2.7 per weight and token, counted in their PTX: issue-bound at
+# batch 1 already. Today's expert opcodes decode each weight once, straight into bf16 fragments, and hand 16 rows × 8
+# tokens × 16 columns to one `mma.sync` (`kernels/mk_mma.py`); the tokens of an expert are the instruction's 8
+# columns, so the decode is paid once per weight whatever the batch. At batch 8 the other GEMVs (projections, the
+# shared experts, the LM head) had the same problem with bf16 weights — 8 FMAs and converts per weight, and every x
+# row re-read per weight row — so they take the tensor cores too at batch passes of 8: one x chunk per 16 weight
+# rows, a handful of instructions per k block. The table gives the model's fractions of the roofline; the second
+# (mean µs per instruction) shows which part sets each expert opcode's pace.
 
 # %%
 rows, parts = [], []
