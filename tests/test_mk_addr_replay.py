@@ -154,6 +154,9 @@ def test_mutated_lines_are_the_ones_the_device_code_calls() -> None:
     # the tensor-core path's tiles (every opcode but FFN_OUT in op_*, FFN_OUT's in _ffn_out_mma) and its item order
     assert gemv.count("mk_addr.gemv_tiles(n, TR)") == 5 and gemv.count("mk_addr.gemv_item(k, nt, NBT)") == 5
     assert "mk_addr.gemv_tile_rows(BT)" in gemv
+    # LM_HEAD's path is one switch that the device code and the replay (lm_head_tile_rows) both read
+    assert "if const_expr(MMA and mk_addr.LM_HEAD_MMA):" in gemv
+    assert '"lm_head_tile_rows", lm_head_tile_rows)(s.gbt)' in (k / "mk_addr.py").read_text()
     assert moe.count("expert_row_offset(") == 3  # EXPERT_GATE_UP (w1, w3), EXPERT_DOWN (w2)
     assert moe.count("fp4_row_offsets(") == 1  # fp4_row: every MXFP4 code / scale row of both expert opcodes
     assert "return elem_offset(d1, d2, b, r, c, Int64)" in operands  # _eoff: every other [b, r, c] offset
