@@ -59,7 +59,9 @@ is checked on a GPU by ``tests/test_megakernel_gpu.py``.
 
 This file is the VM (fetch, the stage pipeline, wait with its watchdog, dispatch, signal, timing) and the
 compile-time config; the opcodes live in one module per family, on the operand access of ``mk_operands.py``:
-``mk_gemv.py`` (the tiled GEMV opcodes, sharing ``device_fns.weight_row_dot``), ``mk_kda.py``, ``mk_mla.py``,
+``mk_gemv.py`` (the tiled GEMV opcodes: ``device_fns.weight_row_dot`` on CUDA cores, ``device_fns.weight_tile_mma``
+on tensor cores at batch passes of 8), ``mk_mma.py`` (the ``mma.sync`` step and its fragment layout), ``mk_kda.py``,
+``mk_mla.py``,
 ``mk_moe.py`` and ``mk_misc.py`` (EMBED, ATTN_RES_MIX, ARGMAX). Which elements an opcode touches comes from
 ``mk_addr.py``, the arithmetic the host's address replay runs too. The source hash covers every one of them
 (``_source.OPCODE_MODULES``).
@@ -177,7 +179,10 @@ OPCODE_NOTES: dict[str, tuple[str, str]] = {
                   "CUDA-core FMAs, one CTA per SM: 12 warps keep 48 KiB of weights in flight per SM; the smem stage, "
                   "copied while the previous instruction ran, covers the first 48 KiB of rows; up to batch 8 each "
                   "weight row is read once, at B = 64 once per pass of 8 (L1) and x comes from L1/L2 for every row — "
-                  "FMA/L1-bound, a tensor-core (mma) path for B ≥ 16 is future work"),
+                  "FMA/L1-bound on that path. At batch passes of 8 rows (B = 8, 64) the tensor-core path instead: "
+                  "16-row tiles x the pass per warp item, mma.sync m16n8k16 on 16-byte chunks (mk_mma's chunk "
+                  "layout), x normalised as loaded (bf16(γ·bf16(x·rstd))), each x chunk loaded once per 16 rows; "
+                  "3 k blocks in flight per lane there (36 KiB of weights per SM: the γ chunks take the registers)"),
     "MLP_GATE_UP": ("as NORM_PROJ for the gate and the up row of each channel, then SiTU-GLU (or SwiGLU) in fp32",
                     "as NORM_PROJ; x is read twice per channel (once per weight)"),
     "KDA_STEP": ("per (head, sequence): threads < dk do the width-4 conv + SiLU for q/k/v (shifting the conv "
@@ -220,7 +225,8 @@ OPCODE_NOTES: dict[str, tuple[str, str]] = {
                    "(16-byte weight loads), output gate applied from smem",
                    "each merging thread re-reads the splits' max (L1 hits) and evaluates its own exp per split"),
     "O_PROJ_RESIDUAL": ("one warp per o_proj row (column of the stream): dot over the mixer output, bf16, added "
-                        "into (or starting) the block's partial sum", "as NORM_PROJ"),
+                        "into (or starting) the block's partial sum; at batch passes of 8 a 16-row mma tile per "
+                        "warp item (4 k blocks in flight per lane, 48 KiB per SM)", "as NORM_PROJ"),
     "ROUTER": ("one warp per token: sigmoid scores (+ bias to choose), k rounds of butterfly arg-max (ties to the "
                "lower id), renormalise; warp 0 compacts the chosen experts in ascending order with ballots into "
                "slots; one thread per (token, slot) writes the slot weight and use flag",
@@ -246,7 +252,9 @@ OPCODE_NOTES: dict[str, tuple[str, str]] = {
                 "shared/dense down row, each rounded to bf16 as the reference does, added into the stream",
                 "as NORM_PROJ"),
     "LM_HEAD": ("final RMSNorm + one warp per vocabulary row: bf16-rounded fp32 logits, per-warp running arg-max "
-                "per token, merged across warps through smem (ties to the lowest id)", "as NORM_PROJ"),
+                "per token, merged across warps through smem (ties to the lowest id); CUDA cores at every batch "
+                "(its tensor-core tiles, next to the other GEMV opcodes', made ptxas spill the VM's loop state at "
+                "batch 8: mk_addr.LM_HEAD_MMA)", "as NORM_PROJ's CUDA-core path"),
     "ARGMAX": ("one thread per token walks the tiles' (max, arg-max) pairs, 4 independent loads per iteration, "
                "first maximum wins", "serial over tiles (a few hundred at most)"),
 }
