@@ -25,8 +25,11 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float16, Float32, Int32, Uint8, Uint32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cutlass_dsl import T, dsl_user_op
 
+from ._trace import tracing_for_host
 from .meta import SUPPORTED_ARCHS  # defined with the rest of the kernels' host-visible metadata
 
 __all__ = [
@@ -58,7 +61,14 @@ __all__ = [
     "x_pair_order",
     "fp4_scale",
     "fp4_bf16x2",
+    "fp4_bf16_scale",
+    "fp4_scale_hi",
+    "fp4_rescale",
+    "fp4_group_scales",
+    "fp4_decode_pair",
+    "fp4_word_place",
     "x_pair_bf16x2",
+    "x_pair_src",
     "torch_dtype",
     "launch",
     "ref_rms_norm",
@@ -322,8 +332,10 @@ def warp_argmax(v: Float32, i: Int32) -> tuple[Float32, Int32]:
 
 
 # ---------------------------------------------------------------------------------------------- MXFP4 decode
-# Shared by the fused MoE kernel (moe.py) and the megakernel's expert opcodes (mk_moe.py). One 32-bit word holds 8
-# E2M1 codes (low nibble = even column); each becomes an fp16 by masking the magnitude bits into the fp16
+# One 32-bit word holds 8 E2M1 codes (low nibble = even column). Both MXFP4 paths use the pair order (register /
+# element pair s of a word = columns s, s + 4: fp4_pair_col); the fused MoE kernel (moe.py, CUDA cores, fp32) decodes
+# with fp4_place / fp4_widen / fp4_expand / fp4_scale / x_pair_order, the megakernel's tensor-core expert opcodes
+# (mk_moe.py) with fp4_bf16x2 and its helpers below. fp32 path: each code becomes an fp16 by masking the fp16
 # exponent/mantissa ((c & 7) << 9) and the sign into bit 15: fp16 value = E2M1(c) · 2^-14, exact (code 1 lands on an
 # fp16 subnormal, which cvt.f32.f16 keeps). fp4_scale folds the 2^14 back into the group's power-of-two scale.
 @cute.jit
@@ -380,21 +392,117 @@ def fp4_scale(e: Any) -> Float32:
     return ((Uint32(e) + 14) << 23).bitcast(Float32)
 
 
+# The tensor-core operand decode (mk_moe's MXFP4 expert opcodes) skips fp32: the 3 magnitude bits (e1 e0 m) of code
+# c go to bf16 bits 8..6 (exponent field e1 e0, top mantissa bit m) and its sign to bit 15, which is the bf16 value
+# E2M1(c) · 2^-126 exactly (code 1, 0.5, becomes the bf16 subnormal 2^-127; bf16x2 mul keeps subnormals), then one
+# bf16x2 multiply by 2^(e - 1) per register gives E2M1 · 2^(e - 127). 2^(e - 1) is a bf16 for e <= 128 (exponent
+# field e + 126); a larger scale byte (not produced by quantisation, legal E8M0) multiplies by 2^127 first and by
+# 2^(e - 128) second (``fp4_scale_hi``), both exact until the final rounding, which overflows where fp32 does.
+# Placement of register s (columns s, s + 4: nibbles at bits 4s and 16 + 4s): the two nibbles masked out of the word
+# (for s >= 2 of the word shifted right by 8, shared by s = 2, 3), then one integer multiply by 2^a + 2^(a + 6)
+# (a = 6 - 4·(s % 2)) writes the nibble shifted by a (magnitude at bits 8..6) and by a + 6 (sign at bit 15) into
+# disjoint bit ranges (6..9 and 12..15 of each half: no carries), and one mask keeps those bits.
+FP4_BF16_BITS = 0x81C081C0  # bf16 bits 15 and 8..6 of both halves
+FP4_BIG_SCALE = 128  # scale bytes above this need fp4_scale_hi
+
+
+def fp4_word_place(s: int) -> tuple[int, int, int]:
+    """Register s's placement constants: (right shift of the word, nibble mask, multiplier)."""
+    a = 6 - 4 * (s % 2)
+    return 8 * (s // 2), 0x000F000F << (4 * (s % 2)), (1 << a) + (1 << (a + 6))
+
+
 @cute.jit
-def fp4_bf16x2(w: Uint32, scale: Float32) -> cute.Tensor:
-    """The 8 E2M1 codes of one 32-bit word times their group's ``fp4_scale`` as (4,) uint32 bf16x2 registers (the
-    tensor-core A operand), in pair order: register s holds (column s, column s + 4), low half first. The values are
-    E2M1 · 2^(e - 127): two significant bits, so the fp32 -> bf16 conversion is exact."""
-    t = cute.make_rmem_tensor((VEC,), BFloat16)
-    t.store(fp4_expand(w, scale).to(BFloat16))
-    return cute.recast_tensor(t, Uint32)
+def fp4_bf16_scale(e: Any, keep: Any = None) -> Uint32:
+    """The bf16x2 register (2^(min(e, 128) - 1), twice) that ``fp4_bf16x2``'s placed codes are multiplied by;
+    ``keep`` (uint32 all-ones / 0): 0 zeroes the group."""
+    s = (cutlass.min(Uint32(e), Uint32(FP4_BIG_SCALE)) + 126) << 7
+    if const_expr(keep is not None):
+        s = s & keep
+    return s | (s << 16)
+
+
+@cute.jit
+def fp4_scale_hi(e: Any) -> Uint32:
+    """The second factor of a scale byte above 128: bf16x2 2^(e - 128) (exponent field e - 1; 1.0 for e <= 128)."""
+    s = (cutlass.max(Uint32(e), Uint32(FP4_BIG_SCALE)) - 1) << 7
+    return s | (s << 16)
+
+
+@cute.jit
+def fp4_rescale(t: cute.Tensor, scale: Uint32) -> None:
+    """(4,) uint32 bf16x2 registers times the bf16x2 ``scale`` in place (the second factor of a scale above 128)."""
+    sv = cute.make_rmem_tensor((4,), Uint32)
+    sv.fill(scale)
+    tb = cute.recast_tensor(t, BFloat16)
+    tb.store(tb.load() * cute.recast_tensor(sv, BFloat16).load())
+
+
+@cute.jit
+def fp4_bf16x2(w: Uint32, scale: Uint32) -> cute.Tensor:
+    """The 8 E2M1 codes of one 32-bit word times their group's scale as (4,) uint32 bf16x2 registers (the
+    tensor-core A operand), in pair order: register s holds (column s, column s + 4), low half first. ``scale``:
+    ``fp4_bf16_scale`` of the group's byte; the values are E2M1 · 2^(e - 127) exactly for e <= 128 (larger:
+    ``fp4_rescale`` by ``fp4_scale_hi``). Integer placement (``fp4_word_place``: and, multiply, and per register; one
+    shift per word), then one bf16x2 multiply per register."""
+    t = cute.make_rmem_tensor((4,), Uint32)
+    w8 = w >> 8
+    for s in cutlass.range_constexpr(4):
+        sh, mask, mul = fp4_word_place(s)
+        t[s] = (((w8 if const_expr(sh) else w) & Uint32(mask)) * Uint32(mul)) & Uint32(FP4_BF16_BITS)
+    fp4_rescale(t, scale)
+    return t
+
+
+def x_pair_src(j: int, s: int) -> tuple[int, int, int, int]:
+    """Where register s of word j's B operand gets its halves (columns ``fp4_pair_col`` of elements 2s and 2s + 1):
+    (x register of the low half, its half, x register of the high half, its half), the x chunk read as 4 bf16x2
+    registers of consecutive columns."""
+    lo, hi = (fp4_pair_col(VEC * j + 2 * s + h) - VEC * j for h in range(2))
+    return lo // 2, lo % 2, hi // 2, hi % 2
+
+
+@cute.jit
+def fp4_group_scales(e: Any, e8: Any, keep: Any) -> tuple[Uint32, Uint32, Any]:
+    """A lane's two groups (rows g and g + 8) of scale bytes e, e8: their ``fp4_bf16_scale`` (times ``keep``) and
+    whether either needs the second factor (a byte above 128: never written by quantisation)."""
+    big = cutlass.max(Uint32(e), Uint32(e8)) > FP4_BIG_SCALE
+    return fp4_bf16_scale(e, keep), fp4_bf16_scale(e8, keep), big
+
+
+@cute.jit
+def fp4_decode_pair(w: Uint32, w8: Uint32, e: Any, e8: Any, scales: tuple) -> tuple[cute.Tensor, cute.Tensor]:
+    """One code word of each of the lane's two groups as bf16x2 registers (``fp4_bf16x2``), ``scales`` from
+    ``fp4_group_scales``; the rare branch multiplies both by their ``fp4_scale_hi`` (1.0 for a byte <= 128)."""
+    fg, f8, big = scales
+    t, t8 = fp4_bf16x2(w, fg), fp4_bf16x2(w8, f8)
+    if big:
+        fp4_rescale(t, fp4_scale_hi(e))
+        fp4_rescale(t8, fp4_scale_hi(e8))
+    return t, t8
+
+
+@dsl_user_op
+def _prmt(a: Any, b: Any, sel: int, *, loc: Any = None, ip: Any = None) -> Uint32:
+    """``prmt.b32 d, a, b, sel`` (GPU only; no side effects, so it schedules like an ALU op)."""
+    args = [Uint32(v).ir_value(loc=loc, ip=ip) for v in (a, b)]
+    return Uint32(llvm.inline_asm(T.i32(), args, f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r", has_side_effects=False,
+                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 @cute.jit
 def x_pair_bf16x2(rx: cute.Tensor, j: cutlass.Constexpr) -> cute.Tensor:
     """rx: (8,) bf16, columns 8j..8j+7 of a group in order -> (4,) uint32 bf16x2 registers in the pair order of word
-    j's ``fp4_bf16x2`` (the B operand matching it): static register moves, element by element."""
-    xp = cute.make_rmem_tensor((VEC,), BFloat16)
-    for q in cutlass.range_constexpr(VEC):
-        xp[q] = rx[fp4_pair_col(VEC * j + q) - VEC * j]
-    return cute.recast_tensor(xp, Uint32)
+    j's ``fp4_bf16x2`` (the B operand matching it): one ``prmt.b32`` per register on the GPU; the host execution (which
+    cannot run inline PTX) takes the same halves with shifts and masks (``x_pair_src``)."""
+    rw = cute.recast_tensor(rx, Uint32)
+    xp = cute.make_rmem_tensor((4,), Uint32)
+    for s in cutlass.range_constexpr(4):
+        wl, hl, wh, hh = x_pair_src(j, s)
+        if const_expr(tracing_for_host()):
+            lo = (rw[wl] >> 16) if const_expr(hl) else (rw[wl] & Uint32(0xFFFF))
+            hi = (rw[wh] & Uint32(0xFFFF0000)) if const_expr(hh) else (rw[wh] << 16)
+            xp[s] = lo | hi
+        else:  # bytes 2h, 2h + 1 of register wl, then of register wh (prmt bytes 4..7)
+            xp[s] = _prmt(rw[wl], rw[wh], (2 * hl) | ((2 * hl + 1) << 4) | ((4 + 2 * hh) << 8) | ((5 + 2 * hh) << 12))
+    return xp

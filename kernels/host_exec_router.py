@@ -513,35 +513,32 @@ def _mk_down_host(M: ModuleType) -> Any:
 
 class _MmaRecord:
     """The host's stand-in for ``mk_moe.fp4_mma_tile``'s tensor-core step (an ``mma.sync`` aborts a host run): each
-    call stores the lane's A registers of rows g and g + 8 and its B registers (``mma_chunk``'s operands, 4 uint32
-    each as int32 bits) at row ``step`` of ``view`` [steps, 12]; :func:`_mma_steps` then evaluates the mmas."""
+    call runs ``mk_mma.mma_chunk`` with a sink, which writes the operands it assembles for its two mmas (a0..a3, b0,
+    b1 as int32 bits) to row ``step`` of ``view`` [steps, 2, 6] instead of issuing them; :func:`_mma_steps` then
+    evaluates the mmas."""
 
     def __init__(self, view: Any) -> None:
         self.view = view
 
     def __call__(self, acc: Any, wg: Any, wg8: Any, xg: Any, step: Any) -> None:
-        for k, regs in enumerate((wg, wg8, xg)):
-            for i in range(4):
-                self.view[step, 4 * k + i] = Int32(regs[i])
+        from . import mk_mma
+
+        mk_mma.mma_chunk(acc, wg, wg8, xg, self.view[step, None, None])
 
 
 def _mma_steps(rec: torch.Tensor, nb: int) -> list[torch.Tensor]:
-    """Evaluate the recorded tensor-core steps of work items: ``rec`` [..., 32 lanes, steps, 12] from
-    :class:`_MmaRecord`; step s feeds accumulator s % nb. Each step is ``mk_mma.mma_chunk``: two ``mma.sync``, the
-    first on registers 0, 1 of each operand, the second on 2, 3 (a0 = wg, a1 = wg8 at k 2q.., a2 = wg, a3 = wg8 at
-    k 2q + 8..), each run through ``mk_mma.mma_reference`` on the lanes' registers in program order. Returns the nb
+    """Evaluate the recorded tensor-core steps of work items: ``rec`` [..., 32 lanes, steps, 2, 6] from
+    :class:`_MmaRecord` (per step ``mma_chunk``'s two mmas, each (a0..a3, b0, b1)); step s feeds accumulator s % nb.
+    Each mma runs through ``mk_mma.mma_reference`` on the lanes' registers in program order. Returns the nb
     accumulators [..., 32, 4] (C layout)."""
     from . import mk_mma
 
-    lead = rec.shape[:-3]
+    lead = rec.shape[:-4]
     accs = [torch.zeros(*lead, LANES, 4) for _ in range(nb)]
     r = rec.to(torch.int64) & 0xFFFFFFFF
-    for s in range(rec.shape[-2]):
-        wg, wg8, xg = r[..., s, 0:4], r[..., s, 4:8], r[..., s, 8:12]
+    for s in range(rec.shape[-3]):
         for h in range(2):
-            a = torch.stack([wg[..., 2 * h], wg8[..., 2 * h], wg[..., 2 * h + 1], wg8[..., 2 * h + 1]], dim=-1)
-            b = torch.stack([xg[..., 2 * h], xg[..., 2 * h + 1]], dim=-1)
-            accs[s % nb] = mk_mma.mma_reference(a, b, accs[s % nb])
+            accs[s % nb] = mk_mma.mma_reference(r[..., s, h, 0:4], r[..., s, h, 4:6], accs[s % nb])
     return accs
 
 
@@ -553,7 +550,7 @@ def _fp4_steps(ngr: int, nb: int) -> int:
 def _mk_gate_up_fp4_host(M: ModuleType) -> Any:
     """MXFP4 EXPERT_GATE_UP: the prologue's slot lists, then every slot j of [s0, s1), warp, row tile rt = r0 +
     16·(warp + k·NW), pass of 8 list positions and lane: ``M.fp4_tile_rows`` and ``M.fp4_mma_tile`` with the mma step
-    recorded (mRec [j - s0, warp, tile, pass, lane, step, 12]), and each accumulator register's output offset
+    recorded (mRec [j - s0, warp, tile, pass, lane, step, 2, 6]), and each accumulator register's output offset
     (``M.fp4_gate_up_out``, mOff [..., lane, 4]; -1: not stored)."""
     key = ("mk_gate_up_fp4", M)
     if key in _DRIVERS:
@@ -589,8 +586,9 @@ def _mk_gate_up_fp4_host(M: ModuleType) -> Any:
                                 for lane in cutlass.range(LANES):
                                     wg = M.fp4_tile_rows(ctx, 3, 6, e, rt, lane)
                                     wu = M.fp4_tile_rows(ctx, 4, 7, e, rt, lane)
+                                    rec = _MmaRecord(mRec[jj, warp, it, k, lane, None, None, None])
                                     M.fp4_mma_tile(ctx, xv, xs, ngr, wg, wu, jj, t0, n, ag, au, M.GATE_UP_BLOCKS,
-                                                   False, lane, _MmaRecord(mRec[jj, warp, it, k, lane, None, None]))
+                                                   False, lane, rec)
                                     for i in cutlass.range_constexpr(4):
                                         mOff[jj, warp, it, k, lane, i] = M.fp4_gate_up_out(ctx, s0, jj, t0, n, rt,
                                                                                            lane, i)
@@ -602,12 +600,14 @@ def _mk_gate_up_fp4_host(M: ModuleType) -> Any:
 
 def _mk_down_fp4_host(M: ModuleType) -> Any:
     """MXFP4 EXPERT_DOWN, in two drivers around the Python side's mmas. ``tiles``: the prologue's slot lists (tokens
-    and router weights), then every warp, row tile rt = r0 + 16·(warp + k·NW), used slot, pass of 8 list positions
-    and lane: ``M.fp4_tile_rows`` and ``M.fp4_mma_tile`` with the mma step recorded (mRec [warp, tile, slot, pass,
-    lane, step, 12]). ``combine``: from the evaluated fragments mFr [warp, tile, slot, pass, lane, 4], per warp and
-    row tile the opcode's epilogue: column c's values shuffled from the lane and registers ``M.fp4_column_src`` names
-    (``shfl.sync.idx``, replayed here by indexing), ``M.fp4_down_combine`` of every lane, slots in order, then each
-    lane's combine accumulators and their offsets (``M.fp4_down_out``) into mOut / mOff [warp, tile, lane, 2, m]."""
+    and router weights), then every row tile rt = r0 + 16·t of the box, used slot, pass of 8 list positions and lane:
+    ``M.fp4_tile_rows`` and ``M.fp4_mma_tile`` with the mma step recorded (mRec [tile, slot, pass, lane, step, 2, 6]; an
+    item's product does not depend on which warp computes it). ``combine``: from the evaluated fragments mFr [tile,
+    slot, pass, lane, 4], the opcode's distribution and epilogue in the kernel's order: ``M.fp4_down_split``, every
+    warp's tiles and member slots with ``M.fp4_down_item`` (its column shuffles replayed by indexing the source
+    lane's fragment), each member >= 1's combine into the scratch (``M.fp4_down_part_put``), then, after every warp
+    (the barrier), member 0 of each tile adding them in member order (``M.fp4_down_part_sum``); each lane's final
+    accumulators and their offsets (``M.fp4_down_out``) into mOut / mOff [tile, lane, 2, m]."""
     key = ("mk_down_fp4", M)
     if key in _DRIVERS:
         return _DRIVERS[key]
@@ -622,24 +622,19 @@ def _mk_down_fp4_host(M: ModuleType) -> Any:
         ctx = _ctx(mk_operands, cfg, mIns, mAddr, mD1, mD2, mI32, mF32)
         EXP, CNT, _ = M.slot_lists(cfg)
         r0, r1 = mIns[W_ARGS + 2], mIns[W_ARGS + 3]
-        its = cute.size(mRec, mode=[1])
         lists(ctx, Int32(0), Int32(cfg.dmax), True)
         hv = M.gchunks(mAddr[0])
         hs, ngr = M.down_dims(ctx)
         a = cute.make_rmem_tensor((4,), Float32)
-        for warp in cutlass.range(NW):
-            it = Int32(0)
-            for rt in cutlass.range(r0 + warp * R, r1, NW * R):
-                if it < its:
-                    for j in cutlass.range(cfg.dmax):
-                        n = mI32[CNT + j]
-                        if n > 0:
-                            for t0 in cutlass.range(0, n, C):
-                                for lane in cutlass.range(LANES):
-                                    wv = M.fp4_tile_rows(ctx, 4, 6, mI32[EXP + j], rt, lane)
-                                    M.fp4_mma_tile(ctx, hv, hs, ngr, wv, None, j, t0, n, a, None, M.DOWN_BLOCKS, True,
-                                                   lane, _MmaRecord(mRec[warp, it, j, t0 // C, lane, None, None]))
-                it = it + 1
+        for t in cutlass.range((r1 - r0 + R - 1) // R):
+            for j in cutlass.range(cfg.dmax):
+                n = mI32[CNT + j]
+                if n > 0:
+                    for t0 in cutlass.range(0, n, C):
+                        for lane in cutlass.range(LANES):
+                            wv = M.fp4_tile_rows(ctx, 4, 6, mI32[EXP + j], r0 + t * R, lane)
+                            M.fp4_mma_tile(ctx, hv, hs, ngr, wv, None, j, t0, n, a, None, M.DOWN_BLOCKS, True, lane,
+                                           _MmaRecord(mRec[t, j, t0 // C, lane, None, None, None]))
 
     @cute.jit
     def combine(mIns: cute.Tensor, mAddr: cute.Tensor, mD1: cute.Tensor, mD2: cute.Tensor, mI32: cute.Tensor,
@@ -647,33 +642,50 @@ def _mk_down_fp4_host(M: ModuleType) -> Any:
                 cfg: cutlass.Constexpr):
         ctx = _ctx(mk_operands, cfg, mIns, mAddr, mD1, mD2, mI32, mF32)
         _, CNT, _ = M.slot_lists(cfg)
-        r0, r1 = mIns[W_ARGS + 2], mIns[W_ARGS + 3]
-        its = cute.size(mOut, mode=[1])
+        r0 = mIns[W_ARGS + 2]
         MW = M.fp4_combine_width(cfg)
+        ntiles, g = M.fp4_down_split(ctx)
         for warp in cutlass.range(NW):
-            it = Int32(0)
-            for rt in cutlass.range(r0 + warp * R, r1, NW * R):
-                if it < its:
-                    mAcc.fill(0.0)
-                    for j in cutlass.range(cfg.dmax):
+            mem = warp // cutlass.max(ntiles, 1)
+            if mem < g:
+                for t in cutlass.range(warp % cutlass.max(ntiles, 1), ntiles, NW):
+                    for lane in cutlass.range(LANES):
+                        mAcc[warp, lane, None, None].fill(0.0)
+                    for j in cutlass.range(mem, cfg.dmax, g):
                         n = mI32[CNT + j]
                         if n > 0:
                             for t0 in cutlass.range(0, n, C):
-                                for c in cutlass.range_constexpr(M.down_pass(cfg)):
-                                    for lane in cutlass.range(LANES):
-                                        src, i = M.fp4_column_src(lane, c)
-                                        fr = mFr[warp, it, j, t0 // C, src, None]
-                                        M.fp4_down_combine(ctx, mAcc[lane, None, None], fr[i], fr[i + 2], j, t0 + c, n,
-                                                           lane)
+                                for lane in cutlass.range(LANES):
+                                    M.fp4_down_item(ctx, mAcc[warp, lane, None, None], mFr[t, j, t0 // C, None, None],
+                                                    j, t0, n, lane, _shfl_host)
                     for lane in cutlass.range(LANES):
+                        if g > 1:
+                            if mem > 0:
+                                M.fp4_down_part_put(ctx, mAcc[warp, lane, None, None], warp - ntiles, lane)
+                        else:
+                            for h in cutlass.range_constexpr(2):
+                                for m in cutlass.range_constexpr(MW):
+                                    mOut[t, lane, h, m] = mAcc[warp, lane, h, m]
+                                    mOff[t, lane, h, m] = M.fp4_down_out(ctx, r0 + t * R, lane, h, m)
+        if g > 1:  # after the barrier
+            for warp in cutlass.range(NW):
+                if warp < ntiles:
+                    for lane in cutlass.range(LANES):
+                        M.fp4_down_part_sum(ctx, mAcc[warp, lane, None, None], warp, ntiles, g, lane)
                         for h in cutlass.range_constexpr(2):
                             for m in cutlass.range_constexpr(MW):
-                                mOut[warp, it, lane, h, m] = mAcc[lane, h, m]
-                                mOff[warp, it, lane, h, m] = M.fp4_down_out(ctx, rt, lane, h, m)
-                it = it + 1
+                                mOut[warp, lane, h, m] = mAcc[warp, lane, h, m]
+                                mOff[warp, lane, h, m] = M.fp4_down_out(ctx, r0 + warp * R, lane, h, m)
 
     _DRIVERS[key] = (tiles, combine)
     return tiles, combine
+
+
+@cute.jit
+def _shfl_host(a: cute.Tensor, i: cutlass.Constexpr, src: Any) -> Float32:
+    """``shfl.sync.idx`` of register i from lane ``src``, replayed on the host: ``a`` is every lane's fragment
+    [32, 4]."""
+    return a[src, i]
 
 
 def _mk_misc_host(X: ModuleType, which: str) -> Any:
@@ -993,7 +1005,7 @@ def _run_mk_instruction(S: _MkSetup, v: int, mods: dict[str, ModuleType], run: H
         ngr = int(words[3][3]) // M.FP4_GROUP_BYTES
         e_rec = torch.full((smax,), -9, dtype=torch.int32)
         # registers never recorded stay a bf16 NaN pair: a step the lane code skipped poisons the product
-        rec = torch.full((smax, M.NW, its, npass, LANES, _fp4_steps(ngr, 2), 12), 0x7FC07FC0, dtype=torch.int32)
+        rec = torch.full((smax, M.NW, its, npass, LANES, _fp4_steps(ngr, 2), 2, 6), 0x7FC07FC0, dtype=torch.int32)
         off = torch.full((smax, M.NW, its, npass, LANES, 4), -1, dtype=torch.int64)
         _launch(_mk_gate_up_fp4_host(M), [*words, *_scratch(), e_rec, rec, off], (cfg,))
         ga, ua = _mma_steps(rec, 2)  # the tensor-core steps (an mma.sync aborts a host run)
@@ -1030,16 +1042,16 @@ def _run_mk_instruction(S: _MkSetup, v: int, mods: dict[str, ModuleType], run: H
         run.lanes_run += int(live.sum()) * LANES
     elif op == "EXPERT_DOWN" and cfg.fp4:
         _, its = S.extent(ins.op)
-        npass, MW = -(-B // M.MMA_COLS), M.fp4_combine_width(cfg)
+        nt, npass, MW = its * M.NW, -(-B // M.MMA_COLS), M.fp4_combine_width(cfg)
         ngr = int(words[3][4]) // M.FP4_GROUP_BYTES
-        rec = torch.full((M.NW, its, cfg.dmax, npass, LANES, _fp4_steps(ngr, 1), 12), 0x7FC07FC0, dtype=torch.int32)
+        rec = torch.full((nt, cfg.dmax, npass, LANES, _fp4_steps(ngr, 1), 2, 6), 0x7FC07FC0, dtype=torch.int32)
         tiles, combine = _mk_down_fp4_host(M)
         scratch = _scratch()
         _launch(tiles, [*words, *scratch, rec], (cfg,))
         (fr,) = _mma_steps(rec, 1)  # the tensor-core steps (an mma.sync aborts a host run)
-        res = torch.full((M.NW, its, LANES, 2, MW), float("nan"))
-        off = torch.full((M.NW, its, LANES, 2, MW), -1, dtype=torch.int64)
-        _launch(combine, [*words, *scratch, fr, torch.full((LANES, 2, MW), float("nan")), res, off], (cfg,))
+        res = torch.full((nt, LANES, 2, MW), float("nan"))
+        off = torch.full((nt, LANES, 2, MW), -1, dtype=torch.int64)
+        _launch(combine, [*words, *scratch, fr, torch.full((M.NW, LANES, 2, MW), float("nan")), res, off], (cfg,))
         y, wy = out(5)
         live = off >= 0
         _store(wy, shapes[5], boxes[5], off[live], res[live], "down")

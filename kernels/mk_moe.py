@@ -17,17 +17,21 @@ stores.
 MXFP4 experts (``MKConfig.fp4``): tensor cores, ``mma.sync.m16n8k16`` bf16 x bf16 -> fp32 through ``mk_mma``. A
 warp's work item is 16 weight rows (EXPERT_GATE_UP: the same rows of w1 and w3) x up to 8 tokens of a slot as the
 mma's columns (``fp4_tile_rows``, ``fp4_mma_tile``): per 128-column k block lane (g, q) decodes group q of its rows
-g and g + 8 (``fp4_row`` code / scale views; ``_common.fp4_bf16x2``: exact E2M1 · 2^(e - 127) as bf16x2 in pair
-order) and puts the same 32 x values of its token column g in the same order (``_common.x_pair_bf16x2``), so a
-lane's physical k depends on q only, as the mma's fragment layout requires; 8 mma.sync per block and weight. The
-epilogues work on the accumulator fragments (lane holds rows ``acc_row``, tokens ``acc_col``): EXPERT_GATE_UP
-applies SiTU-GLU per (row, token) (``fp4_gate_up_out``), EXPERT_DOWN shuffles each token column to the lanes that
-keep that token (``fp4_column_src``) and combines it, router-weighted, in fp32 (``fp4_down_combine``,
-``fp4_down_out``).
+g and g + 8 (``fp4_row`` code / scale views; ``_common.fp4_bf16x2``: integer placement of each E2M1 code as the bf16
+E2M1 · 2^-126 and one bf16x2 multiply by 2^(e - 1) per register, exact, in pair order; scale bytes above 128, which
+quantisation never writes, take a branch with a second multiply) and puts the same 32 x values of its token column
+g in the same order (``_common.x_pair_bf16x2``: one prmt per register), so a lane's physical k depends on q only, as
+the mma's fragment layout requires; 8 mma.sync per block and weight. The epilogues work on the accumulator
+fragments (lane holds rows ``acc_row``, tokens ``acc_col``): EXPERT_GATE_UP applies SiTU-GLU per (row, token)
+(``fp4_gate_up_out``). EXPERT_DOWN spreads over every warp (``fp4_down_split``): the G warps of a 16-row tile split
+the used slots, each shuffles every token column to the lanes that keep that token (``fp4_column_src``,
+``fp4_down_item``) and combines it, router-weighted, in fp32 in its registers (``fp4_down_combine``); the members'
+combines meet in the fp32 scratch after a barrier, summed in member order (``fp4_down_part_put``,
+``fp4_down_part_sum``), and member 0 stores (``fp4_down_out``).
 
 ``kernels/host_exec_router.py`` runs the same helpers on the host over every warp and lane of each instruction of a
 program and replays the thin layer in the kernel's order; the one device-only step it cannot run, the mma, it
-records (the registers each lane hands it) and evaluates with ``mk_mma.mma_reference``."""
+records (the operands ``mma_chunk`` assembles, through its host sink) and evaluates with ``mk_mma.mma_reference``."""
 
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr
 
-from ._common import fp4_bf16x2, fp4_scale, x_pair_bf16x2
+from ._common import fp4_decode_pair, fp4_group_scales, x_pair_bf16x2
 from ._trace import evict_last, tracing_for_host
 from .device_fns import (
     BIG,
@@ -245,7 +249,10 @@ DOWN_LOADS = 6  # 16-byte w2 chunks per lane per step: 6 loads (36 KiB per CTA) 
 # groups) lane (g, q) takes group q of rows g and g + 8 (16 code bytes + 1 scale byte each) and the same 32 x values of
 # its column g, so every lane's physical k depends on q only (fp4_mma_tile). Per step a lane prefetches
 # GATE_UP_BLOCKS / DOWN_BLOCKS k blocks of code groups and scale bytes into L1 (GATE_UP: 2 x 4 groups of 16 bytes,
-# DOWN: 4 x 2: 128 bytes per lane, 48 KiB per 12-warp CTA in flight), then loads them block by block from L1.
+# DOWN: 4 x 2: 128 bytes per lane, 4 KiB per warp, 48 KiB per 12-warp CTA in flight when every warp streams), then
+# loads them block by block from L1. Per block a lane issues (PTX, k3-shard B = 1, common path): GATE_UP ~408
+# instructions for 128 weights, DOWN ~228 for 64 (decode 3 integer ops + 1 bf16x2 mul per 2 weights, plus a shift
+# per word; x one prmt per register; 2 mma per word pair).
 FP4_ROWS = MMA_ROWS
 FP4_BLOCK_GROUPS = 4  # MXFP4 groups per k block: one per lane quad
 GATE_UP_BLOCKS = 2
@@ -434,9 +441,10 @@ def _fp4_block(ld_w: Any, ld_s: Any, w: Any, gi: Any, keep: Any, xr: list, acc: 
                NB: cutlass.Constexpr) -> None:
     """One k block of one weight for one lane: group gi of its rows g and g + 8 (one 16-byte code load and one scale
     byte each, L1 hits after the step's prefetch), each of the group's 4 code words decoded to bf16x2 registers
-    (``fp4_bf16x2``: exact E2M1 · 2^(e - 127), pair order) and stepped with the x registers ``xr[j]`` of the same
-    32 columns in the same order (``mma_chunk``: two mma.sync). ``keep`` (-1 / 0) zeroes the scales of a group past
-    the row's end (read at the last group)."""
+    (``fp4_group_scales`` once, ``fp4_decode_pair`` per word: exact E2M1 · 2^(e - 127), pair order; a scale byte
+    above 128 in either row, never written by quantisation, takes the branch that multiplies by ``fp4_scale_hi``) and
+    stepped with the x registers ``xr[j]`` of the same 32 columns in the same order (``mma_chunk``: two mma.sync).
+    ``keep`` (uint32 all ones / 0) zeroes the scales of a group past the row's end (read at the last group)."""
     (cg, sg), (c8, s8) = w
     rc = cute.make_rmem_tensor((X_CHUNKS_PER_GROUP, 2), Uint32)
     rs = cute.make_rmem_tensor((1, 2), Uint8)
@@ -444,10 +452,10 @@ def _fp4_block(ld_w: Any, ld_s: Any, w: Any, gi: Any, keep: Any, xr: list, acc: 
     cute.copy(ld_w, c8[(gi, None)], rc[None, 1])
     cute.copy(ld_s, sg[(gi, None)], rs[None, 0])
     cute.copy(ld_s, s8[(gi, None)], rs[None, 1])
-    fg = (fp4_scale(rs[0, 0]).bitcast(Int32) & keep).bitcast(Float32)
-    f8 = (fp4_scale(rs[0, 1]).bitcast(Int32) & keep).bitcast(Float32)
+    scales = fp4_group_scales(rs[0, 0], rs[0, 1], keep)
     for j in cutlass.range_constexpr(X_CHUNKS_PER_GROUP):
-        mma(acc, fp4_bf16x2(rc[j, 0], fg), fp4_bf16x2(rc[j, 1], f8), xr[j], step0 + j * NB)
+        wg, wg8 = fp4_decode_pair(rc[j, 0], rc[j, 1], rs[0, 0], rs[0, 1], scales)
+        mma(acc, wg, wg8, xr[j], step0 + j * NB)
 
 
 @cute.jit
@@ -498,7 +506,7 @@ def fp4_mma_tile(ctx: _Ctx, xv: Any, xs: Int32, ngr: Int32, wa: Any, wb: Any, jj
             if kb < nblk:  # warp-uniform
                 gq = kb * FP4_BLOCK_GROUPS + q
                 gi = cutlass.min(gq, ngr - 1)
-                keep = ~((ngr - 1 - gq) >> 31)  # -1 while the group is in the row, else 0
+                keep = Uint32(~((ngr - 1 - gq) >> 31))  # all ones while the group is in the row, else 0
                 for j in cutlass.range_constexpr(X_CHUNKS_PER_GROUP):
                     cute.copy(ld_x, xv[(xr0 + gi * X_CHUNKS_PER_GROUP + j, None)], rx[None, j])
                 xr = []
@@ -777,37 +785,119 @@ def _op_expert_down_dense(ctx: _Ctx) -> None:
                 out[down_out(ctx, b, r)] = acc[m].to(BFloat16)
 
 
+def fp4_down_part_base(cfg: Any) -> int:
+    """EXPERT_DOWN's cross-warp partials in the fp32 scratch start past the slot lists' router weights
+    (s_f32[0, dmax·B), read by every warp until its last item): s_f32[base + ((w·2 + h)·MW + m)·32 + lane] holds
+    combine accumulator [h, m] of lane ``lane`` of partial slot w (MW = ``fp4_combine_width``; lane-contiguous, no bank
+    conflicts)."""
+    return _pad32(cfg.dmax * cfg.B)
+
+
+def fp4_down_part_words(cfg: Any) -> int:
+    """fp32 scratch words of one warp's partials."""
+    return 2 * fp4_combine_width(cfg) * 32
+
+
+@cute.jit
+def fp4_down_split(ctx: _Ctx) -> tuple[Int32, Int32]:
+    """EXPERT_DOWN's work split over the CTA's warps: (row tiles of the box, warps per tile G). Warp w takes row tile
+    w % ntiles (then + NW, ... when the box has more tiles than warps: G = 1) as member m = w // ntiles of its tile's
+    G warps (members m >= G idle) and, of every tile it takes, the slots m, m + G, ...; G is capped so that the
+    partials of members 1 .. G - 1 of every tile fit the fp32 scratch past ``fp4_down_part_base``."""
+    cfg = ctx.cfg
+    ntiles = (ctx.s_ins[W_ARGS + 3] - ctx.s_ins[W_ARGS + 2] + FP4_ROWS - 1) // FP4_ROWS
+    room = (F32_WORDS - fp4_down_part_base(cfg)) // fp4_down_part_words(cfg)  # warps' partials that fit
+    g = cutlass.max(cutlass.min(NW // cutlass.max(ntiles, 1), room // cutlass.max(ntiles, 1) + 1), 1)
+    return ntiles, g
+
+
+@cute.jit
+def fp4_down_part_put(ctx: _Ctx, acc: cute.Tensor, slot: Any, lane: Any) -> None:
+    """A member's combine accumulators (lane ``lane``) into partial slot ``slot`` (member m >= 1 of tile t: slot
+    (m - 1)·ntiles + t, i.e. its warp - ntiles)."""
+    MW = fp4_combine_width(ctx.cfg)
+    base = fp4_down_part_base(ctx.cfg) + slot * fp4_down_part_words(ctx.cfg) + lane
+    for h in cutlass.range_constexpr(2):
+        for m in cutlass.range_constexpr(MW):
+            ctx.s_f32[base + (h * MW + m) * 32] = acc[h, m]
+
+
+@cute.jit
+def fp4_down_part_sum(ctx: _Ctx, acc: cute.Tensor, w: Any, ntiles: Any, g: Any, lane: Any) -> None:
+    """Member 0 (warp w) of a tile adds the partials of members 1, 2, ..., G - 1 (warps w + ntiles, w + 2·ntiles,
+    ..., partial slots w, w + ntiles, ...) to its own accumulators, in that order: ((p0 + p1) + p2) + ... (after
+    the barrier that follows every member's ``fp4_down_part_put``)."""
+    MW = fp4_combine_width(ctx.cfg)
+    for k in cutlass.range(1, g, unroll=1):
+        base = fp4_down_part_base(ctx.cfg) + (w + (k - 1) * ntiles) * fp4_down_part_words(ctx.cfg) + lane
+        for h in cutlass.range_constexpr(2):
+            for m in cutlass.range_constexpr(MW):
+                acc[h, m] = acc[h, m] + ctx.s_f32[base + (h * MW + m) * 32]
+
+
+@cute.jit
+def fp4_down_item(ctx: _Ctx, acc: cute.Tensor, a: cute.Tensor, j: Any, t0: Any, n: Any, lane: Any,
+                  shfl: Any) -> None:
+    """EXPERT_DOWN's epilogue of one work item (slot j, list positions t0 ..): each column c's values of the lane's
+    rows g, g + 8 fetched with ``shfl(register, source lane)`` from the lane ``fp4_column_src`` names and combined,
+    router-weighted (``fp4_down_combine``)."""
+    for c in cutlass.range_constexpr(down_pass(ctx.cfg)):
+        src, i = fp4_column_src(lane, c)
+        fp4_down_combine(ctx, acc, shfl(a, i, src), shfl(a, i + 2, src), j, t0 + c, n, lane)
+
+
+@cute.jit
+def _shfl_device(a: cute.Tensor, i: cutlass.Constexpr, src: Any) -> Float32:
+    return cute.arch.shuffle_sync(a[i], src)
+
+
 @cute.jit
 def _op_expert_down_fp4(ctx: _Ctx) -> None:
-    """MXFP4: work items of 16 w2 rows x up to 8 tokens per warp, every used slot in turn; after each item the
-    fragment column of each token is shuffled to the lanes of its rows that keep the token (lane (g, q): tokens
-    q, q + 4, ...) and added, router-weighted, to the fp32 combine; one bf16 store per (row, token) at the end."""
+    """MXFP4: every warp streams (``fp4_down_split``): the warps of a row tile split the used slots (member m: slots
+    m, m + G, ...), each work item (16 w2 rows x up to 8 tokens) is shuffled column by column to the lanes that keep
+    each token (lane (g, q): tokens q, q + 4, ...) and added, router-weighted, to the warp's fp32 combine
+    (``fp4_down_item``); with G > 1 every member's combine goes to the scratch, one barrier, and member 0 adds the
+    others' in member order (``fp4_down_part_sum``) and stores. fp32 order per (row, token): per member, its slots
+    ascending, passes and columns in order; then members 0 + 1 + 2 ... (not the plain slot order of one warp)."""
     cfg = ctx.cfg
-    T = down_pass(cfg)
     EXP, CNT, _ = slot_lists(cfg)
-    r0, r1 = ctx.s_ins[W_ARGS + 2], ctx.s_ins[W_ARGS + 3]
+    r0 = ctx.s_ins[W_ARGS + 2]
     _build_slot_lists(ctx, Int32(0), Int32(cfg.dmax), True)
     hv = gchunks(ctx.s_addr[0])
     hs, ngr = down_dims(ctx)
     out = gflat(BFloat16, ctx.s_addr[5])
-    lane = ctx.lane
+    lane, warp = ctx.lane, ctx.warp
+    ntiles, g = fp4_down_split(ctx)
+    mem = warp // cutlass.max(ntiles, 1)  # (an empty box: no tile, nothing to do)
     a = cute.make_rmem_tensor((4,), Float32)
     acc = cute.make_rmem_tensor((2, fp4_combine_width(cfg)), Float32)
-    for rt in cutlass.range(r0 + ctx.warp * FP4_ROWS, r1, NW * FP4_ROWS, unroll=1):
-        acc.fill(0.0)
-        for j in cutlass.range(cfg.dmax, unroll=1):
-            n = ctx.s_i32[CNT + j]
-            if n > 0:
-                wv = fp4_tile_rows(ctx, 4, 6, ctx.s_i32[EXP + j], rt, lane)
-                for t0 in cutlass.range(0, n, MMA_COLS, unroll=1):
-                    fp4_mma_tile(ctx, hv, hs, ngr, wv, None, j, t0, n, a, None, DOWN_BLOCKS, True, lane)
-                    for c in cutlass.range_constexpr(T):
-                        src, i = fp4_column_src(lane, c)
-                        v = cute.arch.shuffle_sync(a[i], src)
-                        v8 = cute.arch.shuffle_sync(a[i + 2], src)
-                        fp4_down_combine(ctx, acc, v, v8, j, t0 + c, n, lane)
-        for h in cutlass.range_constexpr(2):
-            for m in cutlass.range_constexpr(fp4_combine_width(cfg)):
-                off = fp4_down_out(ctx, rt, lane, h, m)
-                if off >= 0:
-                    out[off] = acc[h, m].to(BFloat16)
+    if mem < g:
+        for ti in cutlass.range(warp % cutlass.max(ntiles, 1), ntiles, NW, unroll=1):
+            rt = r0 + ti * FP4_ROWS
+            acc.fill(0.0)
+            for j in cutlass.range(mem, cfg.dmax, g, unroll=1):
+                n = ctx.s_i32[CNT + j]
+                if n > 0:
+                    wv = fp4_tile_rows(ctx, 4, 6, ctx.s_i32[EXP + j], rt, lane)
+                    for t0 in cutlass.range(0, n, MMA_COLS, unroll=1):
+                        fp4_mma_tile(ctx, hv, hs, ngr, wv, None, j, t0, n, a, None, DOWN_BLOCKS, True, lane)
+                        fp4_down_item(ctx, acc, a, j, t0, n, lane, _shfl_device)
+            if g > 1:
+                if mem > 0:  # member 0 keeps its combine in registers
+                    fp4_down_part_put(ctx, acc, warp - ntiles, lane)
+            else:
+                _fp4_down_store(ctx, out, acc, rt, lane)
+    if g > 1:  # CTA-uniform
+        cute.arch.sync_threads()
+        if warp < ntiles:
+            fp4_down_part_sum(ctx, acc, warp, ntiles, g, lane)
+            _fp4_down_store(ctx, out, acc, r0 + warp * FP4_ROWS, lane)
+
+
+@cute.jit
+def _fp4_down_store(ctx: _Ctx, out: Any, acc: cute.Tensor, rt: Any, lane: Any) -> None:
+    for h in cutlass.range_constexpr(2):
+        for m in cutlass.range_constexpr(fp4_combine_width(ctx.cfg)):
+            off = fp4_down_out(ctx, rt, lane, h, m)
+            if off >= 0:
+                out[off] = acc[h, m].to(BFloat16)

@@ -112,11 +112,22 @@ MUTANTS: dict[str, tuple[list, dict]] = {
     # fused kernel (module _common: the opcodes run with the mutated helpers): x no longer matches the decoded words
     "mk-fp4-nibble-order": (["_common", [["return 8 * j + s + 4 * hi", "return 8 * j + ((s + 4 * hi) ^ 1)"]]], MX8),
     # the x registers in column order instead of the decoded words' pair order
-    "mk-fp4-x-register-order": (["_common", [["xp[q] = rx[fp4_pair_col(VEC * j + q) - VEC * j]", "xp[q] = rx[q]"]]],
-                                MX8),
+    "mk-fp4-x-register-order": (["_common", [["lo, hi = (fp4_pair_col(VEC * j + 2 * s + h) - VEC * j for h",
+                                              "lo, hi = (2 * s + h for h"]]], MX8),
+    # the decode's sign bit dropped (bf16 bit 15 not kept): negative codes decode positive
+    "mk-fp4-sign-bit": (["_common", [["FP4_BF16_BITS = 0x81C081C0", "FP4_BF16_BITS = 0x01C001C0"]]], MX8),
+    # the placement multiplier of the odd registers shifted one bit too far (2^3 + 2^9: magnitudes doubled, signs
+    # at bit 16 of the low half)
+    "mk-fp4-place-shift": (["_common", [["a = 6 - 4 * (s % 2)", "a = 6 - 3 * (s % 2)"]]], MX8),
     # rows g and g + 8 decoded with each other's scale
-    "mk-fp4-row-scale": (["mk_moe", [["mma(acc, fp4_bf16x2(rc[j, 0], fg), fp4_bf16x2(rc[j, 1], f8), xr[j]",
-                                      "mma(acc, fp4_bf16x2(rc[j, 0], f8), fp4_bf16x2(rc[j, 1], fg), xr[j]"]]], MX8),
+    "mk-fp4-row-scale": (["mk_moe", [["scales = fp4_group_scales(rs[0, 0], rs[0, 1], keep)",
+                                      "scales = fp4_group_scales(rs[0, 1], rs[0, 0], keep)"]]], MX8),
+    # EXPERT_DOWN's cross-warp sum reads member k's partial from member k + 1's slot (the last one never written)
+    "mk-fp4-down-part-slot": (["mk_moe", [["(w + (k - 1) * ntiles) * fp4_down_part_words",
+                                           "(w + k * ntiles) * fp4_down_part_words"]]], MX8),
+    # EXPERT_DOWN's cross-warp sum stops one member short: the last member's slots are never added
+    "mk-fp4-down-last-member": (["mk_moe", [["for k in cutlass.range(1, g, unroll=1):",
+                                             "for k in cutlass.range(1, g - 1, unroll=1):"]]], MX8),
     # the x values of the neighbouring group: k no longer matches between A and B
     "mk-fp4-x-group": (["mk_moe", [["xv[(xr0 + gi * X_CHUNKS_PER_GROUP + j, None)]",
                                     "xv[(xr0 + (gi ^ 1) * X_CHUNKS_PER_GROUP + j, None)]"]]], MX8),

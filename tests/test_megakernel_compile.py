@@ -94,14 +94,17 @@ HEADER_FORMAT_LOAD = re.compile(r"ld\.global\.b32\s+%r\d+,\s*\[%rd\d+\+88\]")
 
 
 def test_mxfp4_variant_reads_codes_and_scales() -> None:
-    """The MXFP4 kernel streams the expert codes as 16-byte groups prefetched into L1 with their scale bytes, widens
-    fp16-placed codes (no sm_100a-only e2m1 conversion), and both kernels check the program's expert format; the
-    dense kernel has none of the MXFP4 instructions."""
+    """The MXFP4 kernel streams the expert codes as 16-byte groups prefetched into L1 with their scale bytes, decodes
+    them straight into bf16x2 tensor-core fragments (placed bits times the bf16x2 scale; x put in the same order with
+    prmt; no sm_100a-only e2m1 conversion, no round trip through fp32) for mma.sync, and both kernels check the
+    program's expert format; the dense kernel has none of the MXFP4 instructions."""
     fp4 = B.build(R.get_variant("megakernel/tiny/b1-mxfp4"), "sm_90a").ptx
     dense = B.build(R.get_variant("megakernel/tiny/b1"), "sm_90a").ptx
-    for feature in ("prefetch.global.L1", "ld.global.nc.b8", "cvt.f32.f16", "ld.global.nc.v4.b32"):
+    for feature in ("prefetch.global.L1", "ld.global.nc.b8", "mul.bf16x2", "prmt.b32", "ld.global.nc.v4.b32",
+                    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"):
         assert feature in fp4, feature
-    assert "cvt.f32.f16" not in dense and "prefetch.global.L1" not in dense and "e2m1" not in fp4
+    assert "mul.bf16x2" not in dense and "prefetch.global.L1" not in dense and "e2m1" not in fp4
+    assert "cvt.f32.f16" not in fp4  # the fp16-placement decode of the CUDA-core path is gone
     assert HEADER_FORMAT_LOAD.search(fp4) and HEADER_FORMAT_LOAD.search(dense)
 
 

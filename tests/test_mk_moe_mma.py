@@ -13,7 +13,6 @@ pytest.importorskip("cutlass")
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from cutlass import Int32  # noqa: E402
 from kimik3.kernels import _common as C  # noqa: E402
 from kimik3.kernels import mk_mma as MM  # noqa: E402
 from kimik3.kernels import mk_moe as MK  # noqa: E402
@@ -27,17 +26,15 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 @cute.jit
 def _lanes(mC: cute.Tensor, mS: cute.Tensor, mX: cute.Tensor, mR: cute.Tensor):
     """mC [16 rows, 4 groups, 4 words] codes, mS [16, 4] scale bytes, mX [8 tokens, 4 groups, 4 chunks, 8] bf16;
-    mR [32 lanes, 4 steps, 12]: each lane's (wg, wg8, xg) registers per code word of its group."""
+    mR [32 lanes, 4 steps, 2, 6]: the operands ``mma_chunk`` assembles from each lane's (wg, wg8, xg) registers per
+    code word of its group."""
     for lane in cutlass.range(32):
         g, q = MM.lane_group(lane), MM.lane_quad(lane)
         for j in cutlass.range_constexpr(4):
-            wg = C.fp4_bf16x2(mC[g, q, j], C.fp4_scale(mS[g, q]))
-            wg8 = C.fp4_bf16x2(mC[g + 8, q, j], C.fp4_scale(mS[g + 8, q]))
+            wg = C.fp4_bf16x2(mC[g, q, j], C.fp4_bf16_scale(mS[g, q]))
+            wg8 = C.fp4_bf16x2(mC[g + 8, q, j], C.fp4_bf16_scale(mS[g + 8, q]))
             xg = C.x_pair_bf16x2(mX[g, q, j, None], j)
-            for i in cutlass.range_constexpr(4):
-                mR[lane, j, i] = Int32(wg[i])
-                mR[lane, j, 4 + i] = Int32(wg8[i])
-                mR[lane, j, 8 + i] = Int32(xg[i])
+            MM.mma_chunk(None, wg, wg8, xg, mR[lane, j, None, None])
 
 
 def _dequant(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -53,7 +50,7 @@ def test_block_operands_give_the_product() -> None:
     codes = torch.randint(0, 256, (16, 4, 16), generator=g, dtype=torch.uint8)
     scales = torch.randint(118, 124, (16, 4), generator=g, dtype=torch.uint8)
     x = torch.randn(8, 128, generator=g).bfloat16()
-    rec = torch.full((32, 4, 12), -1, dtype=torch.int32)
+    rec = torch.full((32, 4, 2, 6), -1, dtype=torch.int32)
     args = [codes.view(torch.int32).reshape(16, 4, 4).contiguous(), scales, x.reshape(8, 4, 4, 8).contiguous(), rec]
     with host_trace():
         f = cute.compile(_lanes, *[_t(a) for a in args])
