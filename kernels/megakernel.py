@@ -234,20 +234,24 @@ OPCODE_NOTES: dict[str, tuple[str, str]] = {
     "EXPERT_GATE_UP": ("slot lists (expert id, ascending token list) read once per instruction into shared memory; "
                        "one warp per hidden channel streams its w1 and w3 rows (4 + 4 16-byte loads per lane in "
                        "flight), each chunk dotted with every token of the pass (4 tokens, 2 above batch 8), "
-                       "SiTU-GLU. MXFP4 (fp4): a step prefetches into L1 4 + 4 16-byte groups of codes (32 "
-                       "columns each) per lane and their scale bytes; group by group the codes are loaded packed, "
-                       "their 8-code words placed as fp16 bits once, and per token of the pass widened to fp32 and "
-                       "dotted with the group's 4 x chunks; the group's scale multiplies the token's group partial "
-                       "once (one FMA)", "the expert is data-dependent, so the host cannot name its rows: no stage; "
-                                         "a slot with more tokens than a pass re-reads its rows (L1/L2); MXFP4 costs "
-                                         "~2.4 integer ops per weight per pass (the fp16 placement) and per token a "
-                                         "cvt.f32.f16 next to the FMA: CUDA-core bound at batch 1"),
+                       "SiTU-GLU. MXFP4 (fp4): tensor cores: a warp item is 16 channels of w1 and w3 x up to 8 "
+                       "tokens of the slot (the mma's columns); per 128-column block lane (g, q) decodes group q of "
+                       "rows g, g + 8 straight into bf16x2 fragments (_common.fp4_bf16x2: placed code bits times the "
+                       "bf16x2 group scale) and puts its token's x in the same pair order (prmt), 2 mma.sync per "
+                       "8-code word; code groups + scales prefetched into L1 two blocks ahead; SiTU-GLU on the "
+                       "accumulator fragments",
+                       "the expert is data-dependent, so the host cannot name its rows: no stage; a slot with more "
+                       "tokens than a pass re-reads its rows (L1/L2); dense experts stay on CUDA cores (the 8 FMAs "
+                       "per weight at batch 8 are hidden by the stream there); MXFP4 ~3.2 PTX instructions per "
+                       "weight and pass (the decode), whatever the tokens"),
     "EXPERT_DOWN": ("slot lists with the tokens' router weights once per instruction; one warp per latent row streams "
                     "each used expert's w2 row (6 16-byte loads per lane in flight), dotted with the slot's tokens "
                     "per pass, bf16 times the router weight, accumulated in fp32 per token (lane b mod 32), one bf16 "
-                    "cast. MXFP4: a warp takes two rows (r, r + 1) at once, 3 + 3 code groups per lane prefetched, "
-                    "sharing the hidden-row x loads; decode and scaling as EXPERT_GATE_UP",
-                    "no stage (data-dependent expert); rows re-read per extra pass of an expert's tokens"),
+                    "cast. MXFP4: 16-row mma tiles as EXPERT_GATE_UP; the slots of a tile are dealt over G warps "
+                    "(all 12 at k3-shard B <= 8), each keeping its router-weighted fp32 sums in registers, summed "
+                    "across the G warps through shared memory in a fixed order after one barrier",
+                    "no stage (data-dependent expert); rows re-read per extra pass of an expert's tokens; MXFP4 at "
+                    "B = 64: the fp32 scratch holds the slot lists' weights, so G = 1 (2 warps stream)"),
     "FFN_OUT": ("one warp per hidden column: routed part (latent RMSNorm applied after the dot) and/or the "
                 "shared/dense down row, each rounded to bf16 as the reference does, added into the stream",
                 "as NORM_PROJ"),

@@ -30,7 +30,8 @@ becomes four fp16x2 values by masking the magnitude bits into the fp16 exponent/
 fp16 subnormal, which cvt.f32.f16 keeps). The 2^14 is folded into the group scale, built directly as
 fp32 bits ((e + 14) << 23), which multiplies the word's 8 expanded weights (a power of two: exact);
 the word's x chunk is put in the matching (pair) order by static register moves (``_common.fp4_expand``,
-``fp4_scale``, ``x_pair_order``: shared with the megakernel's MXFP4 expert opcodes). Scale bytes above
+``fp4_scale``, ``x_pair_order``; the megakernel's MXFP4 expert opcodes decode into bf16 tensor-core fragments
+instead, ``_common.fp4_bf16x2``). Scale bytes above
 240 (2^114 and up) are not representable this way and are not expected. No sm_100a-only conversion
 (cvt.rn.f16x2.e2m1x2) is used, so the same code runs on Hopper.
 """
