@@ -5,6 +5,7 @@ chunk for sm_90a."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -25,18 +26,25 @@ def _chunk_regs(rows: torch.Tensor) -> torch.Tensor:
 
 
 @cute.jit
+def _lane_chunks(mW: cute.Tensor, mX: cute.Tensor, lane: Any) -> tuple[Any, Any, Any]:
+    """A lane's registers in the chunk layout: chunk q of weight rows g, g + 8 and of x row g (one k block)."""
+    g, q = M.lane_group(lane), M.lane_quad(lane)
+    wg = cute.make_rmem_tensor((4,), Uint32)
+    wg8 = cute.make_rmem_tensor((4,), Uint32)
+    xg = cute.make_rmem_tensor((4,), Uint32)
+    for i in cutlass.range_constexpr(4):
+        wg[i] = mW[g, 4 * q + i]
+        wg8[i] = mW[g + 8, 4 * q + i]
+        xg[i] = mX[g, 4 * q + i]
+    return wg, wg8, xg
+
+
+@cute.jit
 def _lane_operands(mW: cute.Tensor, mX: cute.Tensor, mOut: cute.Tensor) -> None:
-    """Every lane's chunk loads (the chunk layout) and ``mma_chunk``'s operand assembly, executed on the host: the
-    operands land in mOut[lane] (2 mmas x (a0..a3, b0, b1)) instead of an mma."""
+    """Every lane's chunk loads and ``mma_chunk``'s operand assembly, executed on the host: the operands land in
+    mOut[lane] (2 mmas x (a0..a3, b0, b1)) instead of an mma."""
     for lane in cutlass.range(32):
-        g, q = M.lane_group(lane), M.lane_quad(lane)
-        wg = cute.make_rmem_tensor((4,), Uint32)
-        wg8 = cute.make_rmem_tensor((4,), Uint32)
-        xg = cute.make_rmem_tensor((4,), Uint32)
-        for i in cutlass.range_constexpr(4):
-            wg[i] = mW[g, 4 * q + i]
-            wg8[i] = mW[g + 8, 4 * q + i]
-            xg[i] = mX[g, 4 * q + i]
+        wg, wg8, xg = _lane_chunks(mW, mX, lane)
         acc = cute.make_rmem_tensor((4,), Float32)
         M.mma_chunk(acc, wg, wg8, xg, mOut[lane, None, None])
 
@@ -104,14 +112,7 @@ def test_step_compiles_to_mma_sync(tmp_path) -> None:
     @cute.kernel
     def kern(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor) -> None:
         lane = cute.arch.lane_idx()
-        g, q = M.lane_group(lane), M.lane_quad(lane)
-        wg = cute.make_rmem_tensor((4,), Uint32)
-        wg8 = cute.make_rmem_tensor((4,), Uint32)
-        xg = cute.make_rmem_tensor((4,), Uint32)
-        for i in cutlass.range_constexpr(4):
-            wg[i] = mW[g, 4 * q + i]
-            wg8[i] = mW[g + 8, 4 * q + i]
-            xg[i] = mX[g, 4 * q + i]
+        wg, wg8, xg = _lane_chunks(mW, mX, lane)
         acc = cute.make_rmem_tensor((4,), Float32)
         acc.fill(0.0)
         M.mma_chunk(acc, wg, wg8, xg)
