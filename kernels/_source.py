@@ -12,10 +12,11 @@ from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent
 # device code pulled in from other kernel modules (router launches gemv.gemv_kernel; the megakernel inlines the
-# device functions of device_fns.py; gemv, moe, mla_decode and kda take their trace-time host switch from _trace.py)
+# device functions of device_fns.py; gemv, moe, mla_decode and kda take their trace-time host switch from _trace.py,
+# attn_res through _common's MXFP4 helpers)
 DEPENDENCIES: dict[str, tuple[str, ...]] = {"router": ("gemv", "_trace"), "megakernel": ("device_fns",),
                                            "gemv": ("_trace",), "moe": ("_trace",), "mla_decode": ("_trace",),
-                                           "kda": ("_trace",)}
+                                           "kda": ("_trace",), "attn_res": ("_trace",)}
 # The megakernel's opcode families, one module each (the VM in megakernel.py dispatches to them): hashed with the
 # megakernel (through CONTRACTS below, which every kernel's hash and the hash-coverage test read)
 OPCODE_MODULES: tuple[str, ...] = ("mk_operands", "mk_mma", "mk_gemv", "mk_kda", "mk_mla", "mk_moe", "mk_misc")
