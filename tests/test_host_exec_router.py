@@ -11,9 +11,10 @@ through a subprocess: a device-only instruction reached on the host aborts the p
 
 Whole programs at ``micro`` and ``tiny``; at ``k3-shard`` the first MoE layer's tile corners (first / last slot x
 first / last row tile, every lane) and the misc opcodes; the full ``tiny`` batch-8 / ``k3-shard`` layers are slow.
-The same for programs carrying MXFP4 routed experts (``expert_format="mxfp4"``: the kernel compiled with
-``MKConfig.fp4`` decodes codes and E8M0 scales to bf16 registers for ``mma.sync``; on the host every lane's code runs
-and only the mma is evaluated by ``mk_mma.mma_reference``), against the interpreter's dequantise-then-dense bodies.
+Programs carrying MXFP4 routed experts (``expert_format="mxfp4"``: the kernel compiled with ``MKConfig.fp4`` decodes
+codes and E8M0 scales to bf16 registers for ``mma.sync``; on the host every lane's code runs and only the mma is
+evaluated by ``mk_mma.mma_reference``) run their first MoE layer against the interpreter's dequantise-then-dense
+bodies (every layer runs the same code on the same shapes); their whole programs are slow.
 Planted mutants (docs/planted-bugs.md) must fail.
 """
 
@@ -28,6 +29,8 @@ pytestmark = pytest.mark.host
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPED = {"n_group": 4, "topk_group": 2}
+# MXFP4 routed experts, the first MoE layer of a micro batch-8 program: the MXFP4 mutants' case
+MX8 = {"family": "mk.moe", "preset": "micro", "batch": 8, "layers": "first_moe", "expert_format": "mxfp4"}
 
 
 def _cases_ci() -> list[dict]:
@@ -45,20 +48,16 @@ def _cases_ci() -> list[dict]:
     cases += [{"family": "mk.misc", "preset": p, "batch": b} for p, b in (("micro", 8), ("tiny", 1))]
     cases += [{"family": "mk.moe", "preset": "k3-shard", "batch": 1, "layers": "first_moe", "sample": "corners"},
               {"family": "mk.misc", "preset": "k3-shard", "batch": 1}]
-    # MXFP4 experts (tensor cores: 16-row x 8-token work items): a pass of 8 tokens (micro batch 8), several passes
-    # and 16 combine accumulators per lane and row (micro batch 64), multi-block rows (tiny: 6 gate/up groups, a
-    # partial k block, and 8 down groups), the k3-shard widths' corners (112 / 96 groups: 28 / 24 k blocks)
-    cases += [{"family": "mk.moe", "preset": p, "batch": b, "expert_format": "mxfp4"} for p, b in (("micro", 8),
-                                                                                                   ("micro", 64),
-                                                                                                   ("tiny", 1))]
-    cases += [{"family": "mk.moe", "preset": "k3-shard", "batch": 1, "layers": "first_moe", "sample": "corners",
-               "expert_format": "mxfp4"}]
+    # MXFP4 experts (tensor cores: 16-row x 8-token work items), the first MoE layer (every layer runs the same code
+    # on the same shapes; whole programs are slow): a pass of 8 tokens (micro batch 8), several passes and 16
+    # combine accumulators per lane and row (micro batch 64), multi-block rows (tiny: 6 gate/up groups, a partial k
+    # block, and 8 down groups), the k3-shard widths' corners (112 / 96 groups: 28 / 24 k blocks)
+    cases += [MX8, {**MX8, "batch": 64}, {**MX8, "preset": "tiny", "batch": 1}]
+    cases += [{**MX8, "preset": "k3-shard", "batch": 1, "sample": "corners"}]
     # tiles whose rows are not a multiple of 16: the work item's rows past the box's end read its last row and are
     # not stored (EXPERT_DOWN: 7 rows; EXPERT_GATE_UP: 20 + 12 rows)
-    cases += [{"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8, "expert_format": "mxfp4",
-               "tiling": {"expert_down_rows": 7}},
-              {"family": "mk.EXPERT_GATE_UP", "preset": "micro", "batch": 8, "expert_format": "mxfp4",
-               "tiling": {"expert_rows": 20}}]
+    cases += [{**MX8, "family": "mk.EXPERT_DOWN", "tiling": {"expert_down_rows": 7}},
+              {**MX8, "family": "mk.EXPERT_GATE_UP", "tiling": {"expert_rows": 20}}]
     return cases
 
 
@@ -66,7 +65,8 @@ def _cases_slow() -> list[dict]:
     cases = [{"family": "mk.moe", "preset": "tiny", "batch": b} for b in (8, 64)]
     cases += [{"family": "mk.misc", "preset": "tiny", "batch": 64}]
     cases += [{"family": "mk.moe", "preset": "k3-shard", "batch": b, "layers": "first_moe"} for b in (1, 8)]
-    cases += [{"family": "mk.moe", "preset": "tiny", "batch": b, "expert_format": "mxfp4"} for b in (8, 64)]
+    cases += [{"family": "mk.moe", "preset": p, "batch": b, "expert_format": "mxfp4"}
+              for p, b in (("micro", 8), ("micro", 64), ("tiny", 1), ("tiny", 8), ("tiny", 64))]
     cases += [{"family": "mk.moe", "preset": "k3-shard", "batch": b, "layers": "first_moe", "expert_format": "mxfp4"}
               for b in (1, 8)]
     cases += [{"family": "router", "preset": "k3-shard", "batch": b} for b in (1, 8, 64)]
@@ -75,7 +75,6 @@ def _cases_slow() -> list[dict]:
 
 # Planted bugs (docs/planted-bugs.md): (module, [(original, mutated)]) and the case that must then fail. Each mutated
 # line is the real one in the kernel module, so a refactor that moves it fails load_mutant loudly.
-MX8 = {"family": "mk.moe", "preset": "micro", "batch": 8, "expert_format": "mxfp4"}
 MUTANTS: dict[str, tuple[list, dict]] = {
     "topk-tie-break": (["router", [["return (v > bv) | ((v == bv) & (i < bi))",
                                     "return (v > bv) | ((v == bv) & (i > bi))"]]],
@@ -141,7 +140,7 @@ MUTANTS: dict[str, tuple[list, dict]] = {
     # the code rows at half their stride (d2 counted in 16-bit units): other rows' codes, still 16-byte aligned
     "mk-fp4-code-row-stride": (["mk_moe", [["fp4_row_offsets(ctx.s_d1[jc], ctx.s_d2[jc], ctx.s_d1[js]",
                                             "fp4_row_offsets(ctx.s_d1[jc], ctx.s_d2[jc] // 2, ctx.s_d1[js]"]]],
-                               {"family": "mk.moe", "preset": "tiny", "batch": 1, "expert_format": "mxfp4"}),
+                               {**MX8, "preset": "tiny", "batch": 1}),
 }
 
 
