@@ -583,6 +583,18 @@ def _kernel_source(name: str, caller: str) -> str:
     return Path(spec.origin).read_text()
 
 
+def mutated_modules(mutant: list | None, modules: dict[str, ModuleType], owner: str) -> dict[str, ModuleType]:
+    """The kernel modules a host run uses, by name; with ``mutant`` = [name, [[old, new], ...]] the one it names
+    replaced by its mutated copy (:func:`load_mutant`). A mutant of any other module is refused."""
+    out = dict(modules)
+    if mutant:
+        name, reps = mutant
+        if name not in out:
+            raise ValueError(f"{owner}: mutants of {' or '.join(out)} only, got {name!r}")
+        out[name] = load_mutant(name, [tuple(r) for r in reps])
+    return out
+
+
 def load_mutant(name: str, replacements: list[tuple[str, str]]) -> ModuleType:
     """A copy of kernel module ``name`` with each (old, new) replacement applied exactly once: a planted bug.
 

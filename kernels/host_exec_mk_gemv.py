@@ -38,7 +38,7 @@ from cutlass import Float32, Int32, Int64
 
 from . import mk_mma as M
 from ._trace import host_trace
-from .host_exec import HostRun, _t, _Writes, cases_main, load_mutant
+from .host_exec import HostRun, _t, _Writes, cases_main, mutated_modules
 
 __all__ = ["tile_registers", "mma_tiles", "run_gemv_op", "run_case", "main"]
 
@@ -54,17 +54,8 @@ def _modules(mutant: list | None) -> tuple[ModuleType, ModuleType]:
     """(device_fns, mk_addr), or a mutated copy of one of them."""
     from . import device_fns, mk_addr
 
-    F, A = device_fns, mk_addr
-    if mutant:
-        name, reps = mutant
-        mod = load_mutant(name, [tuple(r) for r in reps])
-        if name == "device_fns":
-            F = mod
-        elif name == "mk_addr":
-            A = mod
-        else:
-            raise ValueError(f"host_exec_mk_gemv: mutants of device_fns or mk_addr only, got {name!r}")
-    return F, A
+    m = mutated_modules(mutant, {"device_fns": device_fns, "mk_addr": mk_addr}, "host_exec_mk_gemv")
+    return m["device_fns"], m["mk_addr"]
 
 
 def _tile_driver(F: ModuleType) -> Any:

@@ -32,7 +32,7 @@ from cutlass import Float32, Int32, Int64
 
 from . import _common as C
 from ._trace import host_trace
-from .host_exec import HostRun, _t, _Writes, cases_main, load_mutant
+from .host_exec import HostRun, _t, _Writes, cases_main, mutated_modules
 from .isa import BT_MAX
 
 __all__ = ["run_mla_q", "run_mla_kv_append", "run_mla_partial", "run_mla_reduce", "run_case", "main"]
@@ -82,17 +82,8 @@ _DRIVERS: dict[tuple[str, ModuleType, ModuleType], Any] = {}
 def _modules(mutant: list | None) -> tuple[ModuleType, ModuleType]:
     from . import device_fns, mk_mla
 
-    M, F = mk_mla, device_fns
-    if mutant:
-        name, reps = mutant
-        mod = load_mutant(name, [tuple(r) for r in reps])
-        if name == "mk_mla":
-            M = mod
-        elif name == "device_fns":
-            F = mod
-        else:
-            raise ValueError(f"host_exec_mk_mla: mutants of mk_mla or device_fns only, got {name!r}")
-    return M, F
+    m = mutated_modules(mutant, {"mk_mla": mk_mla, "device_fns": device_fns}, "host_exec_mk_mla")
+    return m["mk_mla"], m["device_fns"]
 
 
 # ---------------------------------------------------------------------------------------------- shared GEMV rows

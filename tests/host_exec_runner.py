@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,3 +28,14 @@ def run_cases(module: str, cases: list[dict], tmp: Path, timeout: int) -> list[d
         f"host execution exited {r.returncode} after {len(lines)}/{len(cases)} cases "
         f"(a negative code is a signal: a device-only instruction reached on the host aborts)\n{r.stderr[-3000:]}")
     return lines
+
+
+def run_with_mutants(module: str, cases: list[dict], mutants: dict[str, tuple[list, dict]], tmp: Path, timeout: int,
+                     name: Callable[[dict], str]) -> dict[str, dict]:
+    """The clean ``cases`` and each planted mutant's case (``mutants``: name -> (mutant, case)) in one subprocess:
+    the results by ``name(case)`` and by ``"mutant:<name>"``."""
+    runs = cases + [{**case, "mutant": mut} for mut, case in mutants.values()]
+    res = run_cases(module, runs, tmp, timeout)
+    out = {name(r["case"]): r for r in res[:len(cases)]}
+    out.update({f"mutant:{m}": r for m, r in zip(mutants, res[len(cases):])})
+    return out

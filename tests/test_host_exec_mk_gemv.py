@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from host_exec_runner import run_cases
+from host_exec_runner import run_cases, run_with_mutants
 
 pytestmark = pytest.mark.host
 
@@ -70,11 +70,8 @@ def _name(c: dict) -> str:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    cases = CASES + [{**case, "mutant": mut} for mut, case in MUTANTS.values()]
-    res = run_cases("kimik3.kernels.host_exec_mk_gemv", cases, tmp_path_factory.mktemp("mk_gemv"), timeout=900)
-    out = {_name(r["case"]): r for r in res if "mutant" not in r["case"]}
-    out.update({f"mutant:{name}": r for name, r in zip(MUTANTS, res[len(CASES):])})
-    return out
+    return run_with_mutants("kimik3.kernels.host_exec_mk_gemv", CASES, MUTANTS, tmp_path_factory.mktemp("mk_gemv"),
+                            900, _name)
 
 
 @pytest.mark.parametrize("name", [_name(c) for c in CASES])
@@ -119,3 +116,17 @@ def test_tile_registers_are_the_chunk_layout() -> None:
             cols = slice(32 * kb + 8 * q, 32 * kb + 8 * q + 8)
             want = [M.f32_to_bf16x2(t[cols].float().reshape(4, 2)) for t in (W[gg], W[gg + 8], x[gg])]
             assert torch.equal(regs[lane, kb], torch.cat(want)), (lane, kb)
+
+
+def test_mutants_of_other_modules_are_refused() -> None:
+    """A host run swaps in a mutated copy of the modules it executes only; a mutant of any other module would run
+    the clean code and pass, so it is refused before anything runs."""
+    from kimik3.kernels import device_fns, mk_addr
+    from kimik3.kernels.host_exec import mutated_modules
+    from kimik3.kernels.host_exec_mk_gemv import _modules
+
+    assert _modules(None) == (device_fns, mk_addr)
+    with pytest.raises(ValueError, match="mutants of device_fns or mk_addr only, got 'mk_moe'"):
+        _modules(["mk_moe", [["a", "b"]]])
+    m = mutated_modules(["mk_addr", [["GEMV_MMA_ROWS = 16", "GEMV_MMA_ROWS = 8"]]], {"mk_addr": mk_addr}, "t")
+    assert m["mk_addr"] is not mk_addr and m["mk_addr"].GEMV_MMA_ROWS == 8

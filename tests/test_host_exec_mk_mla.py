@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from host_exec_runner import run_cases
+from host_exec_runner import run_cases, run_with_mutants
 
 pytestmark = pytest.mark.host
 
@@ -76,11 +76,8 @@ def _name(c: dict) -> str:
 
 @pytest.fixture(scope="module")
 def ci_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    cases = _cases_ci() + [{**case, "mutant": mut} for mut, case in MUTANTS.values()]
-    res = _run(cases, tmp_path_factory.mktemp("mk_mla"), timeout=900)
-    out = {_name(r["case"]): r for r in res if "mutant" not in r["case"]}
-    out.update({f"mutant:{name}": r for name, r in zip(MUTANTS, res[len(_cases_ci()):])})
-    return out
+    return run_with_mutants("kimik3.kernels.host_exec_mk_mla", _cases_ci(), MUTANTS, tmp_path_factory.mktemp("mk_mla"),
+                            900, _name)
 
 
 @pytest.mark.parametrize("name", [_name(c) for c in _cases_ci()])
