@@ -26,8 +26,8 @@ from typing import Any
 from . import _common as C
 from .registry import Budget, KernelVariant
 
-__all__ = ["BuildResult", "build", "cache_root", "cache_key", "parse_ptxas_report", "check_budget", "ptx_target",
-           "SUPPORTED_ARCHS"]
+__all__ = ["BuildResult", "build", "store", "cache_root", "cache_key", "parse_ptxas_report", "check_budget",
+           "ptx_target", "SUPPORTED_ARCHS"]
 
 SUPPORTED_ARCHS = C.SUPPORTED_ARCHS
 _ENTRY = re.compile(r"Compiling entry function '+([\w$]+)'+ for '+(sm_\w+)'+")
@@ -153,6 +153,11 @@ def _load_cached(d: Path) -> BuildResult | None:
         return None
 
 
+def _entry_dir(variant: KernelVariant, arch: str, key: str, cache_dir: str | os.PathLike | None) -> Path:
+    root = Path(cache_dir) if cache_dir else cache_root()
+    return root / f"{variant.name.replace('/', '_')}-{arch}-{key}"
+
+
 def build(variant: KernelVariant, arch: str, *, use_cache: bool = True, cache_dir: str | os.PathLike | None = None
           ) -> BuildResult:
     """Compile ``variant`` for ``arch`` (or load it from the disk cache) and return its artefacts and report."""
@@ -160,33 +165,44 @@ def build(variant: KernelVariant, arch: str, *, use_cache: bool = True, cache_di
         raise ValueError(f"unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}")
     if arch not in variant.archs:
         raise ValueError(f"{variant.name} does not support {arch} (supports {variant.archs})")
-    src = C.source_hash(variant.module)
-    key = cache_key(variant, arch, src)
-    root = Path(cache_dir) if cache_dir else cache_root()
-    final = root / f"{variant.name.replace('/', '_')}-{arch}-{key}"
     if use_cache:
-        hit = _load_cached(final)
+        hit = _load_cached(_entry_dir(variant, arch, cache_key(variant, arch), cache_dir))
         if hit is not None:
             return hit
-    root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-    try:
-        remark = work / "ptxas.yaml"
+    with tempfile.TemporaryDirectory(prefix="kimik3-build-") as tmp:
+        remark = Path(tmp) / "ptxas.yaml"
         t0 = time.perf_counter()
-        with C.dump_dir_scope(work), C.smem_log() as smem:
+        with C.dump_dir_scope(tmp), C.smem_log() as smem:
             compiled = variant.compile(arch, remark_file=str(remark))
         seconds = time.perf_counter() - t0
-        ptx = C.artifact_text(compiled.__ptx__)
-        cubin = C.artifact_bytes(compiled.__cubin__)
-        if not ptx or not cubin:
-            raise RuntimeError(f"{variant.name}: the DSL returned no PTX/cubin (keep options ignored?)")
-        kernels = parse_ptxas_report(remark.read_text() if remark.exists() else "")
-        if not kernels:
-            raise RuntimeError(f"{variant.name}: no ptxas resource report found in {remark}")
-        _attach_smem(kernels, smem)
-        for p in work.glob("*"):  # keep only what we name ourselves
-            if p.name != "ptxas.yaml":
-                p.unlink() if p.is_file() else shutil.rmtree(p, ignore_errors=True)
+        # the artefacts may be files in the dump folder: read before it goes
+        ptx, cubin = C.artifact_text(compiled.__ptx__), C.artifact_bytes(compiled.__cubin__)
+        report = remark.read_text() if remark.exists() else ""
+    result = store(variant, arch, ptx, cubin, report, smem, seconds, cache_dir=cache_dir)
+    result.compiled = compiled
+    return result
+
+
+def store(variant: KernelVariant, arch: str, ptx: str, cubin: bytes, ptxas_report: str, smem: dict[str, int],
+          seconds: float, *, cache_dir: str | os.PathLike | None = None) -> BuildResult:
+    """Put one compile of ``variant`` for ``arch`` into the disk cache and return its result: the PTX, the cubin,
+    the ptxas report (remark YAML or ``ptxas -v`` text) and the shared memory recorded at trace time. :func:`build`
+    stores its compiles here, and so does the ahead-of-time export (``prebuilt.build_prebuilt``): exporting with
+    TVM-FFI changes only the host-side launcher, the device code is the same, so an export's compile is a build.
+    The entry appears atomically (a work folder renamed into place); one already there is kept."""
+    if not ptx or not cubin:
+        raise RuntimeError(f"{variant.name}: the DSL returned no PTX/cubin (keep options ignored?)")
+    kernels = parse_ptxas_report(ptxas_report)
+    if not kernels:
+        raise RuntimeError(f"{variant.name}: no ptxas resource report found")
+    _attach_smem(kernels, smem)
+    src = C.source_hash(variant.module)
+    key = cache_key(variant, arch, src)
+    final = _entry_dir(variant, arch, key, cache_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
+    try:
+        (work / "ptxas.yaml").write_text(ptxas_report)
         (work / "kernel.ptx").write_text(ptx)
         (work / "kernel.cubin").write_bytes(cubin)
         result = BuildResult(name=variant.name, arch=arch, key=key, directory=str(final),
@@ -198,7 +214,6 @@ def build(variant: KernelVariant, arch: str, *, use_cache: bool = True, cache_di
             shutil.rmtree(work, ignore_errors=True)
         else:
             os.replace(work, final)
-        result.compiled = compiled
         return result
     finally:
         if work.exists():

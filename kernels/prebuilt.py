@@ -127,7 +127,7 @@ def build_prebuilt(arch: str, out_dir: str | os.PathLike, variants: Sequence[Ker
     is extended: kernels built earlier for the same arch stay listed unless rebuilt.
     """
     from . import _common as C
-    from .build import check_budget, parse_ptxas_report
+    from .build import check_budget, parse_ptxas_report, store
 
     if arch not in C.SUPPORTED_ARCHS:
         raise ValueError(f"unsupported arch {arch!r}; expected one of {C.SUPPORTED_ARCHS}")
@@ -156,9 +156,10 @@ def build_prebuilt(arch: str, out_dir: str | os.PathLike, variants: Sequence[Ker
             remark = Path(tmp) / "ptxas.yaml"
             with C.dump_dir_scope(tmp), C.smem_log() as smem:
                 compiled = v.compile(arch, tvm_ffi=(fmt == "tvm-ffi"), remark_file=str(remark))
-            ptx = C.artifact_text(compiled.__ptx__)
+            seconds = time.perf_counter() - t0
+            ptx, cubin = C.artifact_text(compiled.__ptx__), C.artifact_bytes(compiled.__cubin__)
             (out / f"{fn}.ptx").write_text(ptx)
-            (out / f"{fn}.cubin").write_bytes(C.artifact_bytes(compiled.__cubin__))
+            (out / f"{fn}.cubin").write_bytes(cubin)
             files.update(ptx=f"{fn}.ptx", cubin=f"{fn}.cubin")
             if fmt == "tvm-ffi":
                 obj = Path(tmp) / f"{fn}.o"
@@ -167,10 +168,10 @@ def build_prebuilt(arch: str, out_dir: str | os.PathLike, variants: Sequence[Ker
                 subprocess.run([cxx, "-shared", "-o", str(out / f"{fn}.so"), str(obj), *link_flags,
                                 "-Wl,-rpath,$ORIGIN", f"-Wl,-rpath,{libdir}"], check=True, capture_output=True)
                 files["so"] = f"{fn}.so"
-            kernels = parse_ptxas_report(remark.read_text() if remark.exists() else "")
-        for k in kernels:
-            k["shared_bytes"] = k["static_smem"] + sum(
-                n for label, n in smem.items() if k["name"].startswith(f"kernel_cutlass_{label}_kernel"))
+            report = remark.read_text() if remark.exists() else ""
+        kernels = parse_ptxas_report(report)
+        if kernels:  # the device code build() compiles: later builds of this variant load it from the cache
+            kernels = store(v, arch, ptx, cubin, report, smem, seconds).kernels
         entry = {
             "family": v.family, "module": v.module_name, "variant": v.variant, "preset": v.preset, "batch": v.batch,
             "expert_format": getattr(v, "expert_format", "dense"), "shapes": v.shapes, "runtime": v.runtime,

@@ -103,6 +103,23 @@ def test_fresh_compile_skips_cache(tmp_path) -> None:
     assert not list(tmp_path.glob(".build-*")), "temporary build directories must be cleaned up"
 
 
+def test_export_compile_is_stored_as_the_build(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ahead-of-time export (TVM-FFI where available) compiles the same device code as build(): it puts that
+    compile into the disk cache, and a later build() loads it; a fresh build() gives the same PTX and report."""
+    from kimik3.kernels import prebuilt as P
+
+    monkeypatch.setenv("KIMIK3_KERNEL_CACHE", str(tmp_path / "cache"))
+    name = "gemv.plain/tiny/b1"
+    manifest = P.build_prebuilt("sm_90a", tmp_path / "out", [name], log=None)
+    e = manifest["kernels"][name]
+    v = R.get_variant(name)
+    hit = B.build(v, "sm_90a")
+    assert hit.cached and hit.ptx == (tmp_path / "out" / e["files"]["ptx"]).read_text()
+    assert hit.kernels == e["ptxas"] and hit.cubin == (tmp_path / "out" / e["files"]["cubin"]).read_bytes()
+    fresh = B.build(v, "sm_90a", use_cache=False, cache_dir=tmp_path / "fresh")
+    assert fresh.ptx == hit.ptx and fresh.kernels == hit.kernels, f"export format {e['format']}: device code differs"
+
+
 def test_no_artefacts_in_working_directory(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     R.get_variant("gemv.plain/tiny/b1").compile("sm_90a")
