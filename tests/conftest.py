@@ -1,8 +1,10 @@
-"""Shared fixtures: small transformers oracle checkpoints, written once per session."""
+"""Shared fixtures: small transformers oracle checkpoints and the device check's tiny kernel exports, written once
+per session."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,3 +92,13 @@ def oracle_checkpoint(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_prebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``tiny`` batch-1 targets of the device check (fused ops and the megakernel, dense and MXFP4 experts),
+    exported once per session: the dry-run tests and the megakernel's export test read the same folder (the
+    megakernel's export takes tens of seconds)."""
+    from device_check_script import build_prebuilt
+
+    return build_prebuilt(tmp_path_factory.mktemp("prebuilt"), "--presets", "tiny", "--batches", "1")

@@ -18,3 +18,14 @@ def load_script() -> ModuleType:
     sys.modules["device_check"] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def build_prebuilt(out: Path, *select: str) -> Path:
+    """``scripts/device_check.py --build-prebuilt OUT [selection]``: the kernels the device check runs, exported into
+    ``out``."""
+    import pytest
+
+    pytest.importorskip("cutlass")  # exporting compiles: needs the CuTe DSL (the CPU machines of CI have it)
+    pytest.importorskip("tvm_ffi")
+    assert load_script().main(["--build-prebuilt", str(out), *select]) == 0
+    return out

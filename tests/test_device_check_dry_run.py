@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from device_check_script import load_script
+from device_check_script import build_prebuilt, load_script
 
 from kimik3.perfmodel import design_expert_formats
 from kimik3.perfmodel.data import CURRENT_DESIGN
@@ -26,22 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 dc = load_script()
 
 
-def _build(out: Path, *select: str) -> Path:
-    pytest.importorskip("cutlass")  # exporting compiles: needs the CuTe DSL (the CPU machines of CI have it)
-    pytest.importorskip("tvm_ffi")
-    assert dc.main(["--build-prebuilt", str(out), *select]) == 0
-    return out
-
-
 def _dry_run(out: Path, prebuilt: Path, *select: str) -> tuple[int, dict]:
     code = dc.main(["--out", str(out), "--dry-run", "--prebuilt", str(prebuilt), *select])
     read = {k: json.loads((out / f).read_text()) for k, f in dc.FILES.items() if (out / f).exists()}
     return code, read
-
-
-@pytest.fixture(scope="module")
-def tiny_prebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _build(tmp_path_factory.mktemp("prebuilt"), "--presets", "tiny", "--batches", "1")
 
 
 def test_dry_run_executes_the_plan_for_tiny(tiny_prebuilt: Path, tmp_path: Path) -> None:
@@ -102,7 +90,7 @@ def test_dry_run_tampered_artefact_fails_and_is_named(tiny_prebuilt: Path, tmp_p
 @pytest.mark.slow
 def test_dry_run_full_target_set(tmp_path: Path) -> None:
     """Every target the GPU run uses (kimik3.gpu_targets): exported, verified, loaded, carried under 64 MiB."""
-    prebuilt = _build(tmp_path / "prebuilt")
+    prebuilt = build_prebuilt(tmp_path / "prebuilt")
     code, r = _dry_run(tmp_path / "out", prebuilt)
     assert code == 0 and r["summary"]["failures"] == [], r["summary"]["failures"]
     assert r["plan"]["prebuilt"]["distinct_ops"] == len(r["plan"]["verified"]) > 100

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -226,22 +227,25 @@ def test_device_contract_catches_planted_problems() -> None:
                                                                      grouped, 2))
 
 
-def test_prebuilt_export_and_launch_signature(tmp_path) -> None:
+def test_prebuilt_export_and_launch_signature(tiny_prebuilt: Path, tmp_path: Path) -> None:
     """The prebuilt path exports the megakernel (pointer-only entry, budget met); with TVM-FFI the loaded function
-    takes exactly the six tensors of the runner plus the CTA count, and refuses CPU tensors by device only."""
+    takes exactly the six tensors of the runner plus the CTA count, and refuses CPU tensors by device only. The
+    export is the device check's (``tiny`` batch 1, built once per session)."""
     from kimik3.kernels import prebuilt as P
 
-    name = "megakernel/micro/b1"
-    manifest = P.build_prebuilt("sm_90a", tmp_path, [name], log=None)
-    e = manifest["kernels"][name]
+    name = "megakernel/tiny/b1"
+    e = P.read_manifest(tiny_prebuilt)["kernels"][name]
     assert e["budget_violations"] == [] and e["module"] == "megakernel"
     (entry,) = e["entries"]
     assert entry["pointer_only"] and entry["param_bytes"] == [8] * 6 and entry["block"] == [384, 1, 1]
     assert entry["dynamic_shared_bytes"] > 64 * 1024
     if e["format"] != "tvm-ffi":
         pytest.skip("apache-tvm-ffi or g++ missing: cubin export only")
-    k = P.load_prebuilt(tmp_path, name, arch="sm_90a", shapes=R.get_variant(name).shapes)
-    s = static_shapes("micro", 1)
+    import shutil
+
+    local = shutil.copytree(tiny_prebuilt, tmp_path / "prebuilt")  # loading unpacks the runtime: not in the shared one
+    k = P.load_prebuilt(local, name, arch="sm_90a", shapes=R.get_variant(name).shapes)
+    s = static_shapes("tiny", 1)
     args = [torch.zeros(s["prog_words"], dtype=torch.int32), torch.zeros(s["max_bufs"], dtype=torch.int64),
             torch.zeros(s["max_ctrs"], dtype=torch.int32), torch.zeros(s["max_instr"], 3, dtype=torch.int64),
             torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)]
