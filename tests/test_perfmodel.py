@@ -315,16 +315,17 @@ def _kernel(rep: dict, fn: str, suffix: str = "") -> dict:
 
 
 def test_current_design_matches_the_compiled_kernels_ci_subset():
-    """The current design's numbers that come from the ptxas reports and the source constants, at k3-shard B = 1
-    (megakernel, gemv.rmsnorm, moe bf16). v1 described the kernels before the redesign: its compiled numbers were
-    checked against that code and stay as its record."""
+    """The current design's numbers that come from the ptxas reports and the source constants, at k3-shard B = 8
+    (megakernel, gemv.rmsnorm, moe bf16: kernels the compile tests build, loaded from the disk cache; every batch is
+    slow). v1 described the kernels before the redesign: its compiled numbers were checked against that code and
+    stay as its record."""
     from kimik3.kernels import isa
     from kimik3.kernels.mk_addr import GEMV_UNROLL, LM_HEAD_MMA, gemv_mma_unroll
 
-    mk = _compiled("megakernel/k3-shard/b1")
+    mk = _compiled("megakernel/k3-shard/b8")
     m = CUR["megakernel"]
-    assert mk["resources"]["registers"] == m["registers"]["value"]["1"]
-    assert mk["resources"]["shared_bytes"] == m["shared_bytes"]["value"]["1"]
+    assert mk["resources"]["registers"] == m["registers"]["value"]["8"]
+    assert mk["resources"]["shared_bytes"] == m["shared_bytes"]["value"]["8"]
     assert mk["resources"]["shared_bytes"] >= m["stage_bytes"]["value"] * m["stage_buffers"]["value"]
     from kimik3.kernels.device_fns import NT
 
@@ -340,12 +341,12 @@ def test_current_design_matches_the_compiled_kernels_ci_subset():
         assert evaluate(loads, {"gbt": 8}) == (2 * gemv_mma_unroll("sm_90a", normed) if mma else GEMV_UNROLL), op
     # prefetch_ahead with stage_wait = all: the own stage is waited one group behind the next one's copy
     assert m["prefetch_ahead"]["value"] and re.search(r"cp\.async\.wait_group\s+1;", mk["ptx"])
-    g = _compiled("gemv.rmsnorm/k3-shard/b1")
+    g = _compiled("gemv.rmsnorm/k3-shard/b8")
     gemv = CUR["fused"]["families"]["gemv"]
-    assert g["resources"]["registers"] == gemv["registers_by_variant"]["rmsnorm"]["1"]
+    assert g["resources"]["registers"] == gemv["registers_by_variant"]["rmsnorm"]["8"]
     # loads in flight: one step issues `loads` 16-byte ld.global.nc.v4 (K = 7168)
     assert g["ptx"].count("ld.global.nc.v4") == evaluate(gemv["kernels"][0]["loads"], {"K": 7168})
-    moe = _compiled("moe.bf16/k3-shard/b1")
+    moe = _compiled("moe.bf16/k3-shard/b8")
     fam = {k["name"]: k for k in CUR["fused"]["families"]["moe"]["kernels"]}
     from kimik3.config import get_preset
 
@@ -353,8 +354,8 @@ def test_current_design_matches_the_compiled_kernels_ci_subset():
     env = {"fmt": 0, "L": cfg.moe_latent_size or cfg.hidden_size, "I": cfg.moe_intermediate_size}
     assert moe["ptx"].count("ld.global.nc.v4") == evaluate(fam["gate_up"]["loads"], env) + \
         evaluate(fam["down"]["loads"], env)
-    assert _kernel(moe, "expert_gemv_kernel", "_2")["registers"] == fam["down"]["registers"]["1"]
-    assert _kernel(moe, "moe_combine_kernel")["registers"] == fam["combine"]["registers"]["1"]
+    assert _kernel(moe, "expert_gemv_kernel", "_2")["registers"] == fam["down"]["registers"]["8"]
+    assert _kernel(moe, "moe_combine_kernel")["registers"] == fam["combine"]["registers"]["8"]
 
 
 @pytest.mark.slow
