@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -241,8 +242,6 @@ def test_prebuilt_export_and_launch_signature(tiny_prebuilt: Path, tmp_path: Pat
     assert entry["dynamic_shared_bytes"] > 64 * 1024
     if e["format"] != "tvm-ffi":
         pytest.skip("apache-tvm-ffi or g++ missing: cubin export only")
-    import shutil
-
     local = shutil.copytree(tiny_prebuilt, tmp_path / "prebuilt")  # loading unpacks the runtime: not in the shared one
     k = P.load_prebuilt(local, name, arch="sm_90a", shapes=R.get_variant(name).shapes)
     s = static_shapes("tiny", 1)
