@@ -30,8 +30,8 @@ def _export(argv: list[str]) -> int:
     import torch
 
     import kimik3
-    from kimik3.atomic import check_writable
-    from kimik3.checkpoint import is_export
+    from kimik3.model.checkpoint import is_export
+    from kimik3.util.files import check_writable
 
     ap = argparse.ArgumentParser(prog="python -m kimik3 export", description=_export.__doc__)
     ap.add_argument("--preset", required=True, choices=kimik3.PRESET_NAMES)
@@ -70,7 +70,7 @@ _export.__doc__ = "Write a preset's deterministic random weights as an HF-format
 
 
 def _run_notebooks(argv: list[str]) -> int:
-    from kimik3.notebooks import run_all
+    from kimik3.notebook.runner import run_all
 
     ap = argparse.ArgumentParser(prog="python -m kimik3 run-notebooks")
     ap.add_argument("--out", default="runs")
@@ -88,7 +88,7 @@ def _run_notebooks(argv: list[str]) -> int:
 
 def _kernels(argv: list[str]) -> int:
     try:
-        from kimik3.kernels.prebuilt import main as kernels_main
+        from kimik3.kernels.toolchain.prebuilt import main as kernels_main
 
         return kernels_main(argv)
     except ModuleNotFoundError as e:

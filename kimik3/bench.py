@@ -25,12 +25,12 @@ import torch
 from tqdm.auto import tqdm
 
 import kimik3
-from kimik3.atomic import atomic_write_text, check_writable
-from kimik3.clilog import compiler_output_to
-from kimik3.cost import decode_cost
-from kimik3.hardware import measure_bandwidth, measure_local, read_ceiling_Bps
-from kimik3.profiling import Timing
-from kimik3.provenance import provenance
+from kimik3.perf.cost import decode_cost
+from kimik3.perf.hardware import measure_bandwidth, measure_local, read_ceiling_Bps
+from kimik3.perf.profiling import Timing
+from kimik3.perf.provenance import provenance
+from kimik3.util.clilog import compiler_output_to
+from kimik3.util.files import atomic_write_text, check_writable
 from kimik3.validation.metric import rel_error
 
 __all__ = ["run_bench", "provenance", "write_hf_deepseek_checkpoint", "strongest_compile_options", "main"]
@@ -224,7 +224,7 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
             if any(k in e for e in extra):
                 df[k] = [e.get(k) for e in extra]
     if out is not None:
-        # the data/measurements format (kimik3.recorded.load_recorded): provenance on top, one record per row
+        # the data/measurements format (kimik3.perf.recorded.load_recorded): provenance on top, one record per row
         records = []
         for r in json.loads(df.to_json(orient="records")):
             rec = {**r, "block": "step", "batch_size": r["batch"], "context_len": r["context"]}

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from kimik3.config_checks import require_memory
-from kimik3.model import DecodeState, KimiForCausalLM
+from kimik3.model.checks import require_memory
+from kimik3.model.modeling import DecodeState, KimiForCausalLM
 from kimik3.stages import get_stage
 
 __all__ = ["Decoder"]

@@ -36,7 +36,7 @@ solutions = False  # workshop: True checks the reference solutions instead of yo
 
 # %%
 # a bad parameter (papermill -p, or an edit above) stops here with its name, not deep inside a later cell
-from kimik3.notebooks import check_params
+from kimik3.notebook.runner import check_params
 
 check_params(dict(preset=preset, device=device, batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
                   seed=seed), "01_naive_decode")
@@ -47,9 +47,9 @@ import plotly.express as px
 import torch
 
 import kimik3
-from kimik3.anatomy import block_table, cache_bytes_per_sequence, layer_map, layer_map_figure, trace_step
-from kimik3.nbsetup import start_notebook
-from kimik3.profiling import count_ops, time_per_call
+from kimik3.model.anatomy import block_table, cache_bytes_per_sequence, layer_map, layer_map_figure, trace_step
+from kimik3.notebook.start import start_notebook
+from kimik3.perf.profiling import count_ops, time_per_call
 
 # plotly renders with no network (plotly.js embedded once, no CDN); figures go to `out`;
 # `dev`: the GPU when one is present, else the CPU; `dtype`: bf16 on a GPU, fp32 on a CPU
@@ -156,7 +156,7 @@ for b in range(batch_size):
 # the check runs it on random tensors and names the usual mistakes.
 
 # %%
-from kimik3 import workshop
+from kimik3.notebook import workshop
 
 
 def attend(q, k, v):

@@ -17,7 +17,7 @@
 # # 02 · Memory and rooflines: what one decode step costs
 #
 # One decode step of Kimi K3 gives every sequence in the batch one new token. This notebook counts what that step
-# moves and computes — per layer and block, from the model's own parameter shapes (`kimik3.cost`) — and puts it
+# moves and computes — per layer and block, from the model's own parameter shapes (`kimik3.perf.cost`) — and puts it
 # against the ceilings of real chips (`data/hardware.json`) and against published speeds (`data/published.json`).
 #
 # The short version: at small batch a decode step does about **one to two FLOPs per byte** it reads, while an H200
@@ -37,7 +37,7 @@ solutions = False  # workshop: True checks the reference solutions instead of yo
 
 # %%
 # a bad parameter (papermill -p, or an edit above) stops here with its name, not deep inside a later cell
-from kimik3.notebooks import check_params
+from kimik3.notebook.runner import check_params
 
 check_params(dict(preset=preset, batch_sizes=batch_sizes, context_lens=context_lens), "02_memory_and_rooflines")
 
@@ -48,17 +48,17 @@ import plotly.graph_objects as go
 from IPython.display import display
 
 import kimik3
-from kimik3.cost import (
+from kimik3.notebook.start import start_notebook
+from kimik3.perf.cost import (
     batch_size_for_bytes,
     cache_bytes_per_sequence,
     decode_cost,
     expected_distinct_experts,
     parameter_counts,
 )
-from kimik3.hardware import hardware_table, local_hardware, measure_local
-from kimik3.nbsetup import start_notebook
-from kimik3.recorded import claims_vs_bound, load_published, load_recorded
-from kimik3.roofline import latency_roofline_figure, points_from_cost, roofline_figure, roofline_panel, save_html
+from kimik3.perf.hardware import hardware_table, local_hardware, measure_local
+from kimik3.perf.recorded import claims_vs_bound, load_published, load_recorded
+from kimik3.perf.roofline import latency_roofline_figure, points_from_cost, roofline_figure, roofline_panel, save_html
 
 # plotly renders with no network (plotly.js embedded once, no CDN); figures go to `out`
 out = start_notebook(out_dir, pandas_display={"width": 200, "max_columns": 30}).out
@@ -93,7 +93,7 @@ print(f"{cfg.name}, batch 1, context {T_MID:,}: {step1.total_flops / 1e9:,.1f} G
 # Write the lower bound on its time — the roofline in one line.
 
 # %%
-from kimik3 import workshop
+from kimik3.notebook import workshop
 
 
 def step_lower_bound(bytes_, flops, bandwidth, peak_flops):
@@ -202,7 +202,7 @@ fig_batch
 # of a step follow the expected number of *distinct* experts, not B·k. Write it (uniform routing).
 
 # %%
-from kimik3 import workshop
+from kimik3.notebook import workshop
 
 
 def distinct_experts(num_experts, top_k, batch_size):

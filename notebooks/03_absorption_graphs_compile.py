@@ -42,7 +42,7 @@ solutions = False  # workshop: True checks the reference solutions instead of yo
 
 # %%
 # a bad parameter (papermill -p, or an edit above) stops here with its name, not deep inside a later cell
-from kimik3.notebooks import check_params
+from kimik3.notebook.runner import check_params
 
 check_params(dict(preset=preset, device=device, batch_size=batch_size, context=context, steps=steps, repeats=repeats,
                   stages=stages), "03_absorption_graphs_compile")
@@ -57,11 +57,11 @@ from IPython.display import display
 
 import kimik3
 from kimik3.bench import run_bench
-from kimik3.cost import decode_cost
-from kimik3.nbsetup import start_notebook
-from kimik3.profiling import count_ops
-from kimik3.recorded import load_recorded
-from kimik3.roofline import points_from_cost, roofline_figure, save_html
+from kimik3.notebook.start import start_notebook
+from kimik3.perf.cost import decode_cost
+from kimik3.perf.profiling import count_ops
+from kimik3.perf.recorded import load_recorded
+from kimik3.perf.roofline import points_from_cost, roofline_figure, save_html
 from kimik3.validation import compare_to_reference
 
 # plotly renders with no network (plotly.js embedded once, no CDN); figures go to `out`;
@@ -110,7 +110,7 @@ forms.round(3)
 # building any key: the check records every tensor your code creates.
 
 # %%
-from kimik3 import workshop
+from kimik3.notebook import workshop
 
 
 def absorbed_scores(q_nope, w_uk, latent):
@@ -225,7 +225,7 @@ shown
 # with their date and commit; GPU rows not yet measured are stated as such.
 
 # %%
-from kimik3.hardware import local_hardware, measure_local
+from kimik3.perf.hardware import local_hardware, measure_local
 
 local = local_hardware(measure_local(device=dev, quick=True))
 pts = []

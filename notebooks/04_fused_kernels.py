@@ -46,7 +46,7 @@ solutions = False  # workshop: True checks the reference solutions instead of yo
 
 # %%
 # a bad parameter (papermill -p, or an edit above) stops here with its name, not deep inside a later cell
-from kimik3.notebooks import check_params
+from kimik3.notebook.runner import check_params
 
 check_params(dict(preset=preset, batch=batch, context=context), "04_fused_kernels")
 
@@ -57,16 +57,16 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 from IPython.display import Markdown, display
+from kimik3.kernels.toolchain.loader import dsl_available
 
-from kimik3.config import get_preset
-from kimik3.hardware import get_hardware
-from kimik3.init import build_model
-from kimik3.kernel_loader import dsl_available
-from kimik3.kernel_report import KernelReport, ptx_highlights, show_source
-from kimik3.launch_cost import launch_bytes, launch_flops
-from kimik3.nbsetup import start_notebook
-from kimik3.recorded import load_recorded, resolve_data_path
-from kimik3.roofline import roofline_figure, save_html
+from kimik3.fused.launch_cost import launch_bytes, launch_flops
+from kimik3.model.config import get_preset
+from kimik3.model.random_init import build_model
+from kimik3.notebook.kernel_report import KernelReport, ptx_highlights, show_source
+from kimik3.notebook.start import start_notebook
+from kimik3.perf.hardware import get_hardware
+from kimik3.perf.recorded import load_recorded, resolve_data_path
+from kimik3.perf.roofline import roofline_figure, save_html
 from kimik3.stages.fused import FusedStep
 
 # plotly renders with no network (plotly.js embedded once, no CDN); figures go to `out`
@@ -94,7 +94,7 @@ print(f"{cfg.name}, batch {batch}, context {context}: {sum(program.kind == 'kern
 # op when their shapes agree: the KDA and MLA o-proj, the four MoE layers' routers ...); *glue* rows are the few
 # PyTorch ops left between them (embedding gather, the RMSNorm that the router and expert kernels need as input,
 # the MLA latent norm + cache append, the MLA output gate, residual adds). Bytes are the fewest the launch must
-# move, from its own shapes (`kimik3.launch_cost.launch_bytes`: routed experts counted only for the experts a
+# move, from its own shapes (`kimik3.fused.launch_cost.launch_bytes`: routed experts counted only for the experts a
 # uniform routing is expected to touch; MLA reading `context` cache rows).
 
 # %%
@@ -135,7 +135,7 @@ fig
 #   `residual` variant adds the residual stream in the epilogue (o-proj writes `p + o·Wᵀ` in place).
 
 # %%
-from kimik3.kernels import gemv
+from kimik3.kernels.fused import gemv
 
 report.section("L0.kda.qkv", gemv.gemv_kernel, gemv.row_dot, gemv._dot_step)
 
@@ -148,7 +148,7 @@ report.section("L0.kda.qkv", gemv.gemv_kernel, gemv.row_dot, gemv._dot_step)
 # per warp, and every warp-wide load contiguous (coalesced).
 
 # %%
-from kimik3 import workshop
+from kimik3.notebook import workshop
 
 
 def gemv_element(cta, warp, lane, step, u, v):
@@ -180,7 +180,7 @@ report.section("lm_head", gemv.lm_head_kernel, gemv.argmax_kernel)
 # step stays capturable as one CUDA graph.
 
 # %%
-from kimik3.kernels import router
+from kimik3.kernels.fused import router
 
 report.section("L0.moe.router", router.topk_kernel)
 
@@ -194,7 +194,7 @@ report.section("L0.moe.router", router.topk_kernel)
 # the updated state needs no second pass: o = p + (q·k̂)·δ.
 
 # %%
-from kimik3.kernels import kda
+from kimik3.kernels.fused import kda
 
 report.section("L0.kda.step", kda.kda_kernel)
 
@@ -207,12 +207,12 @@ report.section("L0.kda.step", kda.kda_kernel)
 # in the log2 domain (`ex2.approx`); the combine kernel merges the per-split (m, l, o) partials.
 #
 # The absorption itself, q_lat = W_UKᵀ q_nope and o = W_UV o_lat, is a GEMV whose weight differs per head. It reuses
-# the MoE expert kernel with a constant routing (head h = expert h; `kernels/moe.py: head_gemv`). The W_UK weight is
+# the MoE expert kernel with a constant routing (head h = expert h; `kernels/fused/moe.py: head_gemv`). The W_UK weight is
 # augmented with an identity block for the 64 rope dimensions, so one launch writes the complete MLA query
 # `[q_lat ; q_rope]` (8.6 MB more weight read per MLA layer, no copy kernel).
 
 # %%
-from kimik3.kernels import mla_decode, moe
+from kimik3.kernels.fused import mla_decode, moe
 
 report.section("L3.mla.attn", mla_decode.mla_split_kernel, mla_decode.mla_combine_kernel)
 report.section("L3.mla.w_uk", moe.head_gemv)
@@ -237,7 +237,9 @@ report.section("L0.moe.experts", moe.expert_gemv_kernel, moe._bf16_step)
 # %%
 from dataclasses import replace
 
-from kimik3.kernels import _common  # the MXFP4 decode helpers the fused MoE kernel shares with the megakernel
+from kimik3.kernels.common import (
+    device as _common,  # the MXFP4 decode helpers the fused MoE kernel shares with the megakernel
+)
 
 ln16 = report.launch("L0.moe.experts")
 op4 = replace(ln16.op, family="moe.mxfp4")
@@ -265,7 +267,7 @@ display(rec4 if not rec4.empty else Markdown("*MXFP4 vs bf16 expert time*: **GPU
 # reads a contiguous prefix and a block boundary needs no copy.
 
 # %%
-from kimik3.kernels import attn_res
+from kimik3.kernels.fused import attn_res
 
 report.section("L0.attn_res.mlp", attn_res.attn_res_kernel)
 
@@ -310,7 +312,7 @@ fig
 # the step. Stage `fused` is the row this notebook is about; `compiled` is the strongest PyTorch-only peer.
 
 # %%
-from kimik3.cost import decode_cost
+from kimik3.perf.cost import decode_cost
 
 steps = recorded[(recorded["block"] == "step") & (recorded["preset"] == cfg.name)] if not recorded.empty else recorded
 bound = {b: decode_cost(cfg, b, context).total_bytes / H200.hbm_bandwidth * 1e3 for b in (1, 8)}

@@ -19,7 +19,7 @@
 # Notebook 04 composed a decode step from hand-written kernels: still one launch per operation, and between two
 # launches the GPU drains and ramps up again. This notebook takes the last step of the ladder: **one persistent kernel
 # per decode step**, one CTA per SM, each walking its own queue of *instructions* — an int32 program built once on the
-# host (`kimik3.megakernel`) and interpreted on the device (`kernels/megakernel.py`). Dependencies are counters in
+# host (`kimik3.megakernel`) and interpreted on the device (`kernels/megakernel/vm.py`). Dependencies are counters in
 # global memory, not kernel boundaries, and an SM that waits for its inputs already streams its next weights.
 #
 # What runs where:
@@ -46,7 +46,7 @@ solutions = False  # workshop: True checks the reference solutions instead of yo
 
 # %%
 # a bad parameter (papermill -p, or an edit above) stops here with its name, not deep inside a later cell
-from kimik3.notebooks import check_params
+from kimik3.notebook.runner import check_params
 
 check_params(dict(preset=preset, batch_size=batch_size, steps=steps, interleavings=interleavings), "05_megakernel")
 
@@ -61,15 +61,15 @@ from IPython.display import display
 
 import kimik3
 import kimik3.megakernel.interpreter  # noqa: F401  (registers stage "megakernel-interp")
-from kimik3.cost import decode_cost
-from kimik3.hardware import get_hardware
 from kimik3.megakernel import build_program, check_program, instruction_set_table, simulate, summary
 from kimik3.megakernel.hazards import format_violations
 from kimik3.megakernel.instructions import Kind, Mode, Op, Program, encoding_table
 from kimik3.megakernel.timeline import gantt, makespan_ns
-from kimik3.nbsetup import start_notebook
-from kimik3.recorded import load_recorded
-from kimik3.roofline import points_from_cost, roofline_figure, save_html
+from kimik3.notebook.start import start_notebook
+from kimik3.perf.cost import decode_cost
+from kimik3.perf.hardware import get_hardware
+from kimik3.perf.recorded import load_recorded
+from kimik3.perf.roofline import points_from_cost, roofline_figure, save_html
 from kimik3.validation.metric import TOL, rel_error
 
 # plotly renders with no network (plotly.js embedded once, no CDN); figures go to `out`
@@ -118,12 +118,12 @@ display(encoding_table())
 
 # %% [markdown]
 # What each opcode's device code does in this first version, and its known performance limits (from
-# `kernels/megakernel.py`, `OPCODE_NOTES`):
+# `kernels/megakernel/vm.py`, `OPCODE_NOTES`):
 
 # %%
 try:
-    from kimik3.kernels.device_fns import NT
-    from kimik3.kernels.megakernel import OPCODE_NOTES, STAGE_BUFFERS, STAGE_BYTES
+    from kimik3.kernels.megakernel.device_fns import NT
+    from kimik3.kernels.megakernel.vm import OPCODE_NOTES, STAGE_BUFFERS, STAGE_BYTES
 
     notes = pd.DataFrame([(op, what, limits) for op, (what, limits) in OPCODE_NOTES.items()],
                          columns=["opcode", "device code", "known limits"]).set_index("opcode")
@@ -245,7 +245,7 @@ print(format_violations(check_program(early), limit=3))
 # instruction that is no longer ordered after it.
 
 # %%
-from kimik3 import workshop
+from kimik3.notebook import workshop
 
 
 def find_race(program):
@@ -441,7 +441,7 @@ fig
 # shrink — and each byte now carries almost four weights to expand. On the CUDA cores (the first MXFP4 opcodes) that
 # was about 2.8 instructions per weight and pass plus 2.7 per weight and token, counted in their PTX: issue-bound at
 # batch 1 already. Today's expert opcodes decode each weight once, straight into bf16 fragments, and hand 16 rows × 8
-# tokens × 16 columns to one `mma.sync` (`kernels/mk_mma.py`); the tokens of an expert are the instruction's 8
+# tokens × 16 columns to one `mma.sync` (`kernels/megakernel/mma.py`); the tokens of an expert are the instruction's 8
 # columns, so the decode is paid once per weight whatever the batch. At batch 8 the other GEMVs (projections, the
 # shared experts, the LM head) had the same problem with bf16 weights — 8 FMAs and converts per weight, and every x
 # row re-read per weight row — so they take the tensor cores too at batch passes of 8: one x chunk per 16 weight
@@ -539,8 +539,8 @@ display(pd.DataFrame(sens).set_index("HBM latency ns").round(1))
 
 # %%
 if compile_kernel:
-    from kimik3.kernels import build as B
-    from kimik3.kernels import registry as R
+    from kimik3.kernels.toolchain import build as B
+    from kimik3.kernels.toolchain import registry as R
 
     from kimik3.megakernel.gpu import variant_name
 

@@ -51,14 +51,14 @@ out_dir = "runs/06_validation"
 
 # %%
 # a bad parameter (papermill -p, or an edit above) stops here with its name, not deep inside a later cell
-from kimik3.notebooks import check_params
+from kimik3.notebook.runner import check_params
 
 check_params(dict(presets=presets), "06_validation")
 
 # %%
 from IPython.display import HTML, display
 
-from kimik3.nbsetup import start_notebook
+from kimik3.notebook.start import start_notebook
 from kimik3.validation import CHUNK_TOKENS, default_config, error_figure, quick_config, run_validation, support_table
 from kimik3.validation.metric import TOL
 
@@ -200,7 +200,7 @@ if not hz.empty:
 # %% [markdown]
 # ## Expert parallelism
 #
-# `kimik3.distributed` on real `torch.distributed` gloo process groups (spawned locally), fp32, against the
+# `kimik3.scale.expert_parallel` on real `torch.distributed` gloo process groups (spawned locally), fp32, against the
 # single-process `naive` decoder: `e ≤ 1e-4` per step and identical greedy tokens on every rank. Per step, two
 # all-to-alls per MoE layer (dispatch and combine) — measured, and equal to the traffic model's count — carrying the
 # LatentMoE latent width, half the hidden width (the point of LatentMoE for expert parallelism).

@@ -19,8 +19,8 @@
 # Everything so far ran on one GPU, with `k3-shard`: K3's widths, four layers, the 56 experts one of 16 GPUs would
 # hold. The full model is 2.78 T parameters (1.4 TB with MXFP4 experts) and does not fit one GPU; it is served on a
 # rack — 72 Blackwell Ultra GPUs joined by NVLink switches (GB300 NVL72), or 16 GB200s. This notebook asks what a
-# decode step costs there, from the same cost model (`kimik3.cost`) and the datasheet ceilings
-# (`data/hardware.json`), with the modelling code in `kimik3.scaleout`:
+# decode step costs there, from the same cost model (`kimik3.perf.cost`) and the datasheet ceilings
+# (`data/hardware.json`), with the modelling code in `kimik3.scale.nvl72`:
 #
 # 1. **bytes per GPU** — what each GPU reads from its own HBM per step, for a stated way of sharding the model;
 # 2. **all-to-all exchanges** — two per MoE layer (dispatch the tokens' latent vectors to the experts' GPUs, combine
@@ -29,10 +29,10 @@
 # 4. **tokens/s per user** at batch 1 … 256, set against the published figures (`data/published.json`) and against
 #    what a single GPU doing one layer implies.
 #
-# **Assumptions** (stated once, used throughout; `kimik3.scaleout` docstring has the detail):
+# **Assumptions** (stated once, used throughout; `kimik3.scale.nvl72` docstring has the detail):
 # routed experts sharded over all GPUs (expert parallelism, uniform routing — every MoE layer waits for the *busiest*
 # GPU's expert reads); everything else either replicated per GPU ("DP attention": each GPU runs its own sequences'
-# attention on a full copy, the layout of `kimik3.distributed`) or tensor-parallel over a group of `tp` GPUs; experts
+# attention on a full copy, the layout of `kimik3.scale.expert_parallel`) or tensor-parallel over a group of `tp` GPUs; experts
 # in MXFP4, everything else bf16; a collective costs a fixed latency (assumed: 10 µs per all-to-all, 5 µs per
 # all-reduce — swept below) plus its bytes over one direction of the GPU's NVLink; local work bounded by HBM bandwidth
 # (datasheet, 100 %). These are idealised bounds, not a simulation of a serving stack.
@@ -44,7 +44,7 @@ out_dir = "runs/07_scaling_to_nvl72"
 
 # %%
 # a bad parameter (papermill -p, or an edit above) stops here with its name, not deep inside a later cell
-from kimik3.notebooks import check_params
+from kimik3.notebook.runner import check_params
 
 check_params(dict(batch_sizes=batch_sizes), "07_scaling_to_nvl72")
 
@@ -57,11 +57,11 @@ from IPython.display import display
 from plotly.subplots import make_subplots
 
 import kimik3
-from kimik3.cost import decode_cost, parameter_counts
-from kimik3.hardware import get_hardware
-from kimik3.nbsetup import start_notebook
-from kimik3.recorded import load_recorded, resolve_data_path, speed_claims
-from kimik3.scaleout import (
+from kimik3.notebook.start import start_notebook
+from kimik3.perf.cost import decode_cost, parameter_counts
+from kimik3.perf.hardware import get_hardware
+from kimik3.perf.recorded import load_recorded, resolve_data_path, speed_claims
+from kimik3.scale.nvl72 import (
     DEPLOYMENTS,
     CommModel,
     all_to_all_table,

@@ -10,7 +10,7 @@ short keeps what it measured):
 ====  ===============  =====  ======================================================================================
 file  phase            est.   what
 ====  ===============  =====  ======================================================================================
-00    provenance         1 s  ``kimik3.provenance``: commit (``$KIMIK3_COMMIT``, ``BUILD_INFO.json`` or git), dirty
+00    provenance         1 s  ``kimik3.perf.provenance``: commit (``$KIMIK3_COMMIT``, ``BUILD_INFO.json`` or git), dirty
                               tree, GPU and clocks, versions, load, date; the kernel source hashes
 01    plan               5 s  what will run, every prebuilt artefact it loads verified against its manifest entry
                               (source hash, arch, shapes, file sha256), the carried size (<= 64 MiB)
@@ -30,7 +30,7 @@ file  phase            est.   what
                               ``data/measurements`` format
 ====  ===============  =====  ======================================================================================
 
-The k3-shard model is built once, on the GPU (``kimik3.init.device_model``), and shared by the kernels and bench
+The k3-shard model is built once, on the GPU (``kimik3.model.random_init.device_model``), and shared by the kernels and bench
 phases; prompts go through the model's chunked forward; every kernel is loaded in this process.
 
 Exit status: 0 only if every phase ran, every planned GPU test passed (failed, errored, timed out or skipped
@@ -45,7 +45,7 @@ the MXFP4 megakernel phase on ``tiny`` batch 1 on the CPU (the quantised model, 
 against it, the MXFP4 program scored by the performance model) — and exits non-zero if anything it could check
 fails. Without a prebuilt manifest it writes the provenance and the plan (which kernels are missing) and stops:
 there is nothing to execute. ``--build-prebuilt DIR`` (a CPU machine with the CuTe DSL): exports every kernel of
-``kimik3.gpu_targets`` (the megakernel for dense and for MXFP4 routed experts) and records the commit in
+``kimik3.kernels.toolchain.targets`` (the megakernel for dense and for MXFP4 routed experts) and records the commit in
 ``DIR/BUILD_INFO.json`` (the copy that travels to the GPU machine may lack ``.git``).
 """
 
@@ -70,10 +70,10 @@ if str(REPO) not in sys.path:  # a bare copy of the repository (the GPU machine)
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from kimik3.kernels.toolchain.targets import FUSED_TARGETS, megakernel_variants, select  # noqa: E402
 
-from kimik3.gpu_targets import FUSED_TARGETS, megakernel_variants, select  # noqa: E402
-from kimik3.init import device_model  # noqa: E402
-from kimik3.provenance import commit_info, provenance, utc_now  # noqa: E402
+from kimik3.model.random_init import device_model  # noqa: E402
+from kimik3.perf.provenance import commit_info, provenance, utc_now  # noqa: E402
 from kimik3.validation.metric import TOL  # noqa: E402
 
 __all__ = ["main", "plan", "run_phases", "verdict", "judge_tests", "judge_bench", "judge_mxfp4", "TOTAL_BUDGET_S",
@@ -182,14 +182,14 @@ def _model(preset: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, devi
 
 
 def _kernel_hashes() -> dict[str, str]:
-    from kimik3.kernels._source import kernel_source_hash
+    from kimik3.kernels.toolchain.source import kernel_source_hash
 
     return {m: kernel_source_hash(m)[:16] for m in ("gemv", "router", "kda", "mla_decode", "moe", "attn_res",
                                                          "megakernel")}
 
 
 def device_provenance(prebuilt: Path | None) -> dict[str, Any]:
-    """``kimik3.provenance`` for this run's device and prebuilt directory, plus the kernel source hashes."""
+    """``kimik3.perf.provenance`` for this run's device and prebuilt directory, plus the kernel source hashes."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     return {**provenance(dev, prebuilt), "kernel_source_hashes": _kernel_hashes()}
 
@@ -199,8 +199,8 @@ def _prebuilt_status(prebuilt: Path | None, arch: str = "sm_90a",
                      megakernels: Sequence[str] | None = None) -> dict[str, Any]:
     """Which kernels of the targets the prebuilt directory has, at the current kernel sources (``megakernels``: the
     registry names of the megakernel variants, dense and MXFP4; default: every exported one)."""
-    from kimik3.kernels._source import kernel_source_hash
-    from kimik3.kernels.registry import get_variant
+    from kimik3.kernels.toolchain.registry import get_variant
+    from kimik3.kernels.toolchain.source import kernel_source_hash
 
     from kimik3.stages.fused import _find_prebuilt, fused_ops
 
@@ -250,7 +250,8 @@ def _gpu_test_files() -> list[str]:
 def plan(prebuilt: Path | None, quick: bool, presets: str = "", batches: str = "") -> dict[str, Any]:
     """What the run will do, with budgets and estimates, and whether the prebuilt kernels it needs are there
     (``presets`` / ``batches``: only those targets, comma-separated)."""
-    from kimik3.kernel_loader import dsl_available
+    from kimik3.kernels.toolchain.loader import dsl_available
+
     from kimik3.stages.fused import fused_ops
 
     fused_targets, mk_targets = select(presets, batches)
@@ -293,7 +294,7 @@ def _mxfp4_items(megakernels: Sequence[str], quick: bool) -> list[dict[str, Any]
     """The MXFP4 megakernel variants among ``megakernels`` the run executes (``--quick``: batch 1 only): the run's
     k3-shard model first (quantised in place once the bench is done), then the small presets, built for the item.
     The interpreter runs on the CPU, so only where the model is small; the timing buffer is read at k3-shard."""
-    from kimik3.kernels.registry import get_variant
+    from kimik3.kernels.toolchain.registry import get_variant
 
     items = []
     for name in megakernels:
@@ -337,9 +338,9 @@ def verify_prebuilt(prebuilt: Path, status: dict[str, Any], load: bool) -> list[
     static shapes, file sha256) and, with ``load``, loaded (the shared object and the DSL runtime it links; a CPU
     machine can load them, only launching needs the GPU). One pass in this process, the runtime library located
     once: no subprocess per kernel."""
-    from kimik3.kernels import prebuilt as pb
+    from kimik3.kernels.toolchain import prebuilt as pb
+    from kimik3.kernels.toolchain.loader import load_prebuilt_fn
 
-    from kimik3.kernel_loader import load_prebuilt_fn
     from kimik3.megakernel.gpu import static_shapes
 
     results = []
@@ -400,7 +401,7 @@ def _graph_time(g: torch.cuda.CUDAGraph, per_replay: int, replays: int = 7) -> f
 
 
 def _phase_copy_bandwidth(out: Path, args: argparse.Namespace) -> None:
-    from kimik3.hardware import measure_local
+    from kimik3.perf.hardware import measure_local
 
     m = measure_local(device="cuda", quick=bool(args.quick))
     floor = _launch_floor_s()
@@ -413,7 +414,7 @@ def _copy_bw(out: Path) -> tuple[float, float]:
     d = _read(out, "copy_bandwidth")
     if d:
         return float(d["copy_bandwidth_Bps"]), float(d["launch_floor_s"])
-    from kimik3.hardware import measure_local
+    from kimik3.perf.hardware import measure_local
 
     return float(measure_local(device="cuda", quick=True)["copy_bandwidth_Bps"]), _launch_floor_s()
 
@@ -592,8 +593,8 @@ def _judge(nbytes: float, seconds: float, copy_bw: float, floor: float) -> dict[
 
 
 def _phase_kernels(out: Path, args: argparse.Namespace) -> None:
-    from kimik3.launch_cost import launch_bytes, launch_flops
-    from kimik3.quant import mxfp4_quantize as mxfp4_pack
+    from kimik3.fused.launch_cost import launch_bytes, launch_flops
+    from kimik3.model.quant import mxfp4_quantize as mxfp4_pack
     from kimik3.stages.fused import FusedStage, KernelRunner, load_kernels
 
     deadline = float(args.deadline)
@@ -716,7 +717,7 @@ def _phase_bench(out: Path, args: argparse.Namespace) -> None:
                               "context": p["context"], "steps": p["steps"], "repeats": p["repeats"],
                               "order": p["order"], "rows": rows, "skipped": skipped, "dry_run": dry,
                               "tolerance_vs_naive": TOL["bf16_stage"],
-                              "weights": "kimik3.init rules, drawn on the device (kimik3.init.device_model)"}
+                              "weights": "kimik3.model.random_init rules, drawn on the device (kimik3.model.random_init.device_model)"}
     try:
         for stage, batch in p["order"]:
             left = deadline - time.time()
@@ -929,7 +930,7 @@ def judge_mxfp4(rec: dict[str, Any] | None) -> list[str]:
 
 def _measurements(out: Path, prov: dict[str, Any]) -> dict[str, Any] | None:
     """The measured rows in the data/measurements format (copy into data/measurements/ to commit them)."""
-    from kimik3.cost import decode_cost
+    from kimik3.perf.cost import decode_cost
 
     records: list[dict[str, Any]] = []
     bench = _read(out, "bench") or {}
@@ -1136,8 +1137,8 @@ def _build(args: argparse.Namespace) -> int:
 
     out = Path(args.build_prebuilt)
     targets, mk_targets = select(args.presets, args.batches)
-    from kimik3.kernels import prebuilt as pb
-    from kimik3.kernels.registry import get_variant
+    from kimik3.kernels.toolchain import prebuilt as pb
+    from kimik3.kernels.toolchain.registry import get_variant
 
     t0 = time.time()
     names = megakernel_variants(args.presets, args.batches)  # dense, then those for MXFP4 routed experts
@@ -1184,7 +1185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.out:
         _parser().error("--out is required")
     if args.prebuilt is None:
-        from kimik3.kernel_loader import default_prebuilt_dir
+        from kimik3.kernels.toolchain.loader import default_prebuilt_dir
 
         args.prebuilt = default_prebuilt_dir()
     return _orchestrate(args)

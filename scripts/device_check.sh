@@ -6,7 +6,7 @@
 #
 # 1. Before the call, on a CPU machine with the CuTe DSL (`. .venv/bin/activate`), after any kernel change:
 #      python scripts/device_check.py --build-prebuilt prebuilt
-#        (every kernel of kimik3/gpu_targets.py: the fused ops and the megakernel variants as TVM-FFI .so + cubin
+#        (every kernel of kernels/toolchain/targets.py: the fused ops and the megakernel variants as TVM-FFI .so + cubin
 #         + PTX, the DSL runtime shipped as libcute_dsl_runtime.so.xz, prebuilt/BUILD_INFO.json with the commit:
 #         the copy on the GPU machine may have no .git)
 #      python scripts/device_check.py --out /tmp/dc --dry-run --prebuilt prebuilt

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import kimik3
 from kimik3.__main__ import main as cli
-from kimik3.config import get_preset
+from kimik3.model.config import get_preset
 
 REPO = Path(__file__).resolve().parents[1]
 K3_PREFIX = "language_model."
@@ -97,7 +97,7 @@ def test_interrupted_export_keeps_the_earlier_one(tmp_path, monkeypatch):
     out = tmp_path / "D"
     kimik3.save_pretrained(kimik3.from_preset("micro", seed=0), out, max_shard_bytes=2**20)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    import kimik3.checkpoint as ck
+    import kimik3.model.checkpoint as ck
 
     calls = {"n": 0}
     real = ck.save_file
@@ -168,7 +168,7 @@ def test_save_pretrained_max_shard_bytes(tmp_path, bad):
 
 
 def test_atomic_write_replaces_a_symlink_not_its_target(tmp_path):
-    from kimik3.atomic import atomic_write_text
+    from kimik3.util.files import atomic_write_text
 
     target = tmp_path / "target.txt"
     target.write_text("keep")
@@ -497,7 +497,7 @@ class FakePapermill:
 
 
 def test_run_notebooks_relative_out_is_the_folder_asked_for(tmp_path, monkeypatch):
-    from kimik3 import notebooks
+    from kimik3.notebook import runner as notebooks
 
     fake = FakePapermill()
     monkeypatch.setitem(sys.modules, "papermill", fake)
@@ -511,7 +511,7 @@ def test_run_notebooks_relative_out_is_the_folder_asked_for(tmp_path, monkeypatc
 
 
 def test_interrupted_notebook_is_marked_failed(tmp_path, monkeypatch):
-    from kimik3 import notebooks
+    from kimik3.notebook import runner as notebooks
 
     nb = notebooks.list_notebooks()[0]
     monkeypatch.setitem(sys.modules, "papermill", FakePapermill())
@@ -538,14 +538,14 @@ def test_interrupted_notebook_is_marked_failed(tmp_path, monkeypatch):
     ({"stages": "naive"}, "stages"),
 ])
 def test_notebook_parameters(params, match):
-    from kimik3.notebooks import check_params
+    from kimik3.notebook.runner import check_params
 
     with pytest.raises(ValueError, match=match):
         check_params(params, "01_naive_decode")
 
 
 def test_notebook_defaults_pass_their_own_check():
-    from kimik3.notebooks import CI, check_params
+    from kimik3.notebook.runner import CI, check_params
 
     for name, params in CI.items():
         check_params(params, name)

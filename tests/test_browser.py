@@ -83,7 +83,7 @@ def executed(tmp_path_factory) -> list[Path]:
         if not found:
             raise ValueError(f"KIMIK3_BROWSER_RUNS={runs}: no executed notebooks there (run `make run` first)")
         return found
-    from kimik3.notebooks import CI, NOTEBOOK_DIR, run_notebook
+    from kimik3.notebook.runner import CI, NOTEBOOK_DIR, run_notebook
 
     out = tmp_path_factory.mktemp("runs")
     nb = next(NOTEBOOK_DIR.glob("02_*.ipynb"))
@@ -102,7 +102,7 @@ def lab(tmp_path_factory, executed):
     widget_nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "language": "python",
                                                                   "display_name": "Python 3"}})
     widget_nb.cells = [nbformat.v4.new_code_cell(
-        "from kimik3.roofline import roofline_panel\n"
+        "from kimik3.perf.roofline import roofline_panel\n"
         "panel = roofline_panel(preset='micro', hardware='h200', batch_size=1, context_len=1024)\npanel")]
     nbformat.write(widget_nb, root / "widget_panel.ipynb")
     settings = root.parent / f"{root.name}-settings" / "@jupyterlab" / "notebook-extension"
@@ -212,7 +212,7 @@ def test_every_figure_renders_in_jupyterlab(lab, browser, executed):
 
 
 def test_every_figure_renders_in_the_offline_html_export(browser, executed, tmp_path):
-    from kimik3.site import write_site
+    from kimik3.notebook.site import write_site
 
     site = tmp_path / "site"
     for nb in executed:

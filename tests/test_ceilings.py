@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import kimik3.bench as bench
-from kimik3.cost import decode_cost
-from kimik3.hardware import STREAM_KERNELS, local_hardware, measure_bandwidth, read_ceiling_Bps
-from kimik3.roofline import check_ceilings, points_from_cost, roofline_figure
+from kimik3.perf.cost import decode_cost
+from kimik3.perf.hardware import STREAM_KERNELS, local_hardware, measure_bandwidth, read_ceiling_Bps
+from kimik3.perf.roofline import check_ceilings, points_from_cost, roofline_figure
 
 
 def test_measure_bandwidth_reports_every_kernel_with_spread_and_restores_threads():
@@ -89,7 +89,7 @@ def test_bench_row_above_its_ceiling_is_flagged_not_recorded(tmp_path, monkeypat
 
 
 def test_a_cpu_bench_record_is_placed_against_its_working_set_ceiling():
-    from kimik3.roofline import _record_ceiling
+    from kimik3.perf.roofline import _record_ceiling
 
     ceiling = {"read_bandwidth_Bps": 2e10, "step_working_set": {"8": {"ceiling_Bps": 3e10}}}
     assert _record_ceiling({"bandwidth_ceiling": ceiling, "batch_size": 8}) == 3e10

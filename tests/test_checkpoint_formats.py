@@ -20,10 +20,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import kimik3
-import kimik3.checkpoint as ckpt
-from kimik3 import quant
-from kimik3.config import ModelConfig, _k3_mla_pattern, get_preset
-from kimik3.subset import k3_shard_selection, load_k3_shard, select, slice_model
+import kimik3.model.checkpoint as ckpt
+from kimik3.model import quant
+from kimik3.model.config import ModelConfig, _k3_mla_pattern, get_preset
+from kimik3.model.subset import k3_shard_selection, load_k3_shard, select, slice_model
 from kimik3.validation.metric import TOL, rel_error
 
 G = torch.Generator().manual_seed(17)
@@ -311,7 +311,7 @@ def test_kimi_linear_dense_first_layer_saved_by_transformers(tmp_path):
 
 
 def _kl_raw(**kw) -> dict:
-    raw = kimik3.config.to_hf_dict(get_preset("micro").replace(family="kimi_linear"))
+    raw = kimik3.model.config.to_hf_dict(get_preset("micro").replace(family="kimi_linear"))
     raw.update(kw)
     return raw
 
@@ -498,7 +498,7 @@ def test_subset_peak_memory_on_a_2gb_checkpoint(tmp_path):
     # VmHWM: this process's own high-water RSS (ru_maxrss would carry the forking parent's over exec)
     code = (
         "import sys, torch, kimik3\n"
-        "from kimik3.subset import load_k3_shard\n"
+        "from kimik3.model.subset import load_k3_shard\n"
         "def hwm():\n"
         "    line = next(x for x in open('/proc/self/status') if x.startswith('VmHWM:'))\n"
         "    return int(line.split()[1]) * 1024\n"

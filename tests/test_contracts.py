@@ -1,6 +1,6 @@
 """Every contract between the host and the device code is defined once.
 
-* ``kernels/isa.py`` (the megakernel's instruction encoding) and ``kernels/meta.py`` (the fused kernels' layouts,
+* ``kernels/contracts/isa.py`` (the megakernel's instruction encoding) and ``kernels/contracts/meta.py`` (the fused kernels' layouts,
   eps values, parameter order) load on their own, in a fresh interpreter where torch and cutlass cannot be
   imported — what a consumer that needs only the contract gets;
 * the host program encodes with those definitions (header, tables and rows read back at the contract's offsets);
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from kimik3.kernels import isa, meta
-from kimik3.kernels._source import CONTRACTS, DEPENDENCIES, KERNEL_DIR
+from kimik3.kernels.contracts import isa, meta
+from kimik3.kernels.toolchain.source import CONTRACTS, DEPENDENCIES, KERNEL_DIR
 
-from kimik3 import model
-from kimik3.config import get_preset
 from kimik3.megakernel import instructions, interpreter
 from kimik3.megakernel.scheduler import build_program
+from kimik3.model import modeling as model
+from kimik3.model.config import get_preset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,12 +140,12 @@ def test_no_second_definition() -> None:
                     [value] * len(names)
                 for n, v in zip(names, values):
                     if v is not None and _literal(v) and (
-                            (n in _ISA_NAMES and rel != "kernels/isa.py")
-                            or (n in _META_NAMES and rel != "kernels/meta.py")):
+                            (n in _ISA_NAMES and rel != "kernels/contracts/isa.py")
+                            or (n in _META_NAMES and rel != "kernels/contracts/meta.py")):
                         copies.append(f"{rel}:{node.lineno} assigns {n}")
-            elif isinstance(node, ast.FunctionDef) and node.name in _META_FUNCS and rel != "kernels/meta.py":
+            elif isinstance(node, ast.FunctionDef) and node.name in _META_FUNCS and rel != "kernels/contracts/meta.py":
                 copies.append(f"{rel}:{node.lineno} defines {node.name}()")
-    assert not copies, "contract values defined outside kernels/isa.py / kernels/meta.py:\n" + "\n".join(copies)
+    assert not copies, "contract values defined outside kernels/contracts/isa.py / kernels/contracts/meta.py:\n" + "\n".join(copies)
 
 
 def _local_imports(name: str) -> set[str]:

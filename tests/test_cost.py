@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kimik3
-from kimik3.cost import (
+from kimik3.perf.cost import (
     attn_res_mixes,
     batch_size_for_bytes,
     cache_bytes_per_sequence,
@@ -149,7 +149,7 @@ def test_weights_come_from_the_model_parameters():
     assert from_model.by_block.equals(from_preset.by_block)
     assert from_preset.by_block["params"].sum() == sum(p.numel() for p in model.parameters())
     assert from_preset.resident_weight_bytes == sum(
-        p.numel() * (4 if kimik3.model.keeps_fp32(n) else 2) for n, p in model.named_parameters())
+        p.numel() * (4 if kimik3.model.modeling.keeps_fp32(n) else 2) for n, p in model.named_parameters())
     wider = decode_cost(kimik3.get_preset("tiny").replace(moe_intermediate_size=512), 2, 64)
     assert kind(wider, "experts") > kind(from_preset, "experts")
 

@@ -13,8 +13,8 @@ import torch
 from device_check_script import load_script
 
 import kimik3
-from kimik3.init import device_model
-from kimik3.provenance import commit_info
+from kimik3.model.random_init import device_model
+from kimik3.perf.provenance import commit_info
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def test_commit_comes_from_env_then_build_info(tmp_path: Path, monkeypatch: pyte
 
 def test_build_prebuilt_records_the_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls, mk = [], []
-    import kimik3.kernels.prebuilt as pb
+    import kimik3.kernels.toolchain.prebuilt as pb
 
     import kimik3.stages.fused as fused
 
@@ -105,13 +105,13 @@ def test_build_prebuilt_records_the_commit(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_device_model_reproduces_from_preset_on_cpu() -> None:
-    """The on-device initialiser runs kimik3.init's own rules; with a CPU generator it is from_preset exactly."""
+    """The on-device initialiser runs kimik3.model.random_init's own rules; with a CPU generator it is from_preset exactly."""
     a = device_model("micro", seed=3, dtype=torch.bfloat16, device="cpu")
     b = kimik3.from_preset("micro", seed=3, dtype=torch.bfloat16)
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert a.model.layers[0].self_attn.A_log.dtype == torch.float32  # fp32 parameters stay fp32
-    import kimik3.init as init
+    import kimik3.model.random_init as init
 
     assert init.torch is torch  # restored
 
@@ -133,8 +133,8 @@ def test_judge_and_speedups() -> None:
 
 
 def test_measurements_file_loads_with_load_recorded(tmp_path: Path) -> None:
-    """What the check writes for data/measurements/ is in the format kimik3.recorded reads."""
-    from kimik3.recorded import load_recorded
+    """What the check writes for data/measurements/ is in the format kimik3.perf.recorded reads."""
+    from kimik3.perf.recorded import load_recorded
 
     dc._write(tmp_path, "bench", {"context": 512, "steps": 8, "rows": [
         {"stage": "fused", "batch": 1, "status": "ok", "ms_per_token": 3.0, "ms_min": 2.9, "ms_max": 3.2,
@@ -158,7 +158,7 @@ def test_measurements_file_loads_with_load_recorded(tmp_path: Path) -> None:
 def test_outstanding_file_is_loadable_and_lists_no_numbers() -> None:
     """data/measurements/gpu_outstanding.json: a list of what is still to be measured on a GPU, no values, and it
     does not break load_recorded (no records)."""
-    from kimik3.recorded import load_recorded
+    from kimik3.perf.recorded import load_recorded
 
     data = json.loads((REPO / "data" / "measurements" / "gpu_outstanding.json").read_text())
     assert data["records"] == [] and data["outstanding"]
@@ -234,8 +234,8 @@ def test_everything_run_on_the_gpu_has_a_cpu_counterpart() -> None:
     the CPU by a CI case of a tests/test_host_exec*.py module (the same device helpers, every block / warp / lane)."""
     import importlib.util
 
-    from kimik3.kernels.isa import MXFP4_OPERANDS, Op
-    from kimik3.kernels.registry import FAMILIES
+    from kimik3.kernels.contracts.isa import MXFP4_OPERANDS, Op
+    from kimik3.kernels.toolchain.registry import FAMILIES
 
     # the opcodes that read MXFP4 experts count once more: the MXFP4 variants run their own device code
     want = set(FAMILIES) | {op.name for op in Op if op.value > 0} | {f"{op.name}.mxfp4" for op in MXFP4_OPERANDS}

@@ -125,7 +125,7 @@ def test_missing_config_field(ckpt):
 
 
 def test_pickle_checkpoints_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(kimik3.config.to_hf_dict(kimik3.get_preset("micro"))))
+    (tmp_path / "config.json").write_text(json.dumps(kimik3.model.config.to_hf_dict(kimik3.get_preset("micro"))))
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
     with pytest.raises(ValueError, match=r"no \*\.safetensors files .*pytorch_model\.bin: pickle-based formats"):
         kimik3.from_pretrained(tmp_path)

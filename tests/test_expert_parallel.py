@@ -3,7 +3,7 @@
 validation.md: fp32 expert-parallel decode vs single process, ``e ≤ TOL["expert_parallel"]`` per step and
 identical greedy tokens. The reference here is computed in the test process with the plain ``naive`` Decoder
 (independently of the module's own comparison). Every multi-process run goes through
-:func:`kimik3.distributed.run_local` or a ``torchrun`` subprocess, both with hard deadlines, so nothing can hang.
+:func:`kimik3.scale.expert_parallel.run_local` or a ``torchrun`` subprocess, both with hard deadlines, so nothing can hang.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import kimik3
-from kimik3.distributed import (
+from kimik3.scale.expert_parallel import (
     ExpertParallelMoE,
     expert_range,
     owned_rows,
@@ -164,7 +164,7 @@ def test_shard_experts_keeps_only_the_local_block() -> None:
 
 @pytest.mark.skipif(dist.is_available() and dist.is_initialized(), reason="a process group is already initialised")
 def test_stage_refuses_without_a_process_group() -> None:
-    import kimik3.distributed  # noqa: F401  (registers the stage)
+    import kimik3.scale.expert_parallel  # noqa: F401  (registers the stage)
 
     with pytest.raises(ValueError, match="initialised torch.distributed process group"):
         kimik3.Decoder(kimik3.from_preset("micro"), stage="expert-parallel")
@@ -227,7 +227,7 @@ def test_launcher_under_torchrun(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_loopback_port()),
-           "-m", "kimik3.distributed", "--preset", "micro", "--batch", "2", "--steps", str(STEPS), "--seed", "0",
+           "-m", "kimik3.scale.expert_parallel", "--preset", "micro", "--batch", "2", "--steps", str(STEPS), "--seed", "0",
            "--threads", "1", "--timeout", str(RUN_TIMEOUT_S), "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

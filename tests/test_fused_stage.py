@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kimik3.kernels.meta import (
+from kimik3.kernels.contracts.meta import (
     ARG_ORDER,
     attn_res_threads,
     head_routing,
@@ -29,12 +29,12 @@ from kimik3.kernels.meta import (
     mla_default_splits,
     mla_head_layout,
 )
+from kimik3.kernels.toolchain.targets import fused_cases
 
 import kimik3
-from kimik3.config import get_preset
-from kimik3.gpu_targets import fused_cases
-from kimik3.init import build_model
-from kimik3.quant import mxfp4_quantize as mxfp4_pack
+from kimik3.model.config import get_preset
+from kimik3.model.quant import mxfp4_quantize as mxfp4_pack
+from kimik3.model.random_init import build_model
 from kimik3.stages.fused import (
     FAMILY_MODULES,
     FusedStage,
@@ -67,7 +67,7 @@ def _meta(cfg):
 
 def _with_mxfp4_experts(model):
     """A copy whose routed experts hold exactly their MXFP4 values (dequantised, exact in bf16)."""
-    from kimik3.checkpoint import mxfp4_dequantize
+    from kimik3.model.checkpoint import mxfp4_dequantize
 
     out = copy.deepcopy(model)
     for layer in out.model.layers:
@@ -136,7 +136,7 @@ def test_plan_supports_tiny_and_k3_shard(preset, fmt):
 def test_k3_shard_ops_reuse_the_registry_shapes():
     """Where a registry variant has the shape the step needs, the op is the same kernel (a prebuilt directory built
     with `python -m kimik3 kernels build` serves the stage)."""
-    from kimik3.kernels import registry
+    from kimik3.kernels.toolchain import registry
 
     ops = {(o.family, json.dumps(o.shapes, sort_keys=True, default=str)) for o in fused_ops("k3-shard", 8)}
     for fam in ("gemv.rmsnorm", "gemv.residual", "gemv.lm_head", "kda", "mla", "router", "moe.bf16", "attn_res"):
@@ -145,9 +145,9 @@ def test_k3_shard_ops_reuse_the_registry_shapes():
 
 
 def test_program_bytes_match_the_cost_model():
-    """The kernels' own shapes move what kimik3.cost says one step must move (±2 %), and the PyTorch glue that is
+    """The kernels' own shapes move what kimik3.perf.cost says one step must move (±2 %), and the PyTorch glue that is
     left is small."""
-    from kimik3.cost import decode_cost
+    from kimik3.perf.cost import decode_cost
 
     fs = FusedStep(_meta(get_preset("k3-shard")), 1, 4096)
     df = fs.describe(context=1024)
@@ -185,7 +185,8 @@ def test_prebuilt_cache_len_choice(tmp_path: Path):
 
 def test_replicas_match_the_kernel_modules():
     pytest.importorskip("cutlass")
-    from kimik3.kernels import attn_res, gemv, kda, mla_decode, moe, registry
+    from kimik3.kernels.fused import attn_res, gemv, kda, mla_decode, moe
+    from kimik3.kernels.toolchain import registry
 
     for nh in (1, 2, 3, 6, 16, 96, 128):
         assert mla_head_layout(nh) == mla_decode.head_layout(nh)
@@ -218,8 +219,8 @@ def test_replicas_match_the_kernel_modules():
 def test_arg_order_matches_module_launch(monkeypatch):
     """ARG_ORDER (used on GPU machines without the DSL) = the order each module's launch() passes."""
     pytest.importorskip("cutlass")
-    from kimik3.kernels import _common as C
-    from kimik3.kernels import registry
+    from kimik3.kernels.common import device as C
+    from kimik3.kernels.toolchain import registry
 
     for (mod_name, variant), order in ARG_ORDER.items():
         mod = __import__(f"kimik3.kernels.{mod_name}", fromlist=["launch"])
@@ -235,7 +236,7 @@ def test_arg_order_matches_module_launch(monkeypatch):
 
 
 def test_mxfp4_pack_matches_checkpoint():
-    from kimik3.checkpoint import mxfp4_quantize
+    from kimik3.model.checkpoint import mxfp4_quantize
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3, 40, 96, generator=g) * torch.logspace(-3, 1, 96)
@@ -296,7 +297,7 @@ def test_prebuilt_loader_finds_and_verifies(tmp_path: Path):
     of the program are reported missing, all at once, with the build command."""
     pytest.importorskip("cutlass")
     pytest.importorskip("tvm_ffi")
-    from kimik3.kernels import prebuilt
+    from kimik3.kernels.toolchain import prebuilt
 
     fs = FusedStep(build_model(small_cfg(), "cpu").cast_(torch.bfloat16), 2, 64)
     ln = next(x for x in fs.program if x.op is not None and x.op.family == "attn_res")
@@ -361,7 +362,7 @@ def test_composition_mxfp4_matches_dequantised_model(small_pair):
 # ====================================================================== on a GPU
 
 gpu = pytest.mark.skipif(not CUDA, reason="no CUDA device")
-GPU_CASES = fused_cases("bf16")  # exactly the exported targets (kimik3.gpu_targets): the loader refuses others
+GPU_CASES = fused_cases("bf16")  # exactly the exported targets (kimik3.kernels.toolchain.targets): the loader refuses others
 
 
 class _GpuPairs:
@@ -372,7 +373,7 @@ class _GpuPairs:
         self.cache: dict[str, tuple] = {}
 
     def __call__(self, preset: str) -> tuple:
-        from kimik3.init import device_model
+        from kimik3.model.random_init import device_model
 
         if preset not in self.cache:
             self.evict()

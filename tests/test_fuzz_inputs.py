@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from safetensors.torch import save
 
 import kimik3
-from kimik3.checkpoint import _iter_tensors, _shard_files
-from kimik3.config import load_config
-from kimik3.init import build_model
-from kimik3.safetensors_reader import DTYPE_BYTES
+from kimik3.model.checkpoint import _iter_tensors, _shard_files
+from kimik3.model.config import load_config
+from kimik3.model.random_init import build_model
+from kimik3.model.safetensors_reader import DTYPE_BYTES
 
 EXAMPLE_SECONDS = 10  # far above any single load here; only a hang reaches it
 
@@ -174,7 +174,7 @@ def test_fuzz_index(index_dir, index, raw):
 
 @pytest.fixture(scope="module")
 def micro_hf() -> dict:
-    from kimik3.config import get_preset, to_hf_dict
+    from kimik3.model.config import get_preset, to_hf_dict
 
     return to_hf_dict(get_preset("micro"))
 

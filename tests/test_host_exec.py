@@ -1,7 +1,7 @@
 """The kernels' device code executed on the host: the GEMV family, the routed MXFP4 / bf16 experts, the AttnRes
 mix, the router's scores GEMV and the megakernel's tile-GEMV helper.
 
-``kimik3.kernels.host_exec`` runs the same ``@cute.jit`` helpers the GPU kernels call (which rows, batch rows, expert
+``kimik3.kernels.verify.host_exec`` runs the same ``@cute.jit`` helpers the GPU kernels call (which rows, batch rows, expert
 and chunks a block / warp / lane touches; the lane's dot products, MXFP4 code expansion and E8M0 scale; the MoE
 combine) over every block, warp and lane of a real launch, does the warp sums in the shuffle order and the epilogue,
 stores into outputs poisoned with NaN, counts every store, and compares with the module's reference. Host runs go
@@ -113,7 +113,7 @@ MUTANTS: dict[str, tuple[list, dict]] = {
 
 
 def _run(cases: list[dict], tmp: Path, timeout: int) -> list[dict]:
-    return run_cases("kimik3.kernels.host_exec", cases, tmp, timeout)
+    return run_cases("kimik3.kernels.verify.host_exec", cases, tmp, timeout)
 
 
 def _name(c: dict) -> str:
@@ -167,7 +167,7 @@ def test_host_execution_full(case: dict, tmp_path: Path) -> None:
 
 
 def test_warp_sum_is_the_butterfly_order() -> None:
-    from kimik3.kernels.host_exec import warp_sum
+    from kimik3.kernels.verify.host_exec import warp_sum
 
     p = torch.randn(3, 32, 5)
     lane = torch.arange(32)
@@ -181,7 +181,7 @@ def test_warp_sum_is_the_butterfly_order() -> None:
 
 
 def test_moe_align_specification() -> None:
-    from kimik3.kernels.host_exec import moe_align
+    from kimik3.kernels.verify.host_exec import moe_align
 
     ids = torch.tensor([[3, 1], [1, 0], [3, 2]], dtype=torch.int32)
     al = moe_align(ids, 6)
@@ -193,7 +193,7 @@ def test_moe_align_specification() -> None:
 
 
 def test_load_mutant_rejects_a_missing_line() -> None:
-    from kimik3.kernels.host_exec import load_mutant
+    from kimik3.kernels.verify.host_exec import load_mutant
 
     with pytest.raises(ValueError, match="occurs 0 times"):
         load_mutant("gemv", [("this line is not in gemv.py", "x")])
@@ -203,7 +203,7 @@ def test_shared_module_mutant_reaches_the_kernel_module_that_imports_it() -> Non
     """A mutant of _common comes back as the case's kernel module importing the mutated copy (both import forms:
     ``from . import _common as C`` in moe, ``from ._common import ...`` in mk_moe); a module that does not import
     it is refused, since the mutant could not reach its device code."""
-    from kimik3.kernels.host_exec import load_case_mutant
+    from kimik3.kernels.verify.host_exec import load_case_mutant
 
     mut = MUTANTS["mxfp4-nibble-order"][0]
     name, moe = load_case_mutant(mut, "moe")

@@ -1,6 +1,6 @@
 """The KDA device code executed on the host: the fused ``kda`` kernel and the megakernel's KDA_STEP opcode.
 
-``kimik3.kernels.host_exec_kda`` runs the same ``@cute.jit`` helpers the two kernels call (which channels, state
+``kimik3.kernels.verify.host_exec_kda`` runs the same ``@cute.jit`` helpers the two kernels call (which channels, state
 rows and columns, heads and sequences a CTA / thread owns; the conv + SiLU, decay gate, l2norm scalars, delta-rule
 update, Sᵀk / Sᵀq partials and gated RMSNorm) over every CTA and thread of a real launch (the megakernel: every
 KDA_STEP instruction of one layer of the scheduled program), does the CTA reductions in the kernel's order, writes
@@ -64,7 +64,7 @@ MUTANTS: dict[str, tuple[list, dict]] = {
 
 
 def _run(cases: list[dict], tmp: Path, timeout: int) -> list[dict]:
-    return run_cases("kimik3.kernels.host_exec_kda", cases, tmp, timeout)
+    return run_cases("kimik3.kernels.verify.host_exec_kda", cases, tmp, timeout)
 
 
 def _name(c: dict) -> str:
@@ -121,7 +121,7 @@ def test_kda_host_execution_full(case: dict, tmp_path: Path) -> None:
 
 
 def test_mk_kda_rejects_bad_arguments() -> None:
-    from kimik3.kernels.host_exec_kda import run_mk_kda
+    from kimik3.kernels.verify.host_exec_kda import run_mk_kda
 
     with pytest.raises(ValueError, match="pairs"):
         run_mk_kda("micro", 1, pairs="some")

@@ -1,6 +1,6 @@
-"""The megakernel's tensor-core GEMV path (``kernels/mk_gemv.py`` at a batch pass of 8 rows) executed on the host.
+"""The megakernel's tensor-core GEMV path (``kernels/megakernel/gemv.py`` at a batch pass of 8 rows) executed on the host.
 
-``kimik3.kernels.host_exec_mk_gemv`` runs the lane-level helper ``device_fns.weight_tile_mma`` (row clamping, the
+``kimik3.kernels.verify.host_exec_mk_gemv`` runs the lane-level helper ``device_fns.weight_tile_mma`` (row clamping, the
 staged / unstaged choice, chunk addresses of the two weight rows and the x row, the x normalisation, the tail clamp
 and zeroing, the registers handed to ``mk_mma.mma_chunk``) over every (16-row tile, pass) item and lane of an
 instruction; only the ``mma.sync`` is evaluated by ``mk_mma.mma_reference``. The opcodes' epilogues are replayed per
@@ -70,7 +70,7 @@ def _name(c: dict) -> str:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    return run_with_mutants("kimik3.kernels.host_exec_mk_gemv", CASES, MUTANTS, tmp_path_factory.mktemp("mk_gemv"),
+    return run_with_mutants("kimik3.kernels.verify.host_exec_mk_gemv", CASES, MUTANTS, tmp_path_factory.mktemp("mk_gemv"),
                             900, _name)
 
 
@@ -94,7 +94,7 @@ def test_mma_gemv_at_k3_shard_width(op: str, tmp_path: Path) -> None:
     """k3-shard's hidden width (7168: 896 chunks; at the normalised opcodes' 3 k blocks per step on sm_90a, 74 whole
     steps of 12 chunks and a clamped tail step of 8), a box of 3 tiles and a half."""
     case = {"op": op, "args": {"preset": "k3-shard", "K": 7168, "n": 56, "staged": 16}}
-    (r,) = run_cases("kimik3.kernels.host_exec_mk_gemv", [case], tmp_path, timeout=1800)
+    (r,) = run_cases("kimik3.kernels.verify.host_exec_mk_gemv", [case], tmp_path, timeout=1800)
     assert r["ok"], f"{op}: problems {r['problems']}, errors {r['errors']} (tolerance {r['tol']})"
 
 
@@ -102,9 +102,9 @@ def test_tile_registers_are_the_chunk_layout() -> None:
     """In-process (no mutant): lane (g, q) holds chunk 4·kb + q of weight rows g, g + 8 and x row g, unnormalised
     x passed through bit for bit, and a staged tile read from the stage."""
     import torch
-    from kimik3.kernels import device_fns as F
-    from kimik3.kernels import mk_mma as M
-    from kimik3.kernels.host_exec_mk_gemv import tile_registers
+    from kimik3.kernels.megakernel import device_fns as F
+    from kimik3.kernels.megakernel import mma as M
+    from kimik3.kernels.verify.host_exec_mk_gemv import tile_registers
 
     g = torch.Generator().manual_seed(3)
     W = torch.randn(16, 64, generator=g).bfloat16()
@@ -121,9 +121,10 @@ def test_tile_registers_are_the_chunk_layout() -> None:
 def test_mutants_of_other_modules_are_refused() -> None:
     """A host run swaps in a mutated copy of the modules it executes only; a mutant of any other module would run
     the clean code and pass, so it is refused before anything runs."""
-    from kimik3.kernels import device_fns, mk_addr
-    from kimik3.kernels.host_exec import mutated_modules
-    from kimik3.kernels.host_exec_mk_gemv import _modules
+    from kimik3.kernels.contracts import addr as mk_addr
+    from kimik3.kernels.megakernel import device_fns
+    from kimik3.kernels.verify.host_exec import mutated_modules
+    from kimik3.kernels.verify.host_exec_mk_gemv import _modules
 
     assert _modules(None) == (device_fns, mk_addr)
     with pytest.raises(ValueError, match="mutants of device_fns or mk_addr only, got 'mk_moe'"):

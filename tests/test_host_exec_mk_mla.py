@@ -1,6 +1,6 @@
-"""The megakernel's MLA opcodes (``kernels/mk_mla.py``) executed on the host, one instruction at a time.
+"""The megakernel's MLA opcodes (``kernels/megakernel/mla.py``) executed on the host, one instruction at a time.
 
-``kimik3.kernels.host_exec_mk_mla`` runs the opcodes' own ``@cute.jit`` helpers (the W_UK absorption's chunk column /
+``kimik3.kernels.verify.host_exec_mk_mla`` runs the opcodes' own ``@cute.jit`` helpers (the W_UK absorption's chunk column /
 row-group tiling and its vectorised lane loop, the q_b and W_UV rows through ``device_fns.weight_row_dot``, the
 latent RMSNorm lanes, MLA_PARTIAL's query / cache-row loads, partial scores and online-softmax output update, and
 MLA_REDUCE's split merge) over every warp task and lane of an instruction, does the warp sums, the online softmax
@@ -66,7 +66,7 @@ MUTANTS: dict[str, tuple[list, dict]] = {
 
 
 def _run(cases: list[dict], tmp: Path, timeout: int) -> list[dict]:
-    return run_cases("kimik3.kernels.host_exec_mk_mla", cases, tmp, timeout)
+    return run_cases("kimik3.kernels.verify.host_exec_mk_mla", cases, tmp, timeout)
 
 
 def _name(c: dict) -> str:
@@ -76,7 +76,7 @@ def _name(c: dict) -> str:
 
 @pytest.fixture(scope="module")
 def ci_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    return run_with_mutants("kimik3.kernels.host_exec_mk_mla", _cases_ci(), MUTANTS, tmp_path_factory.mktemp("mk_mla"),
+    return run_with_mutants("kimik3.kernels.verify.host_exec_mk_mla", _cases_ci(), MUTANTS, tmp_path_factory.mktemp("mk_mla"),
                             900, _name)
 
 
@@ -105,7 +105,7 @@ def test_mla_opcode_host_execution_full(case: dict, tmp_path: Path) -> None:
 def test_absorption_tiles_cover_every_column_once() -> None:
     """The absorption's tiling (``mk_addr.absorb_cw``, shared with the device; the lane split of
     ``mk_mla.absorb_coords`` restated): every W_UK chunk column is owned with every row group exactly once."""
-    from kimik3.kernels.mk_addr import absorb_cw
+    from kimik3.kernels.contracts.addr import absorb_cw
 
     for kvl in (32, 128, 512, 96, 40):
         cw = absorb_cw(kvl)
@@ -118,7 +118,7 @@ def test_score_sum_chain_is_two_warp_sums_bit_for_bit() -> None:
     """MLA_PARTIAL's thin layer sums the latent and rope partial scores in one shuffle chain (``mk_mla._score_sum``,
     device-only, restated here lane by lane); the host execution replays it as two full butterflies
     (``host_exec.warp_sum``). The two agree bit for bit on every lane, scores over many binades included."""
-    from kimik3.kernels.host_exec import warp_sum
+    from kimik3.kernels.verify.host_exec import warp_sum
 
     g = torch.Generator().manual_seed(0)
     lane = torch.arange(32)

@@ -1,4 +1,4 @@
-"""The fused MLA decode kernels' device code executed on the host (``kimik3.kernels.host_exec_mla``).
+"""The fused MLA decode kernels' device code executed on the host (``kimik3.kernels.verify.host_exec_mla``).
 
 The split kernel's helpers (which heads, split and cache positions a block / warp / lane owns, the lane's q·c
 partial dots, the mask, running max and online softmax update, the store addresses) and the combine's run over the
@@ -49,7 +49,7 @@ def _cases_slow() -> list[dict]:
 
 _SPLIT_END = "return t0, cutlass.min(t0 + chunk, n)"
 # Planted bugs (docs/planted-bugs.md): (module, [(original, mutated)]) and the case that must then fail. Each
-# mutated line is the real one in kernels/mla_decode.py, so a refactor that moves it fails load_mutant loudly.
+# mutated line is the real one in kernels/fused/mla_decode.py, so a refactor that moves it fails load_mutant loudly.
 MUTANTS: dict[str, tuple[list, dict]] = {
     "mla-split-last-dropped": (["mla_decode", [[_SPLIT_END, _SPLIT_END + " - 1"]]],
                                {"preset": "tiny", "batch": 8, "lens": RAGGED8}),
@@ -64,7 +64,7 @@ MUTANTS: dict[str, tuple[list, dict]] = {
 
 
 def _run(cases: list[dict], tmp: Path, timeout: int) -> list[dict]:
-    return run_cases("kimik3.kernels.host_exec_mla", cases, tmp, timeout)
+    return run_cases("kimik3.kernels.verify.host_exec_mla", cases, tmp, timeout)
 
 
 def _name(c: dict) -> str:
@@ -121,7 +121,7 @@ def test_mla_split_mutants_are_reported_as_positions(mutant_results: dict[str, d
 
 
 def test_mla_host_refuses_shapes_the_kernel_cannot_run() -> None:
-    from kimik3.kernels.host_exec_mla import run_case
+    from kimik3.kernels.verify.host_exec_mla import run_case
 
     with pytest.raises(ValueError, match="multiple of 128"):
         run_case({"preset": "micro", "batch": 1})

@@ -101,7 +101,7 @@ MUTANTS: dict[str, tuple[list, dict]] = {
                         {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
     "mk-argmax-last-max": (["mk_misc", [["take = v > best", "take = v >= best"]]],
                            {"family": "mk.misc", "preset": "micro", "batch": 8}),
-    # MXFP4 experts (kernels/mk_moe.py fp4_mma_tile and around; every case runs the lane code on the host with the
+    # MXFP4 experts (kernels/megakernel/moe.py fp4_mma_tile and around; every case runs the lane code on the host with the
     # mma.sync evaluated by mk_mma.mma_reference). w1's scale byte read one group to the right (the next group's, or
     # the next row's first)
     "mk-fp4-scale-group": (["mk_moe", [["cute.copy(ld_s, sg[(gi, None)], rs[None, 0])",
@@ -144,7 +144,7 @@ MUTANTS: dict[str, tuple[list, dict]] = {
 
 
 def _run(cases: list[dict], tmp: Path, timeout: int) -> list[dict]:
-    return run_cases("kimik3.kernels.host_exec_router", cases, tmp, timeout)
+    return run_cases("kimik3.kernels.verify.host_exec_router", cases, tmp, timeout)
 
 
 def _name(c: dict) -> str:
@@ -206,7 +206,7 @@ def test_router_moe_host_execution_full(case: dict, tmp_path: Path) -> None:
 
 def test_topk_spec_orders_ties_by_expert_id() -> None:
     import torch
-    from kimik3.kernels.host_exec_router import topk_spec
+    from kimik3.kernels.verify.host_exec_router import topk_spec
 
     s = torch.tensor([[0.5, 0.7, 0.5, 0.7, 0.1]])
     ids, w = topk_spec(s, torch.zeros(5), 3)
@@ -221,7 +221,7 @@ def test_topk_spec_orders_ties_by_expert_id() -> None:
 
 def test_run_topk_rejects_bad_arguments() -> None:
     import torch
-    from kimik3.kernels.host_exec_router import run_topk
+    from kimik3.kernels.verify.host_exec_router import run_topk
 
     with pytest.raises(ValueError, match="topk"):
         run_topk(torch.zeros(2, 8), torch.zeros(8), topk=9)

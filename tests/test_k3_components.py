@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import kimik3
-from kimik3.checkpoint import E2M1_VALUES, mxfp4_dequantize, mxfp4_quantize
-from kimik3.model import attn_res_mix, kda_recurrent_step, rms_norm, route, situ_glu
+from kimik3.model.checkpoint import E2M1_VALUES, mxfp4_dequantize, mxfp4_quantize
+from kimik3.model.modeling import attn_res_mix, kda_recurrent_step, rms_norm, route, situ_glu
 from kimik3.validation.metric import TOL, rel_error
 
 G = torch.Generator().manual_seed(0)
@@ -66,17 +66,17 @@ def test_attn_res_slots_follow_block_boundaries():
     model = kimik3.from_preset("micro", seed=1)
     cfg = model.config
     seen = []
-    orig = kimik3.model.attn_res_mix
+    orig = kimik3.model.modeling.attn_res_mix
 
     def spy(c, n, p, eps):
         seen.append(len(c))
         return orig(c, n, p, eps)
 
-    kimik3.model.attn_res_mix = spy
+    kimik3.model.modeling.attn_res_mix = spy
     try:
         model(torch.randint(0, cfg.vocab_size, (1, 3), generator=G))
     finally:
-        kimik3.model.attn_res_mix = orig
+        kimik3.model.modeling.attn_res_mix = orig
     bs = cfg.attn_res_block_size
     want = []
     for layer in range(cfg.num_hidden_layers):

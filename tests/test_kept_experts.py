@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kimik3
-from kimik3 import quant
-from kimik3.checkpoint import from_pretrained, save_pretrained
-from kimik3.config import get_preset
-from kimik3.quant import QuantizedExperts, expert_memory, experts_mxfp4
+from kimik3.model import quant
+from kimik3.model.checkpoint import from_pretrained, save_pretrained
+from kimik3.model.config import get_preset
+from kimik3.model.quant import QuantizedExperts, expert_memory, experts_mxfp4
 
 _PREFIX = "language_model.model.layers"
 _LEAVES = ("w1", "w3", "w2")

@@ -1,6 +1,6 @@
 """CPU checks of the kernels' PyTorch references, and of the algorithms the kernels implement.
 
-Each module's ``reference`` (which delegates to ``kimik3.model`` where the semantics match) is compared
+Each module's ``reference`` (which delegates to ``kimik3.model.modeling`` where the semantics match) is compared
 with an independent plain computation on fresh random inputs. Where a kernel restructures the math
 (flash-decoding splits, the single-pass KDA state update, the MXFP4 bit tricks, the warp top-k, the
 counting sort of the MoE align kernel), a NumPy/PyTorch model of exactly those steps is checked too.
@@ -14,8 +14,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from kimik3.kernels import _common, attn_res, gemv, kda, mla_decode, moe, router
-from kimik3.kernels import registry as R
+from kimik3.kernels.common import device as _common
+from kimik3.kernels.fused import attn_res, gemv, kda, mla_decode, moe, router
+from kimik3.kernels.toolchain import registry as R
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -258,7 +259,7 @@ def test_mxfp4_kernel_bit_tricks() -> None:
 
 
 def test_situ_formula() -> None:
-    from kimik3.model import situ_glu
+    from kimik3.model.modeling import situ_glu
 
     a = torch.linspace(-40, 40, 801)
     b = torch.linspace(60, -60, 801)
@@ -409,7 +410,7 @@ def test_kda_lower_bound_matters() -> None:
 def test_kda_single_pass_algebra() -> None:
     """The kernel reads o without a second pass: o = rq·dk^-½·(p + (q·k)·rk·δ) with p = S'^T q_raw,
     r = rk·S'^T k_raw, δ = β(v − r), S'' = S' + (rk k_raw) δ^T; same as the reference step."""
-    from kimik3.model import kda_recurrent_step
+    from kimik3.model.modeling import kda_recurrent_step
 
     g = torch.Generator().manual_seed(13)
     D = 64

@@ -16,9 +16,9 @@ import shutil
 import subprocess
 
 import pytest
-from kimik3.kernels import _common as C
-from kimik3.kernels import build as B
-from kimik3.kernels import registry as R
+from kimik3.kernels.toolchain import build as B
+from kimik3.kernels.toolchain import dsl
+from kimik3.kernels.toolchain import registry as R
 
 # how many @cute.kernel launches each op makes (one ptxas report block per kernel)
 KERNELS_PER_FAMILY = {"gemv.plain": 1, "gemv.rmsnorm": 1, "gemv.residual": 1, "gemv.f32out": 1, "gemv.lm_head": 2,
@@ -74,12 +74,12 @@ def test_arch_gating(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_arch_scope_sets_and_restores_env() -> None:
     from cutlass.cutlass_dsl import CuTeDSL
 
-    with C.arch_scope("sm_100a"):
+    with dsl.arch_scope("sm_100a"):
         assert os.environ["CUTE_DSL_ARCH"] == "sm_100a"
         assert CuTeDSL._get_dsl().envar.arch == "sm_100a"
     assert os.environ["CUTE_DSL_ARCH"] == "sm_90a"
     with pytest.raises(ValueError, match="unsupported arch"):
-        with C.arch_scope("sm_70"):
+        with dsl.arch_scope("sm_70"):
             pass
 
 
@@ -106,7 +106,7 @@ def test_fresh_compile_skips_cache(tmp_path) -> None:
 def test_export_compile_is_stored_as_the_build(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An ahead-of-time export (TVM-FFI where available) compiles the same device code as build(): it puts that
     compile into the disk cache, and a later build() loads it; a fresh build() gives the same PTX and report."""
-    from kimik3.kernels import prebuilt as P
+    from kimik3.kernels.toolchain import prebuilt as P
 
     monkeypatch.setenv("KIMIK3_KERNEL_CACHE", str(tmp_path / "cache"))
     name = "gemv.plain/tiny/b1"
@@ -153,7 +153,7 @@ def test_parse_ptxas_report() -> None:
 
 
 def test_registry_shapes_follow_the_config() -> None:
-    from kimik3.config import get_preset
+    from kimik3.model.config import get_preset
 
     shard = get_preset("k3-shard")
     v = R.get_variant("moe.mxfp4/k3-shard/b64")
@@ -265,18 +265,18 @@ def test_launch_glue_matches_compiled_signature(v: R.KernelVariant) -> None:
     compiled = v.compile("sm_90a", tvm_ffi=True)
     t = v.module.make_inputs(v.variant, **v.shapes, **v.runtime)
     passed: list = []
-    real = C.launch
+    real = dsl.launch
 
     def spy(c, args, tvm_ffi):  # record what launch() hands to the compiled function
         passed.extend(args)
         return real(c, args, tvm_ffi)
 
-    C.launch = spy
+    dsl.launch = spy
     try:
         with pytest.raises(ValueError, match="expected device_type=cuda") as err:
             v.module.launch(compiled, v.variant, t, tvm_ffi=True)
     finally:
-        C.launch = real
+        dsl.launch = real
     sig = _signature(str(err.value))
     assert len(sig) == len(passed), (sig, len(passed))
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32, "uint8": torch.uint8}

@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from kimik3.kernels import registry as R  # noqa: E402
+from kimik3.kernels.toolchain import registry as R  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2

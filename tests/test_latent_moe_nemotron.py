@@ -38,7 +38,7 @@ def pair():
             p.normal_(0, 0.2)
         ref.gate.e_score_correction_bias.normal_(0, 0.05)
     model = kimik3.build_model(cfg)
-    kimik3.init.init_weights(model, seed=0)
+    kimik3.model.random_init.init_weights(model, seed=0)
     moe = model.model.layers[1].block_sparse_moe
     with torch.no_grad():
         moe.gate.weight.copy_(ref.gate.weight)

@@ -21,8 +21,8 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from kimik3.kernels import build as B  # noqa: E402
-from kimik3.kernels import registry as R  # noqa: E402
+from kimik3.kernels.toolchain import build as B  # noqa: E402
+from kimik3.kernels.toolchain import registry as R  # noqa: E402
 
 from kimik3.megakernel import build_program  # noqa: E402
 from kimik3.megakernel.gpu import (  # noqa: E402
@@ -161,10 +161,10 @@ def test_registered_and_buildable_through_the_cli_paths() -> None:
     assert "megakernel" not in R.FAMILIES, "kept out of the fused-kernel families their tests enumerate"
     assert any(x.family == "megakernel" for x in R.variants_for(["tiny"], [1])), "built by default"
     assert [x.name for x in R.variants_for(["tiny"], [1], ["megakernel"])] == ["megakernel/tiny/b1"]
-    from kimik3.kernels._source import DEPENDENCIES, kernel_source_hash
+    from kimik3.kernels.toolchain.source import DEPENDENCIES, kernel_source_hash
 
     assert DEPENDENCIES["megakernel"] == ("device_fns",)
-    from kimik3.kernels import megakernel as mk
+    from kimik3.kernels.megakernel import vm as mk
 
     assert mk.SOURCE_HASH == kernel_source_hash("megakernel")
     # MXFP4 routed experts: a variant per format, named and shaped as the host names and shapes it
@@ -181,7 +181,7 @@ def test_registered_and_buildable_through_the_cli_paths() -> None:
 
 
 def test_static_shapes_follow_the_config() -> None:
-    from kimik3.config import get_preset
+    from kimik3.model.config import get_preset
 
     c = get_preset("k3-shard")
     s = static_shapes(c, 64)
@@ -199,14 +199,14 @@ def test_static_shapes_follow_the_config() -> None:
 def test_device_contract_holds(preset: str, batch: int) -> None:
     """Every program the scheduler builds for 132 SMs fits what the device code assumes (dtypes per operand,
     16-byte aligned vector rows, capacities)."""
-    from kimik3.config import get_preset
+    from kimik3.model.config import get_preset
 
     p = build_program(preset, batch, 132, max_seq_len=64)
     assert check_device_contract(p, get_preset(preset), batch) == []
 
 
 def test_device_contract_catches_planted_problems() -> None:
-    from kimik3.config import get_preset
+    from kimik3.model.config import get_preset
 
     cfg = get_preset("micro")
     p = build_program(cfg, 2, 8, max_seq_len=16)
@@ -232,7 +232,7 @@ def test_prebuilt_export_and_launch_signature(tiny_prebuilt: Path, tmp_path: Pat
     """The prebuilt path exports the megakernel (pointer-only entry, budget met); with TVM-FFI the loaded function
     takes exactly the six tensors of the runner plus the CTA count, and refuses CPU tensors by device only. The
     export is the device check's (``tiny`` batch 1, built once per session)."""
-    from kimik3.kernels import prebuilt as P
+    from kimik3.kernels.toolchain import prebuilt as P
 
     name = "megakernel/tiny/b1"
     e = P.read_manifest(tiny_prebuilt)["kernels"][name]

@@ -267,7 +267,7 @@ def test_mxfp4_experts_match_naive_on_mxfp4_weights():
     """Routed experts streamed as MXFP4. Expectation: naive on the same model with its experts round-tripped
     through MXFP4 (what loading an MXFP4 checkpoint gives); the executor packs them again, exactly. The stage's
     dense expert buffers are NaN-filled afterwards: the result stays finite only if the packed form is what runs."""
-    from kimik3.quant import mxfp4_dequantize, mxfp4_quantize
+    from kimik3.model.quant import mxfp4_dequantize, mxfp4_quantize
 
     model = kimik3.from_preset("micro", seed=5)
     with torch.no_grad():

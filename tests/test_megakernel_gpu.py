@@ -20,12 +20,13 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
+from kimik3.kernels.toolchain.loader import default_prebuilt_dir, dsl_available  # noqa: E402
+from kimik3.kernels.toolchain.targets import megakernel_cases  # noqa: E402
+
 import kimik3  # noqa: E402
 import kimik3.megakernel.gpu as G  # noqa: E402  (registers the stage "megakernel")
-from kimik3.gpu_targets import megakernel_cases  # noqa: E402
-from kimik3.init import device_model  # noqa: E402
-from kimik3.kernel_loader import default_prebuilt_dir, dsl_available  # noqa: E402
 from kimik3.megakernel import build_program, check_program  # noqa: E402
+from kimik3.model.random_init import device_model  # noqa: E402
 from kimik3.validation import compare_to_reference  # noqa: E402
 
 # the kernel comes from the DSL compiler or, on a GPU machine without it, from the prebuilt directory: only

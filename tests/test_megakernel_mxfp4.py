@@ -8,7 +8,7 @@ scratch poisoned (NaN) before every step; micro at batch 1 and 3, on our packer'
 would never write (random codes, scales moved by one). Sensitivity: the quantised model's logits differ from the dense
 model's by far more than the tolerance, so a path that read the dense weights (or the wrong scales) could not pass.
 
-Host contract: the uint8 buffers and operand lists of ``kernels/isa.py`` (MXFP4_OPERANDS), the header word
+Host contract: the uint8 buffers and operand lists of ``kernels/contracts/isa.py`` (MXFP4_OPERANDS), the header word
 H_EXPERT_FORMAT through encode -> decode, the hazard checker on MXFP4 programs and on planted violations of an MXFP4
 operand, the GPU stage's static shapes / variant names / device contract, and clear errors for bad input.
 """
@@ -19,17 +19,17 @@ import dataclasses
 
 import pytest
 import torch
-from kimik3.kernels import isa
+from kimik3.kernels.contracts import isa
 
 import kimik3
 import kimik3.megakernel.interpreter  # noqa: F401  (registers stage "megakernel-interp")
-from kimik3.config import get_preset
 from kimik3.megakernel import EXPERT_FORMATS, build_program, build_step, decode_program, encode_program
 from kimik3.megakernel.gpu import check_device_contract, static_shapes, variant_name
 from kimik3.megakernel.hazards import check_program
 from kimik3.megakernel.instructions import Kind, Mode, Op, Program
 from kimik3.megakernel.interpreter import CPUInterpreter
-from kimik3.model import KimiForCausalLM
+from kimik3.model.config import get_preset
+from kimik3.model.modeling import KimiForCausalLM
 from kimik3.validation.metric import TOL, rel_error
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors: see tests/conftest.py

@@ -1,8 +1,8 @@
 """Megakernel scheduler: int32 serialisation, minimal (transitively reduced) waits, valid programs for every batch
-and SM count, cost model consistent with kimik3.cost, and critical-path scheduling not slower than round robin.
+and SM count, cost model consistent with kimik3.perf.cost, and critical-path scheduling not slower than round robin.
 
 Expectation sources: the program's own decode (round trip), the independent hazard checker in
-``kimik3.megakernel.hazards`` (validity, redundancy), ``kimik3.cost.decode_cost`` (per-block bytes, which it reads
+``kimik3.megakernel.hazards`` (validity, redundancy), ``kimik3.perf.cost.decode_cost`` (per-block bytes, which it reads
 from the model's parameter shapes on the meta device) and the cost-model simulation in
 ``kimik3.megakernel.timeline`` (makespans). No weights are needed: k3-shard programs are built from its config.
 """
@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from kimik3.kernels.isa import (
+from kimik3.kernels.contracts.isa import (
     W_NEXT_BUF,
     W_NEXT_CHUNKS,
     W_NEXT_ELEM_HI,
@@ -22,7 +22,6 @@ from kimik3.kernels.isa import (
     W_STAGE_OP,
 )
 
-from kimik3.config import get_preset
 from kimik3.megakernel.hazards import check_program, format_violations, redundant_waits
 from kimik3.megakernel.instructions import (
     CHUNK_BYTES,
@@ -43,6 +42,7 @@ from kimik3.megakernel.instructions import (
 from kimik3.megakernel.scheduler import POLICIES, build_program, instruction_costs
 from kimik3.megakernel.step import Tiling, build_step
 from kimik3.megakernel.timeline import from_timings, gantt, makespan_ns, simulate, summary
+from kimik3.model.config import get_preset
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors: see tests/conftest.py
 
@@ -243,7 +243,7 @@ def test_unsupported_config_is_refused():
 def test_instruction_costs_follow_decode_cost():
     """Per (layer, block), the instructions' bytes add up to decode_cost's, and the shape-based split (before
     calibration) already agrees on weight bytes: the tiles cover every parameter of the model."""
-    from kimik3.cost import decode_cost
+    from kimik3.perf.cost import decode_cost
 
     cfg = get_preset("k3-shard")
     for B in (1, 16):

@@ -1,6 +1,6 @@
-"""The GEMV opcodes' work items (``kimik3.kernels.mk_addr.gemv_item``): item ``k`` of a GEMV instruction over ``n``
+"""The GEMV opcodes' work items (``kimik3.kernels.contracts.addr.gemv_item``): item ``k`` of a GEMV instruction over ``n``
 weight rows in ``nbt`` batch passes is a (weight row, pass) pair; warp ``w`` takes items ``w, w + NW, ...``
-(``kernels/mk_gemv.py``). The mapping must cover every (row, pass) exactly once (a pair twice is a double store, a
+(``kernels/megakernel/gemv.py``). The mapping must cover every (row, pass) exactly once (a pair twice is a double store, a
 missing one an output never written), go pass by pass (the warps share one pass's x rows), and within a pass give
 each warp ascending rows (LM_HEAD's running arg-max keeps the first of equal scores by that order). Wrong mappings
 planted here, and one planted in a copy of ``mk_addr.py``, must be reported.
@@ -12,9 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from kimik3.kernels.device_fns import NW
-from kimik3.kernels.host_exec import load_mutant
-from kimik3.kernels.mk_addr import gemv_batch_tile, gemv_item, gemv_tile_rows, gemv_tiles
+from kimik3.kernels.contracts.addr import gemv_batch_tile, gemv_item, gemv_tile_rows, gemv_tiles
+from kimik3.kernels.megakernel.device_fns import NW
+from kimik3.kernels.verify.host_exec import load_mutant
 
 Item = Callable[[int, int, int], tuple[Any, Any]]
 
@@ -66,7 +66,7 @@ def test_one_pass_is_the_row() -> None:
 def test_tiles_cover_the_box_rows(batch: int) -> None:
     """A pass of 8 rows takes the tensor-core path: items are 16-row tiles (``mk_mma.MMA_ROWS``; ``mk_addr`` cannot
     import it), the tiles cover every row and none starts past the box. Other passes: one row per item."""
-    from kimik3.kernels.mk_mma import MMA_ROWS
+    from kimik3.kernels.megakernel.mma import MMA_ROWS
 
     bt = gemv_batch_tile(batch)
     tr = gemv_tile_rows(bt)

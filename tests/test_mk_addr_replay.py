@@ -1,9 +1,9 @@
 """The megakernel's address replay: every instruction of a decoded int32 program, its opcode's address arithmetic
-replayed on the host (``kimik3.kernels.mk_addr``), checked against the instruction's declared operand boxes.
+replayed on the host (``kimik3.kernels.contracts.addr``), checked against the instruction's declared operand boxes.
 
 The arithmetic that decides which rows, columns and elements an opcode touches (``elem_offset``, ``tile_rows``,
-``expert_row_offset``) is defined once in ``kernels/mk_addr.py`` and called by the device opcodes
-(``kernels/mk_gemv.py``, ``mk_moe.py``, ``mk_operands.py``); the replay calls the same functions on Python ints, and
+``expert_row_offset``) is defined once in ``kernels/contracts/addr.py`` and called by the device opcodes
+(``kernels/megakernel/gemv.py``, ``mk_moe.py``, ``mk_operands.py``); the replay calls the same functions on Python ints, and
 one test executes them as traced DSL integers on the host. Planted mutants of those functions (loaded from a
 modified copy of the file, as ``tests/test_host_exec.py`` does) must be reported, and so must a program whose
 declarations disagree with the device code.
@@ -26,12 +26,12 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from kimik3.kernels import mk_addr
-from kimik3.kernels.host_exec import load_mutant
-from kimik3.kernels.isa import CHUNK_BYTES, Kind, Mode, Op
+from kimik3.kernels.contracts.isa import CHUNK_BYTES, Kind, Mode, Op
+from kimik3.kernels.verify import addr_replay
+from kimik3.kernels.verify.host_exec import load_mutant
 
-from kimik3.config import get_preset
 from kimik3.megakernel import POLICIES, build_program, decode_program, encode_program
+from kimik3.model.config import get_preset
 
 pytestmark = pytest.mark.host
 
@@ -51,7 +51,7 @@ def _program(preset: str, batch: int, policy: str = "critical_path", expert_form
 @pytest.mark.parametrize("preset", ["micro", "tiny"])
 def test_whole_program_replays_clean(preset: str, batch: int, policy: str) -> None:
     p = _program(preset, batch, policy)
-    rep = mk_addr.replay(p, get_preset(preset))
+    rep = addr_replay.replay(p, get_preset(preset))
     assert rep.ok, rep.summary()
     assert rep.instructions == len(p.instructions)
     # every opcode was replayed, and the write count covered the step's activations
@@ -76,19 +76,19 @@ def test_mxfp4_whole_program_replays_clean(preset: str, batch: int) -> None:
     expert's rows (and x up to the last group's column), inside the code and scale boxes."""
     p = _program(preset, batch, expert_format="mxfp4")
     assert p.expert_format == "mxfp4"
-    rep = mk_addr.replay(p, get_preset(preset))
+    rep = addr_replay.replay(p, get_preset(preset))
     assert rep.ok, rep.summary()
     assert rep.instructions == len(p.instructions)
     _assert_stages_replayed(p, rep)
 
 
 def test_mxfp4_k3_shard_batch1_whole_program() -> None:
-    rep = mk_addr.replay(_program("k3-shard", 1, expert_format="mxfp4"), get_preset("k3-shard"))
+    rep = addr_replay.replay(_program("k3-shard", 1, expert_format="mxfp4"), get_preset("k3-shard"))
     assert rep.ok, rep.summary()
 
 
 def test_k3_shard_batch1_whole_program() -> None:
-    rep = mk_addr.replay(_program("k3-shard", 1), get_preset("k3-shard"))
+    rep = addr_replay.replay(_program("k3-shard", 1), get_preset("k3-shard"))
     assert rep.ok, rep.summary()
     _assert_stages_replayed(_program("k3-shard", 1), rep)
 
@@ -97,7 +97,7 @@ def test_k3_shard_batch64_every_instruction_corners() -> None:
     """Every instruction, every access group's first and last run (tile corners and edges); the write count over
     a batch-64 k3-shard step (370 M elements) is the slow test's."""
     p = _program("k3-shard", 64)
-    rep = mk_addr.replay(p, get_preset("k3-shard"), check_writes=False)
+    rep = addr_replay.replay(p, get_preset("k3-shard"), check_writes=False)
     assert rep.ok, rep.summary()
     assert rep.instructions == len(p.instructions)
     _assert_stages_replayed(p, rep)
@@ -107,7 +107,7 @@ def test_k3_shard_batch64_every_instruction_corners() -> None:
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_k3_shard_whole_program_slow(batch: int, policy: str) -> None:
-    rep = mk_addr.replay(_program("k3-shard", batch, policy), get_preset("k3-shard"))
+    rep = addr_replay.replay(_program("k3-shard", batch, policy), get_preset("k3-shard"))
     assert rep.ok, rep.summary()
 
 
@@ -137,7 +137,7 @@ MUTANTS = {
 def test_planted_mutant_is_caught(name: str) -> None:
     reps, rules, (preset, batch, *fmt) = MUTANTS[name]
     mutant = load_mutant("mk_addr", reps)
-    rep = mk_addr.replay(_program(preset, batch, expert_format=(fmt or ["dense"])[0]), get_preset(preset),
+    rep = addr_replay.replay(_program(preset, batch, expert_format=(fmt or ["dense"])[0]), get_preset(preset),
                          helpers=mutant)
     assert not rep.ok, f"planted mutant {name} not reported"
     assert rules <= {f.rule for f in rep.findings}, rep.summary()
@@ -180,7 +180,7 @@ def test_declared_box_narrower_than_the_device_access_is_reported() -> None:
     p = _program("micro", 8)
     i = _first(p, Op.NORM_PROJ)
     b0, b1, r0, r1, c0, c1 = p.instructions[i].operands[3].box
-    rep = mk_addr.replay(_with_operand(p, i, 3, box=(b0, b1, r0, r1, c0, c1 - 1)), get_preset("micro"))
+    rep = addr_replay.replay(_with_operand(p, i, 3, box=(b0, b1, r0, r1, c0, c1 - 1)), get_preset("micro"))
     assert {"bounds", "write_once"} <= {f.rule for f in rep.findings}, rep.summary()
 
 
@@ -200,7 +200,7 @@ def test_every_opcode_reaches_the_edge_of_its_boxes(op: Op, side: str) -> None:
     js = [j for j, o in enumerate(ops) if (o.mode & int(Mode.WRITE)) == (int(Mode.WRITE) if side == "write" else 0)]
     j = js[-1] if side == "write" else js[0]
     b0, b1, r0, r1, c0, c1 = ops[j].box
-    rep = mk_addr.replay(_with_operand(p, i, j, box=(b0, b1, r0, r1, c0, c1 - 1)), get_preset("micro"),
+    rep = addr_replay.replay(_with_operand(p, i, j, box=(b0, b1, r0, r1, c0, c1 - 1)), get_preset("micro"),
                          instructions=[i], check_writes=False)
     assert any(f.rule == "bounds" and f.instruction == i for f in rep.findings), (op.name, j, rep.summary())
 
@@ -216,7 +216,7 @@ def test_mxfp4_expert_reads_reach_the_edge_of_their_boxes(op: Op, j: int) -> Non
     p = _program("micro", 8, expert_format="mxfp4")
     i = _first(p, op)
     b0, b1, r0, r1, c0, c1 = p.instructions[i].operands[j].box
-    rep = mk_addr.replay(_with_operand(p, i, j, box=(b0, b1, r0, r1, c0, c1 - 1)), get_preset("micro"),
+    rep = addr_replay.replay(_with_operand(p, i, j, box=(b0, b1, r0, r1, c0, c1 - 1)), get_preset("micro"),
                          instructions=[i], check_writes=False)
     assert any(f.rule == "bounds" and f.instruction == i for f in rep.findings), (op.name, j, rep.summary())
 
@@ -226,7 +226,7 @@ def test_activation_marked_prefetch_is_reported() -> None:
     i = _first(p, Op.NORM_PROJ)
     x = p.instructions[i].operands[0]
     assert p.buffers[x.buf].kind == Kind.ACT
-    rep = mk_addr.replay(_with_operand(p, i, 0, mode=int(Mode.READ | Mode.PREFETCH)), get_preset("micro"))
+    rep = addr_replay.replay(_with_operand(p, i, 0, mode=int(Mode.READ | Mode.PREFETCH)), get_preset("micro"))
     assert any(f.rule == "prefetch" and f.instruction == i for f in rep.findings), rep.summary()
 
 
@@ -260,7 +260,7 @@ def test_next_stage_descriptor_into_an_activation_or_state_is_reported(kind: Kin
     _, d1, d2 = spec.shape
     b0, _, r0, _, c0, c1 = o.box
     desc = (o.buf, (b0 * d1 + r0) * d2 + c0, (c1 - c0) * spec.element_size // CHUNK_BYTES)
-    rep = mk_addr.replay(_restaged(p, next_stage={u: desc}), get_preset("micro"), instructions=[u],
+    rep = addr_replay.replay(_restaged(p, next_stage={u: desc}), get_preset("micro"), instructions=[u],
                          check_writes=False)
     assert any(f.rule == "prefetch" and f.instruction == u and "not a static weight" in f.message
                for f in rep.findings), rep.summary()
@@ -279,7 +279,7 @@ def test_staged_rows_beyond_the_declared_box_are_reported() -> None:
     extra = p.buffers[o.buf].shape[2] * 2 // CHUNK_BYTES
     buf, elem, _ = p.instructions[u].next_stage
     bad = _restaged(p, next_stage={u: (buf, elem, chunks + extra)}, stage={w: (j, rows + 1, chunks + extra)})
-    rep = mk_addr.replay(bad, get_preset("micro"), instructions=[u, w], check_writes=False)
+    rep = addr_replay.replay(bad, get_preset("micro"), instructions=[u, w], check_writes=False)
     for i in (u, w):
         assert any(f.rule == "stage" and f.instruction == i and ("outside the declared box" in f.message
                                                                   or "do not fit the buffer" in f.message)
@@ -290,7 +290,7 @@ def test_staged_rows_beyond_the_declared_box_are_reported() -> None:
 def test_a_missing_next_stage_is_reported() -> None:
     p = _program("micro", 8)
     u, w, _ = _staged_pair(p, Kind.ACT)
-    rep = mk_addr.replay(_restaged(p, next_stage={u: (-1, 0, 0)}), get_preset("micro"), instructions=[u],
+    rep = addr_replay.replay(_restaged(p, next_stage={u: (-1, 0, 0)}), get_preset("micro"), instructions=[u],
                          check_writes=False)
     assert [f.rule for f in rep.findings] == ["stage"] and f"#{w} stages" in rep.findings[0].message
 
@@ -301,16 +301,16 @@ def test_a_dropped_instruction_leaves_its_outputs_unwritten() -> None:
     p = _program("micro", 8)
     i = _first(p, Op.O_PROJ_RESIDUAL)
     keep = [k for k in range(len(p.instructions)) if k != i]
-    full = mk_addr.replay(p, get_preset("micro"))
+    full = addr_replay.replay(p, get_preset("micro"))
     assert full.ok
     # the declared writes of every instruction, the device stores of all but one
-    rep = mk_addr.replay(p, get_preset("micro"), instructions=keep, declared_from_all=True)
+    rep = addr_replay.replay(p, get_preset("micro"), instructions=keep, declared_from_all=True)
     assert any(f.rule == "write_once" for f in rep.findings), rep.summary()
 
 
 def test_bad_helpers_module_is_refused() -> None:
     with pytest.raises(ValueError, match="helpers"):
-        mk_addr.replay(_program("micro", 1), get_preset("micro"), helpers=object())
+        addr_replay.replay(_program("micro", 1), get_preset("micro"), helpers=object())
 
 
 # ---------------------------------------------------------------------------------------------- DSL host execution

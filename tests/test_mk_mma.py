@@ -1,4 +1,4 @@
-"""The tensor-core step (``kernels/mk_mma.py``): the host model of ``mma.sync.m16n8k16`` follows the PTX fragment
+"""The tensor-core step (``kernels/megakernel/mma.py``): the host model of ``mma.sync.m16n8k16`` follows the PTX fragment
 layout, the chunk layout's k permutation gives W·xᵀ exactly, and the device step compiles to two ``mma.sync`` per
 chunk for sm_90a."""
 
@@ -15,8 +15,8 @@ pytest.importorskip("cutlass")
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Uint32  # noqa: E402
-from kimik3.kernels import _common as C  # noqa: E402
-from kimik3.kernels import mk_mma as M  # noqa: E402
+from kimik3.kernels.megakernel import mma as M  # noqa: E402
+from kimik3.kernels.toolchain import dsl
 
 
 def _chunk_regs(rows: torch.Tensor) -> torch.Tensor:
@@ -124,10 +124,10 @@ def test_step_compiles_to_mma_sync(tmp_path) -> None:
         kern(mW, mX, mO).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
 
     os.makedirs(tmp_path, exist_ok=True)
-    with C.dump_dir_scope(tmp_path), C.arch_scope("sm_90a"):
-        compiled = cute.compile(host, C.fake(Uint32, (16, 16)), C.fake(Uint32, (8, 16)), C.fake(Float32, (32, 4)),
-                                C.fake_stream(), options=C.compile_options("sm_90a"))
-        ptx = C.artifact_text(compiled.__ptx__)
+    with dsl.dump_dir_scope(tmp_path), dsl.arch_scope("sm_90a"):
+        compiled = cute.compile(host, dsl.fake(Uint32, (16, 16)), dsl.fake(Uint32, (8, 16)), dsl.fake(Float32, (32, 4)),
+                                dsl.fake_stream(), options=dsl.compile_options("sm_90a"))
+        ptx = dsl.artifact_text(compiled.__ptx__)
     lines = [s.strip() for s in ptx.splitlines() if "mma.sync" in s]
     assert len(lines) == 2, lines
     assert all(s.startswith("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") for s in lines)

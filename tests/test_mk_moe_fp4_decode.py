@@ -4,7 +4,7 @@ the host as the expert opcodes run it (``fp4_group_scales``, ``fp4_decode_pair``
 <= 128 next to one above, so the branch must rescale each by its own factor): every code 0..15 in every column of a
 word and in both register halves, at scale bytes covering the subnormal results, the common range, 128 / 129 (the
 two-factor boundary) and 254, bitwise against
-``kimik3.quant.mxfp4_dequantize`` (the bf16 subnormal results of scale bytes 0 and 1 as the host's conversion
+``kimik3.model.quant.mxfp4_dequantize`` (the bf16 subnormal results of scale bytes 0 and 1 as the host's conversion
 flushes them, ``_host_flush``)."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ pytest.importorskip("cutlass")
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32, Uint32  # noqa: E402
-from kimik3.kernels import _common as C  # noqa: E402
-from kimik3.kernels._trace import host_trace  # noqa: E402
-from kimik3.kernels.host_exec import _t  # noqa: E402
+from kimik3.kernels.common import device as C  # noqa: E402
+from kimik3.kernels.common.trace import host_trace  # noqa: E402
+from kimik3.kernels.verify.host_exec import _t  # noqa: E402
 
-from kimik3.quant import mxfp4_dequantize  # noqa: E402
+from kimik3.model.quant import mxfp4_dequantize  # noqa: E402
 
 SCALES = [0, 1, 100, 127, 128, 129, 200, 254]
 

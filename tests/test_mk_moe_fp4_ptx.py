@@ -71,9 +71,9 @@ def hot_loop_counts(ptx: str) -> list[dict]:
 
 
 def test_mxfp4_hot_loops_instruction_budget() -> None:
-    from kimik3.kernels import build as B
-    from kimik3.kernels import mk_moe as MK
-    from kimik3.kernels import registry as R
+    from kimik3.kernels.megakernel import moe as MK
+    from kimik3.kernels.toolchain import build as B
+    from kimik3.kernels.toolchain import registry as R
 
     ptx = B.build(R.get_variant("megakernel/tiny/b1-mxfp4"), "sm_90a").ptx
     gate_up, down = hot_loop_counts(ptx)

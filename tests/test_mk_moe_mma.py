@@ -13,12 +13,12 @@ pytest.importorskip("cutlass")
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from kimik3.kernels import _common as C  # noqa: E402
-from kimik3.kernels import mk_mma as MM  # noqa: E402
-from kimik3.kernels import mk_moe as MK  # noqa: E402
-from kimik3.kernels._trace import host_trace  # noqa: E402
-from kimik3.kernels.host_exec import _t  # noqa: E402
-from kimik3.kernels.host_exec_router import _mma_steps  # noqa: E402
+from kimik3.kernels.common import device as C  # noqa: E402
+from kimik3.kernels.common.trace import host_trace  # noqa: E402
+from kimik3.kernels.megakernel import mma as MM  # noqa: E402
+from kimik3.kernels.megakernel import moe as MK  # noqa: E402
+from kimik3.kernels.verify.host_exec import _t  # noqa: E402
+from kimik3.kernels.verify.host_exec_router import _mma_steps  # noqa: E402
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -73,8 +73,8 @@ def test_block_operands_give_the_product() -> None:
 def test_mxfp4_megakernel_issues_mma_sync() -> None:
     """tiny B=1 with MXFP4 experts (the build the compile tests make, cached by source hash): 16 mma.sync per k block
     in EXPERT_GATE_UP (4 words x 2 weights x 2), 8 in EXPERT_DOWN, no spills."""
-    from kimik3.kernels import build as B
-    from kimik3.kernels import registry as R
+    from kimik3.kernels.toolchain import build as B
+    from kimik3.kernels.toolchain import registry as R
 
     res = B.build(R.get_variant("megakernel/tiny/b1-mxfp4"), "sm_90a")
     lines = [s.strip() for s in res.ptx.splitlines() if "mma.sync" in s]

@@ -1,5 +1,5 @@
 """The library code the notebooks call instead of carrying it in cells: the shared set-up
-(`kimik3.nbsetup.start_notebook`) and the per-kernel report of notebook 04 (`kimik3.kernel_report`)."""
+(`kimik3.notebook.start.start_notebook`) and the per-kernel report of notebook 04 (`kimik3.notebook.kernel_report`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pandas as pd
 import pytest
 import torch
 
-from kimik3.kernel_report import (
+from kimik3.fused.launch_cost import launch_bytes
+from kimik3.notebook.kernel_report import (
     PTX_FEATURES,
     KernelReport,
     get_build,
@@ -15,8 +16,7 @@ from kimik3.kernel_report import (
     measured_rows,
     ptx_highlights,
 )
-from kimik3.launch_cost import launch_bytes
-from kimik3.nbsetup import OFFLINE_RENDERER, start_notebook
+from kimik3.notebook.start import OFFLINE_RENDERER, start_notebook
 
 
 def test_start_notebook_creates_out_dir_and_resolves_device(tmp_path):
@@ -84,15 +84,15 @@ def test_measured_rows_and_build_without_dsl():
 
 @pytest.fixture(scope="module")
 def tiny_step():
-    from kimik3.config import get_preset
-    from kimik3.init import build_model
+    from kimik3.model.config import get_preset
+    from kimik3.model.random_init import build_model
     from kimik3.stages.fused import FusedStep
 
     return FusedStep(build_model(get_preset("tiny"), "meta").cast_(torch.bfloat16), 1, 256)
 
 
 def _report(step, recorded: pd.DataFrame) -> KernelReport:
-    from kimik3.hardware import get_hardware
+    from kimik3.perf.hardware import get_hardware
 
     return KernelReport(step, arch="sm_90a", compile_kernels=False, batch=1, context=64, preset="tiny",
                         hardware=get_hardware("h200"), recorded=recorded, have_dsl=False)
@@ -118,7 +118,7 @@ def test_section_reports_bytes_and_outstanding_measurement(monkeypatch, tiny_ste
 
 
 def test_section_flags_a_measurement_of_an_older_kernel_source(monkeypatch, tiny_step):
-    from kimik3.kernels._source import kernel_source_hash
+    from kimik3.kernels.toolchain.source import kernel_source_hash
 
     op = _report(tiny_step, pd.DataFrame()).launch("L0.kda.qkv").op
     now = kernel_source_hash(op.module_name)[:16]

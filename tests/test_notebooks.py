@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kimik3.nbsetup import cdn_references
-from kimik3.notebooks import CI, list_notebooks, run_notebook
+from kimik3.notebook.runner import CI, list_notebooks, run_notebook
+from kimik3.notebook.start import cdn_references
 
 NOTEBOOKS = list_notebooks()
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kimik3.nbsetup import OFFLINE_RENDERER, cdn_references, setup_notebook
-from kimik3.notebooks import NOTEBOOK_DIR, run_notebook
-from kimik3.site import export_html, write_site
+from kimik3.notebook.runner import NOTEBOOK_DIR, run_notebook
+from kimik3.notebook.site import export_html, write_site
+from kimik3.notebook.start import OFFLINE_RENDERER, cdn_references, setup_notebook
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,8 +52,8 @@ def test_executed_notebook_embeds_plotlyjs_once_and_the_site_opens_offline(tmp_p
                                                            "display_name": "Python 3"}})
     nb.cells = [nbformat.v4.new_code_cell('out_dir = "unused"', metadata={"tags": ["parameters"]}),
                 nbformat.v4.new_code_cell("import plotly.graph_objects as go\nfrom pathlib import Path\n"
-                                          "from kimik3.nbsetup import setup_notebook\n"
-                                          "from kimik3.roofline import save_html\nsetup_notebook()"),
+                                          "from kimik3.notebook.start import setup_notebook\n"
+                                          "from kimik3.perf.roofline import save_html\nsetup_notebook()"),
                 nbformat.v4.new_code_cell("fig = go.Figure(go.Scatter(y=[1, 3, 2]))\nfig.show()\n"
                                           "save_html(fig, Path(out_dir) / 'line.html')"),
                 nbformat.v4.new_code_cell("go.Figure(go.Bar(y=[2, 1])).show()")]

@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 import torch
 
-from kimik3.config import get_preset
 from kimik3.megakernel.instructions import BufferSpec, Counter, Instruction, Kind, Mode, Op, Operand, Program
+from kimik3.model.config import get_preset
 from kimik3.perfmodel import (
     CURRENT_DESIGN,
     PERF_DIR,
@@ -37,7 +37,7 @@ CUR = load_design(CURRENT_DESIGN)
 
 def _gemv_program(rows: int, hin: int, waits: bool = False) -> Program:
     """One NORM_PROJ instruction (B = 1) on one SM; with ``waits`` a producer EMBED on SM 1 before it."""
-    from kimik3.config import get_preset
+    from kimik3.model.config import get_preset
 
     cfg = get_preset("k3-shard")
     bufs = [BufferSpec("x", Kind.ACT, (1, 1, hin), torch.bfloat16),
@@ -299,8 +299,8 @@ def test_predict_cli_json_and_bad_input(capsys):
 
 def _compiled(name: str) -> dict:
     pytest.importorskip("cutlass")
-    from kimik3.kernels import build as B
-    from kimik3.kernels import registry as R
+    from kimik3.kernels.toolchain import build as B
+    from kimik3.kernels.toolchain import registry as R
 
     r = B.build(R.get_variant(name), "sm_90a")
     return {"kernels": {k["name"]: k for k in r.kernels}, "resources": r.resources, "ptx": r.ptx}
@@ -319,15 +319,15 @@ def test_current_design_matches_the_compiled_kernels_ci_subset():
     (megakernel, gemv.rmsnorm, moe bf16: kernels the compile tests build, loaded from the disk cache; every batch is
     slow). v1 described the kernels before the redesign: its compiled numbers were checked against that code and
     stay as its record."""
-    from kimik3.kernels import isa
-    from kimik3.kernels.mk_addr import GEMV_UNROLL, LM_HEAD_MMA, gemv_mma_unroll
+    from kimik3.kernels.contracts import isa
+    from kimik3.kernels.contracts.addr import GEMV_UNROLL, LM_HEAD_MMA, gemv_mma_unroll
 
     mk = _compiled("megakernel/k3-shard/b8")
     m = CUR["megakernel"]
     assert mk["resources"]["registers"] == m["registers"]["value"]["8"]
     assert mk["resources"]["shared_bytes"] == m["shared_bytes"]["value"]["8"]
     assert mk["resources"]["shared_bytes"] >= m["stage_bytes"]["value"] * m["stage_buffers"]["value"]
-    from kimik3.kernels.device_fns import NT
+    from kimik3.kernels.megakernel.device_fns import NT
 
     assert NT == m["threads"]["value"] and isa.STAGE_BYTES == m["stage_bytes"]["value"]
     assert isa.STAGE_BUFFERS == m["stage_buffers"]["value"]
@@ -348,7 +348,7 @@ def test_current_design_matches_the_compiled_kernels_ci_subset():
     assert g["ptx"].count("ld.global.nc.v4") == evaluate(gemv["kernels"][0]["loads"], {"K": 7168})
     moe = _compiled("moe.bf16/k3-shard/b8")
     fam = {k["name"]: k for k in CUR["fused"]["families"]["moe"]["kernels"]}
-    from kimik3.config import get_preset
+    from kimik3.model.config import get_preset
 
     cfg = get_preset("k3-shard")
     env = {"fmt": 0, "L": cfg.moe_latent_size or cfg.hidden_size, "I": cfg.moe_intermediate_size}

@@ -8,9 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from kimik3.kernels import prebuilt as P
-from kimik3.kernels import registry as R
-from kimik3.kernels._source import kernel_source_hash
+from kimik3.kernels.toolchain import prebuilt as P
+from kimik3.kernels.toolchain import registry as R
+from kimik3.kernels.toolchain.source import kernel_source_hash
 
 NAMES = ["gemv.plain/tiny/b1", "kda/tiny/b1"]
 
@@ -66,11 +66,11 @@ def test_manifest_records_what_was_built(built: Path) -> None:
 
 
 def test_source_hash_matches_the_build_side() -> None:
-    from kimik3.kernels import _common as C
+    from kimik3.kernels.toolchain import dsl
 
     for name in ("gemv", "router", "kda", "mla_decode", "moe", "attn_res"):
         mod = __import__(f"kimik3.kernels.{name}", fromlist=["x"])
-        assert C.source_hash(mod) == kernel_source_hash(name)
+        assert dsl.source_hash(mod) == kernel_source_hash(name)
     assert kernel_source_hash("router") != kernel_source_hash("gemv")  # router inlines gemv: both files count
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import kimik3
-from kimik3.profiling import choose_backend, count_ops, kernel_metrics, ncu_command, parse_ncu_csv, time_per_call
+from kimik3.perf.profiling import choose_backend, count_ops, kernel_metrics, ncu_command, parse_ncu_csv, time_per_call
 
 NCU_CSV = '''==PROF== Connected to process 123
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
@@ -35,7 +35,7 @@ def test_backend_chain_on_cpu_says_why():
 def test_ncu_command_profiles_the_child_entry():
     cmd = ncu_command(["--preset", "k3-shard"], "/tmp/x.csv", nvtx_include="decode_step/")
     assert cmd[0] == "ncu" and "dram__bytes_read.sum" in cmd[cmd.index("--metrics") + 1]
-    assert cmd[-4:-2] == ["kimik3.profiling", "child"] and "--nvtx-include" in cmd
+    assert cmd[-4:-2] == ["kimik3.perf.profiling", "child"] and "--nvtx-include" in cmd
 
 
 def test_count_ops_and_timing_on_a_decode_step(tmp_path):

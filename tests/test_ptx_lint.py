@@ -1,4 +1,4 @@
-"""PTX lint: the compiled kernels keep the synchronisation and streaming rules (``kernels/ptx_lint.py``), and each
+"""PTX lint: the compiled kernels keep the synchronisation and streaming rules (``kernels/verify/ptx_lint.py``), and each
 rule fails on a planted violation of the real PTX.
 
 The kernels compiled here are the ones the compile tests build (same disk cache), so this adds seconds, not a
@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from kimik3.kernels import build as B  # noqa: E402
-from kimik3.kernels import ptx_lint as L  # noqa: E402
-from kimik3.kernels import registry as R  # noqa: E402
+from kimik3.kernels.toolchain import build as B  # noqa: E402
+from kimik3.kernels.toolchain import registry as R  # noqa: E402
+from kimik3.kernels.verify import ptx_lint as L  # noqa: E402
 
 pytestmark = pytest.mark.host
 

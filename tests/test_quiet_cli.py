@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from kimik3.clilog import compiler_output_to
+from kimik3.util.clilog import compiler_output_to
 
 
 def test_compiler_output_goes_to_the_log_and_progress_to_the_terminal(tmp_path, capfd):

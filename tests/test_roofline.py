@@ -8,10 +8,10 @@ import json
 import pandas as pd
 import pytest
 
-from kimik3.cost import decode_cost
-from kimik3.hardware import DATA_DIR, get_hardware, hardware_table, list_hardware, local_hardware, measure_local
-from kimik3.recorded import RECORDED_COLUMNS, claims_vs_bound, load_published, load_recorded
-from kimik3.roofline import (
+from kimik3.perf.cost import decode_cost
+from kimik3.perf.hardware import DATA_DIR, get_hardware, hardware_table, list_hardware, local_hardware, measure_local
+from kimik3.perf.recorded import RECORDED_COLUMNS, claims_vs_bound, load_published, load_recorded
+from kimik3.perf.roofline import (
     latency_roofline_figure,
     latency_table,
     points_from_cost,
@@ -172,7 +172,7 @@ def test_panel_drives_a_figure_widget():
     """anywidget is a dependency, so the panel's figure is a live plotly FigureWidget."""
     import plotly.graph_objects as go
 
-    from kimik3.roofline import roofline_panel
+    from kimik3.perf.roofline import roofline_panel
 
     panel = roofline_panel()
     assert isinstance(panel.figure, go.FigureWidget)

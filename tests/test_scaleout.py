@@ -1,4 +1,4 @@
-"""The rack-scale model (kimik3.scaleout): its sizes come from the config and the cost model, and its predictions
+"""The rack-scale model (kimik3.scale.nvl72): its sizes come from the config and the cost model, and its predictions
 move the way physics says they must (more bandwidth never hurts, overlap lies between max and sum)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 import kimik3
-from kimik3.cost import decode_cost, expected_distinct_experts
-from kimik3.distributed import traffic_model
-from kimik3.scaleout import (
+from kimik3.perf.cost import decode_cost, expected_distinct_experts
+from kimik3.scale.expert_parallel import traffic_model
+from kimik3.scale.nvl72 import (
     DEPLOYMENTS,
     CommModel,
     Deployment,

@@ -14,7 +14,7 @@ import torch
 
 import kimik3
 from kimik3.__main__ import main as cli
-from kimik3.model import KDAState
+from kimik3.model.modeling import KDAState
 from kimik3.stages import STAGES
 from kimik3.stages.absorbed import AbsorbedStage
 from kimik3.stages.base import StageSupport

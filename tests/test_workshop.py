@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from kimik3 import workshop
-from kimik3.notebooks import CI, DEFAULTS, NOTEBOOK_DIR
+from kimik3.notebook import workshop
+from kimik3.notebook.runner import CI, DEFAULTS, NOTEBOOK_DIR
 
 NAMES = list(workshop.EXERCISES)
 

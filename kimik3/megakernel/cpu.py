@@ -55,7 +55,7 @@ from kimik3.megakernel.layout import check_supported, expert_weight_names, progr
 from kimik3.megakernel.scheduler import POLICIES, build_program
 from kimik3.megakernel.step import Tiling
 from kimik3.megakernel.timeline import from_timings
-from kimik3.model import DecodeState, KDAState, KimiForCausalLM
+from kimik3.model.modeling import DecodeState, KDAState, KimiForCausalLM
 from kimik3.stages import register_stage
 from kimik3.stages.base import Stage, StageSupport
 from kimik3.stages.naive import NaiveStage
@@ -79,9 +79,9 @@ SOURCE = Path(__file__).with_name("cpu_executor.cpp")
 MAX_BATCH = 64  # the executor's capacity (cpu_executor.cpp MAX_BATCH)
 ABI_VERSION = 2
 DEFAULT_TIMEOUT_S = 10.0  # a wait that spins this long is a hang: the step fails with a per-worker dump
-# EXPERT_FORMATS (the program's, kernels/isa.py): option experts="dense" streams the routed experts in the model's
+# EXPERT_FORMATS (the program's, kernels/contracts/isa.py): option experts="dense" streams the routed experts in the model's
 # dtype; "mxfp4" as MXFP4 (E2M1 codes + an E8M0 scale per 32 weights, 4.25 bits per weight, the K3 release's expert
-# format): the model's held bytes, or packed once by kimik3.quant.mxfp4_quantize from dense experts
+# format): the model's held bytes, or packed once by kimik3.model.quant.mxfp4_quantize from dense experts
 _EXPERT_SUFFIXES = ("experts.w1", "experts.w2", "experts.w3")
 
 # The program header, word by word, in the order encode_program writes it.
@@ -113,10 +113,10 @@ _SCHEDULER_FLAGS = {"FFN_ROUTED": FFN_ROUTED, "FFN_MLP": FFN_MLP, "FFN_LATENT_NO
 
 def _contract():
     """The module holding the encoding constants: the pure-Python ISA beside the device code when present
-    (``kimik3.kernels.isa``, registered by importing :mod:`~kimik3.megakernel.instructions`), else the
+    (``kimik3.kernels.contracts.isa``, registered by importing :mod:`~kimik3.megakernel.instructions`), else the
     instructions module itself."""
     try:
-        from kimik3.kernels import isa
+        from kimik3.kernels.contracts import isa
 
         return isa
     except ImportError:
@@ -357,7 +357,7 @@ class CPUMegakernel:
         self._mx: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._mx_addr = torch.zeros(2 * max(1, len(self.program.buffers)), dtype=torch.int64)
         if experts == "mxfp4":
-            from kimik3.quant import mxfp4_quantize
+            from kimik3.model.quant import mxfp4_quantize
 
             for k, spec in enumerate(self.program.buffers):
                 if spec.kind == Kind.WEIGHT and spec.name.endswith(_EXPERT_SUFFIXES):

@@ -14,7 +14,7 @@
 // The encoding constants (opcodes, word offsets, dtype codes, FFN flags, parameter slots) are not written here:
 // they come from `mk_encoding.h`, generated at build time from the Python definition (kimik3/megakernel/cpu.py).
 //
-// Numerics follow the reference model (kimik3/model.py) and the interpreter: fp32 accumulation everywhere; with
+// Numerics follow the reference model (kimik3/model/modeling.py) and the interpreter: fp32 accumulation everywhere; with
 // bf16 activations every value the reference rounds to bf16 (a linear layer's output, the normalised input
 // before the norm weight, the GLU output, ...) is rounded here at the same place (`rq`). Summation order and the
 // activations' polynomials differ from PyTorch's (within the stage tolerance, not bit for bit); every output

@@ -1,5 +1,5 @@
 """Stage ``"megakernel"``: one decode step = one launch of the persistent CuTe DSL megakernel
-(``kernels/megakernel.py``).
+(``kernels/megakernel/vm.py``).
 
 Why a runner around the kernel: the kernel is an interpreter, so everything that is not arithmetic happens here,
 once, on the host — build the program for this GPU's SM count (:func:`kimik3.megakernel.build_program`), prove it
@@ -38,15 +38,14 @@ from typing import Any
 import pandas as pd
 import torch
 
-from kimik3.config import ModelConfig, get_preset
-from kimik3.kernel_loader import (
+from kimik3.kernels.contracts.meta import SUPPORTED_ARCHS as ARCHS  # the architectures kernels are built for
+from kimik3.kernels.toolchain.loader import (
     default_prebuilt_dir,
     dsl_available,
     jit_compiled,
     load_prebuilt_kernel,
     norm_shapes,
 )
-from kimik3.kernels.meta import SUPPORTED_ARCHS as ARCHS  # the architectures kernels are built for
 from kimik3.megakernel.hazards import check_program, format_violations
 from kimik3.megakernel.instructions import (
     CTA_THREADS,
@@ -67,7 +66,8 @@ from kimik3.megakernel.layout import check_supported, program_tensors, state_vie
 from kimik3.megakernel.scheduler import POLICIES, build_program
 from kimik3.megakernel.step import Tiling
 from kimik3.megakernel.timeline import from_timings
-from kimik3.model import DecodeState, KDAState, KimiForCausalLM
+from kimik3.model.config import ModelConfig, get_preset
+from kimik3.model.modeling import DecodeState, KDAState, KimiForCausalLM
 from kimik3.stages import register_stage
 from kimik3.stages.base import Stage, StageSupport
 from kimik3.stages.naive import NaiveStage
@@ -99,7 +99,7 @@ _ARCH_OF_CC = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 DEFAULT_SPINS = 1 << 22  # watchdog: spins before a wait gives up (x ~sleep_ns each: about 0.5 s at 64 ns)
 DEFAULT_SLEEP_NS = 64
 # ERROR_WORDS, CTL_WORDS, ERR_WATCHDOG, ERR_BAD_PROGRAM: the launch's error / control words, defined with the
-# program encoding in kernels/isa.py (the device code reads the same definitions)
+# program encoding in kernels/contracts/isa.py (the device code reads the same definitions)
 
 
 def _check_format(expert_format: str) -> None:
@@ -280,7 +280,7 @@ def _compile(arch: str, shapes: dict[str, Any], prebuilt: str | None, name: str)
 
     def compile_megakernel() -> Any:
         try:
-            from kimik3.kernels import megakernel as mk
+            from kimik3.kernels.megakernel import vm as mk
         except ImportError as e:
             raise ValueError("the megakernel needs nvidia-cutlass-dsl to compile (or pass prebuilt=DIR with an "
                              f"exported kernel): {e}") from None

@@ -46,7 +46,7 @@ from kimik3.megakernel.instructions import (
     decode_program,
     stage_descriptor,
 )
-from kimik3.quant import MXFP4_GROUP
+from kimik3.model.quant import MXFP4_GROUP
 
 __all__ = ["Violation", "HappensBefore", "check_program", "happens_before", "redundant_waits", "format_violations"]
 

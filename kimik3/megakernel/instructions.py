@@ -16,8 +16,8 @@ the counter reaches a target. This module defines
   instruction of the queue while the current one starts.
 
 The numbers of that encoding — opcodes, modes, buffer kinds, dtype codes, word offsets, argument flags — are
-defined once, in ``kernels/isa.py`` (standard library only), and re-exported here; the device code
-(``kernels/megakernel.py``) imports the same module, so host and kernel cannot disagree on the layout.
+defined once, in ``kernels/contracts/isa.py`` (standard library only), and re-exported here; the device code
+(``kernels/megakernel/vm.py``) imports the same module, so host and kernel cannot disagree on the layout.
 
 Everything the hazard checker proves is proved from these declarations alone, so they must be complete: an
 instruction touches nothing it does not declare (the CPU interpreter enforces this by handing each instruction
@@ -44,8 +44,10 @@ from dataclasses import dataclass, field, replace
 import pandas as pd
 import torch
 
+from kimik3.kernels.contracts.addr import elem_offset  # the [b, r, c] offset the device computes
+
 # the encoding contract lives beside the device code that reads it
-from kimik3.kernels.isa import (
+from kimik3.kernels.contracts.isa import (
     BUFFER_WORDS,
     BW_D0,
     BW_D1,
@@ -130,7 +132,6 @@ from kimik3.kernels.isa import (
     Op,
     Site,
 )
-from kimik3.kernels.mk_addr import elem_offset  # the [b, r, c] offset the device computes
 
 __all__ = [
     "Op",
@@ -171,7 +172,7 @@ __all__ = [
     "CHUNK_BYTES",
 ]
 
-# The opcodes, modes, kinds, word offsets and dtype codes are defined once, in ``kernels/isa.py`` (imported above
+# The opcodes, modes, kinds, word offsets and dtype codes are defined once, in ``kernels/contracts/isa.py`` (imported above
 # and re-exported): the persistent kernel reads the same file, so the two sides cannot drift apart.
 _DTYPES = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
 _DTYPE_OF = {v: k for k, v in _DTYPES.items()}
@@ -625,7 +626,7 @@ def instruction_set_table() -> pd.DataFrame:
 
 
 def encoding_table() -> pd.DataFrame:
-    """The int32 layout, section by section and word by word (rendered from the constants of ``kernels/isa.py``)."""
+    """The int32 layout, section by section and word by word (rendered from the constants of ``kernels/contracts/isa.py``)."""
     kinds = ", ".join(f"{int(k)} {k.name.lower()}" for k in Kind)
     dtypes = ", ".join(f"{c} {n}" for n, c in DTYPE_CODES.items())
     ops_end = W_OPS + MAX_OPERANDS * OPERAND_WORDS

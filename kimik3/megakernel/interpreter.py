@@ -26,7 +26,7 @@ Honesty aids:
 Routed experts held as MXFP4 (a program built with ``expert_format="mxfp4"``, a model after
 ``model.quantize_experts()`` or loaded with ``quantized_experts="keep"``): the expert opcodes dequantise exactly the
 code and scale boxes they are handed (value × scale in fp32, cast once to the activation dtype — the numbers
-:meth:`kimik3.quant.QuantizedExperts.expert` gives the naive path) and then compute as for dense experts.
+:meth:`kimik3.model.quant.QuantizedExperts.expert` gives the naive path) and then compute as for dense experts.
 
 ``MegakernelInterpStage`` (stage ``"megakernel-interp"``) puts this behind the :class:`kimik3.Decoder` API: prefill runs
 through the naive path token by token and the decode state is then shared; every decode step runs the program.
@@ -60,7 +60,7 @@ from kimik3.megakernel.instructions import (
 from kimik3.megakernel.layout import missing_weight, model_weights, state_views, weight_view
 from kimik3.megakernel.scheduler import POLICIES, build_program
 from kimik3.megakernel.step import Tiling
-from kimik3.model import (
+from kimik3.model.modeling import (
     DecodeState,
     KDAState,
     KimiForCausalLM,
@@ -76,7 +76,7 @@ from kimik3.model import (
     route_from_logits,
     router_logits,
 )
-from kimik3.quant import mxfp4_dequantize
+from kimik3.model.quant import mxfp4_dequantize
 from kimik3.stages import register_stage
 from kimik3.stages.base import Stage, StageSupport
 from kimik3.stages.naive import NaiveStage

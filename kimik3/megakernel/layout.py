@@ -21,7 +21,7 @@ Every other weight is the model's own parameter under its checkpoint name, viewe
 
 Routed experts come in one of two formats (the program's ``expert_format``, :data:`EXPERT_FORMATS`): ``"dense"`` —
 ``experts.w1`` / ``w3`` ``[E, Ie, Dl]`` and ``w2`` ``[E, Dl, Ie]`` in the activation dtype — or ``"mxfp4"`` — the
-uint8 buffers of :class:`kimik3.quant.QuantizedExperts` under their own names (``experts.w1_packed`` ``[E, Ie,
+uint8 buffers of :class:`kimik3.model.quant.QuantizedExperts` under their own names (``experts.w1_packed`` ``[E, Ie,
 Dl/2]`` codes + ``experts.w1_scale`` ``[E, Ie, Dl/32]`` E8M0 scales, the same for ``w3``, ``w2`` over ``Ie``), the
 bytes of the release's checkpoint. MXFP4 needs both widths to be multiples of 32 (one scale per 32 columns).
 """
@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from kimik3.config import ModelConfig
 from kimik3.megakernel.instructions import EXPERT_FORMATS, Kind
-from kimik3.model import DecodeState, KDAState, KimiForCausalLM, MLACache
-from kimik3.quant import MXFP4_GROUP
+from kimik3.model.config import ModelConfig
+from kimik3.model.modeling import DecodeState, KDAState, KimiForCausalLM, MLACache
+from kimik3.model.quant import MXFP4_GROUP
 
 __all__ = [
     "EXPERT_FORMATS",

@@ -11,7 +11,7 @@ The pipeline, each step its own function so a notebook can show it:
    writer of everything an instruction reads (RAW), and the earlier readers and writer of everything it overwrites
    (WAR, WAW). These edges imply every other conflict by transitivity.
 3. :func:`instruction_costs` estimates bytes and FLOPs per instruction: the per-block totals come from
-   :func:`kimik3.cost.decode_cost` (which reads the model's own parameter shapes), split between a block's
+   :func:`kimik3.perf.cost.decode_cost` (which reads the model's own parameter shapes), split between a block's
    instructions in proportion to their tile shapes.
 4. A policy assigns instructions to per-SM queues: ``"round_robin"`` (sequential order, instruction ``i`` on SM
    ``i mod S``, blind to cost) or ``"critical_path"`` (list scheduling: whenever an SM is free it takes the ready
@@ -40,7 +40,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-from kimik3.config import ModelConfig
 from kimik3.megakernel.instructions import (
     BufferSpec,
     Counter,
@@ -51,6 +50,7 @@ from kimik3.megakernel.instructions import (
     assign_stages,
 )
 from kimik3.megakernel.step import StepSpec, Tiling, build_step
+from kimik3.model.config import ModelConfig
 
 __all__ = [
     "POLICIES",
@@ -133,7 +133,7 @@ class CostModel:
 
     @classmethod
     def for_hardware(cls, name: str = "h200", overhead_ns: float = 500.0) -> CostModel:
-        from kimik3.hardware import get_hardware
+        from kimik3.perf.hardware import get_hardware
 
         h = get_hardware(name)
         return cls(h.hbm_bandwidth, h.sm_count or 132, h.peak_flops("bf16"), overhead_ns, h.name)
@@ -154,7 +154,7 @@ def instruction_costs(spec: StepSpec, context_len: int | None = None, expert_dty
                       weight_dtype: str = "bf16", cost_model: CostModel | None = None) -> pd.DataFrame:
     """Per instruction: weight / state+cache / activation bytes, FLOPs, blocks, and durations (ns).
 
-    Per-block totals come from ``kimik3.cost.decode_cost`` (the model's own parameter shapes, D(B) expected
+    Per-block totals come from ``kimik3.perf.cost.decode_cost`` (the model's own parameter shapes, D(B) expected
     distinct experts); each block's total is split between the instructions that carry it in proportion to their
     tile shapes. Every weight-carrying block of ``decode_cost`` must be carried by some instruction (checked)."""
     cfg, B = spec.cfg, spec.batch
@@ -167,7 +167,7 @@ def instruction_costs(spec: StepSpec, context_len: int | None = None, expert_dty
             owners[key].append((i, v))
     calibrated = False
     try:
-        from kimik3.cost import decode_cost
+        from kimik3.perf.cost import decode_cost
     except ImportError:  # the cost model is optional: fall back to the raw shape-based numbers
         decode_cost = None
     if decode_cost is not None:

@@ -21,7 +21,6 @@ from itertools import product
 
 import torch
 
-from kimik3.config import ModelConfig, get_preset
 from kimik3.megakernel.instructions import (
     FFN_LATENT_NORM,
     FFN_MLP,
@@ -45,8 +44,9 @@ from kimik3.megakernel.layout import (
     packed_name,
     state_name,
 )
-from kimik3.model import keeps_fp32
-from kimik3.quant import MXFP4_GROUP
+from kimik3.model.config import ModelConfig, get_preset
+from kimik3.model.modeling import keeps_fp32
+from kimik3.model.quant import MXFP4_GROUP
 
 __all__ = ["Tiling", "StepSpec", "build_step"]
 
@@ -54,7 +54,7 @@ R, W, RW = Mode.READ, Mode.WRITE, Mode.READ_WRITE
 P = Mode.READ | Mode.PREFETCH  # a static weight read, allowed before the waits
 
 # nominal bytes per weight for the shape-based split of a block's cost between its instructions; the totals are
-# calibrated by kimik3.cost.decode_cost, so only the ratios between tiles matter
+# calibrated by kimik3.perf.cost.decode_cost, so only the ratios between tiles matter
 _BPW = 2.0
 
 # one instruction's raw cost contributions: {(layer, cost block): [weight, state+cache, activation bytes, flops]}
@@ -62,7 +62,7 @@ CostContrib = dict[tuple[int, str], list[float]]
 
 
 # MLA_PARTIAL's smallest head tile when heads are split over SMs: the device code gives each of its 12 warps a pair of
-# heads per pass (kernels/mk_mla.py PART_HB = 2), so fewer heads per tile would leave warps idle
+# heads per pass (kernels/megakernel/mla.py PART_HB = 2), so fewer heads per tile would leave warps idle
 MLA_PARTIAL_MIN_HEADS = 24
 
 
@@ -537,7 +537,7 @@ class _StepBuilder:
                                                           B * E * 8.0]})
         mh = self.buf("moe_h", Kind.ACT, (B, Dmax, Ie), self.act)
         # the expert weights: dense stacks, or MXFP4 codes with their scales appended after the dense operand list
-        # (operand roles: kimik3.kernels.isa.MXFP4_OPERANDS)
+        # (operand roles: kimik3.kernels.contracts.isa.MXFP4_OPERANDS)
         w1, w3, w2 = (self.expert_weight(layer, w, E, rows, cols)
                       for w, rows, cols in (("w1", Ie, Dl), ("w3", Ie, Dl), ("w2", Dl, Ie)))
         distinct = E * (1.0 - (1.0 - k / E) ** B)  # expected distinct experts (spec §8), for the raw split

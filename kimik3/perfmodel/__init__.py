@@ -10,8 +10,8 @@ round trips counted per instruction, serial loops at the latency each trip waits
   staging, prefetch-ahead, serial loop structure, round trips (:data:`CURRENT_DESIGN` = today's kernels; ``v1`` =
   the kernels before the cross-instruction redesign, kept as a record);
 * **bytes and FLOPs** — never invented here: the megakernel's per-instruction costs from
-  :func:`kimik3.megakernel.scheduler.instruction_costs` (calibrated by :func:`kimik3.cost.decode_cost`), the fused
-  stage's per-launch counts from :func:`kimik3.launch_cost.launch_bytes`.
+  :func:`kimik3.megakernel.scheduler.instruction_costs` (calibrated by :func:`kimik3.perf.cost.decode_cost`), the fused
+  stage's per-launch counts from :func:`kimik3.fused.launch_cost.launch_bytes`.
 
 :func:`predict` scores a design; :func:`compare_opcodes` / :func:`compare_kernels` set a measured run against it.
 """
@@ -73,9 +73,9 @@ def model_program(preset: str, batch: int, num_sms: int = 132, max_seq_len: int 
     ``tiling``: (field, value) overrides of ``Tiling.auto`` (:func:`design_tiling`; "all" = the whole dimension)."""
     from dataclasses import replace
 
-    from kimik3.config import get_preset
     from kimik3.megakernel import build_program
     from kimik3.megakernel.step import Tiling
+    from kimik3.model.config import get_preset
 
     _check_experts(experts)
     cfg = get_preset(preset)
@@ -105,7 +105,7 @@ def megakernel_model(preset: str, batch: int, design: str | dict[str, Any] = CUR
     prog = program if program is not None else model_program(preset, batch, int(c.sm_count), 4096, context_len,
                                                               experts, design_tiling(d))
     if getattr(prog, "cfg", None) is None:
-        from kimik3.config import get_preset
+        from kimik3.model.config import get_preset
 
         prog.cfg = get_preset(preset)
     times = instruction_times(prog, d, c, context_len)
@@ -123,9 +123,9 @@ def megakernel_model(preset: str, batch: int, design: str | dict[str, Any] = CUR
 
 def roofline_ms(preset: str, batch: int, context_len: int = 4096, constants: Constants | None = None,
                 experts: str = "bf16") -> float:
-    """Bytes the step must move (``kimik3.cost.decode_cost``, routed experts in ``experts``) over the achievable
+    """Bytes the step must move (``kimik3.perf.cost.decode_cost``, routed experts in ``experts``) over the achievable
     HBM read bandwidth."""
-    from kimik3.cost import decode_cost
+    from kimik3.perf.cost import decode_cost
 
     _check_experts(experts)
     c = constants or load_constants()
@@ -140,7 +140,7 @@ def _check(preset: str, stage: str, batch: int, context_len: int, experts: str =
         raise ValueError(f"batch must be a positive integer, got {batch!r}")
     if not isinstance(context_len, int) or not 1 <= context_len <= 4096:
         raise ValueError(f"context must be between 1 and 4096 (the modelled cache capacity), got {context_len!r}")
-    from kimik3.config import get_preset
+    from kimik3.model.config import get_preset
 
     get_preset(preset)  # a clear ValueError for an unknown preset
 

@@ -1,7 +1,7 @@
 """Model vs measured on a GPU: the hooks the device check calls so that the first GPU run tests the model.
 
 * :func:`megakernel_opcode_report` — runs a few megakernel decode steps, keeps the last step's per-instruction
-  timing buffer (``%globaltimer`` start/end and ``%smid`` per instruction, ``kernels/megakernel.py``) and sets it
+  timing buffer (``%globaltimer`` start/end and ``%smid`` per instruction, ``kernels/megakernel/vm.py``) and sets it
   against the calibrated model of the *same* program, per opcode (:func:`kimik3.perfmodel.opcode_report`);
 * :func:`fused_kernel_report` — the per-launch kernel times a device check measured for the fused stage against
   the model's time for the same launches.

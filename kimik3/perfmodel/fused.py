@@ -4,7 +4,7 @@ Per kernel of each launch of :class:`kimik3.stages.fused.FusedStep` (built on a 
 ``kernel boundary + max(bytes / bandwidth, FMA issue, L2 re-reads) + serial loops``, where the bandwidth follows
 Little's law over the SMs the grid covers: resident CTAs per SM (threads, registers from the compiled kernel's
 resource report, CTA limit) × threads × loads in flight × load width, per SM capped by the SM's port, overall by
-the achievable HBM bandwidth. Bytes and FLOPs per launch come from ``kimik3.launch_cost.launch_bytes`` /
+the achievable HBM bandwidth. Bytes and FLOPs per launch come from ``kimik3.fused.launch_cost.launch_bytes`` /
 ``launch_flops`` (the stage's own count); PyTorch glue ops are a design-given number of small kernels each.
 """
 
@@ -37,8 +37,8 @@ def fused_program(preset: str, batch: int, cache_len: int, expert_format: str = 
     cache) for a preset, on a meta model."""
     import torch
 
-    from kimik3.config import get_preset
-    from kimik3.init import build_model
+    from kimik3.model.config import get_preset
+    from kimik3.model.random_init import build_model
     from kimik3.stages.fused import FusedStep
 
     cfg = get_preset(preset)
@@ -74,7 +74,7 @@ def _family_spec(design: dict[str, Any], family: str) -> tuple[str, dict[str, An
 def fused_times(preset: str, batch: int, design: dict[str, Any], consts: Constants, context_len: int = 4096,
                 cache_len: int | None = None, expert_format: str = "bf16") -> pd.DataFrame:
     """One row per kernel (glue ops: one row per op) with its modelled time in ns and what limits it."""
-    from kimik3.cost import expected_distinct_experts
+    from kimik3.perf.cost import expected_distinct_experts
     from kimik3.stages.fused import mla_default_splits
 
     prog = fused_program(preset, batch, cache_len or context_len, expert_format, context_len)

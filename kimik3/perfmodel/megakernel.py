@@ -1,6 +1,6 @@
 """The megakernel under the calibrated model: per-instruction durations from a design, then an event simulation.
 
-One instruction on one SM (``kernels/megakernel.py``'s loop), in the order the device code runs it:
+One instruction on one SM (``kernels/megakernel/vm.py``'s loop), in the order the device code runs it:
 
 1. **fetch** — dependent global round trips before anything else can start (instruction row, operand table, the
    prefetch choice): ``fetch_round_trips_hbm × HBM latency + fetch_round_trips_l2 × L2 latency``;
@@ -19,7 +19,7 @@ One instruction on one SM (``kernels/megakernel.py``'s loop), in the order the d
 5. **signal** — ``signal_round_trips_l2`` L2 round trips (the release).
 
 Bytes and FLOPs per instruction come from :func:`kimik3.megakernel.scheduler.instruction_costs` (calibrated by
-:func:`kimik3.cost.decode_cost`): this module adds time, never bytes. The timeline it returns has the columns of
+:func:`kimik3.perf.cost.decode_cost`): this module adds time, never bytes. The timeline it returns has the columns of
 :mod:`kimik3.megakernel.timeline` (``start`` = the waits are met, as the kernel's ``%globaltimer`` start stamp), so
 ``timeline.gantt`` and ``timeline.summary`` draw and sum it.
 """
@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from kimik3.kernels.mk_addr import gemv_batch_tile
+from kimik3.kernels.contracts.addr import gemv_batch_tile
 from kimik3.megakernel.instructions import Kind, Mode, Op, Program
 from kimik3.perfmodel.data import Constants, field
 from kimik3.perfmodel.expr import evaluate

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kimik3.model import (
+from kimik3.model.modeling import (
     KDA,
     MLA,
     DecodeState,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kimik3.model import KimiForCausalLM
+from kimik3.model.modeling import KimiForCausalLM
 
 __all__ = ["Stage", "StageSupport"]
 

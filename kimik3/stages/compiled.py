@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from kimik3.model import KimiForCausalLM
+from kimik3.model.modeling import KimiForCausalLM
 from kimik3.stages.absorbed import AbsorbedStage, decode_step
 from kimik3.stages.base import StageSupport
 

@@ -12,7 +12,7 @@ reads the bytes anyway:
   only (bf16 or MXFP4 weights), o-proj with the residual add in its epilogue, the AttnRes mix and
   final-norm + lm_head + arg-max;
 * MLA's weight absorption (q_lat = W_UKᵀ q_nope, o = W_UV o_lat) is a per-head GEMV: the expert GEMV kernel
-  with a constant routing (head h = expert h, ``kimik3.kernels.moe.head_gemv``). The W_UK weight is
+  with a constant routing (head h = expert h, ``kimik3.kernels.fused.moe.head_gemv``). The W_UK weight is
   augmented with an identity block for the rope dimensions, so one launch writes the whole MLA query
   ``[q_lat ; q_rope]`` and no copy is needed;
 * dense MLPs and shared experts are the MoE kernel with one expert that every token picks with weight 1;
@@ -24,9 +24,9 @@ reads the bytes anyway:
 Weights are prepared once at construction (concatenated q/k/v, the augmented W_UK, W_UV, fp32 AttnRes ω,
 MXFP4 packing of the routed experts when ``expert_format="mxfp4"``, or the bytes of a model that holds them as
 MXFP4 — ``from_pretrained(..., quantized_experts="keep")`` — passed as they are). Kernels come from the CuTe DSL JIT
-when it is installed, else from prebuilt artefacts (``kimik3.kernels.prebuilt``: shipped ``.so`` files,
-verified against the current kernel sources), through :mod:`kimik3.kernel_loader`, which the megakernel stage
-shares. What each launch moves and computes is counted by :mod:`kimik3.launch_cost`. Nothing silently falls back
+when it is installed, else from prebuilt artefacts (``kimik3.kernels.toolchain.prebuilt``: shipped ``.so`` files,
+verified against the current kernel sources), through :mod:`kimik3.kernels.toolchain.loader`, which the megakernel stage
+shares. What each launch moves and computes is counted by :mod:`kimik3.fused.launch_cost`. Nothing silently falls back
 to PyTorch: on a CPU, for a shape no kernel supports (e.g. ``micro``'s head dim 16), or without a usable kernel for
 the model's shapes and this GPU's architecture, the stage refuses with a ``ValueError`` saying why.
 
@@ -52,25 +52,14 @@ from typing import Any
 
 import torch
 
-from kimik3.config import ModelConfig, get_preset
-from kimik3.kernel_loader import (
-    KERNEL_SOURCES,
-    PREBUILT_ENV,
-    default_prebuilt_dir,
-    dsl_available,
-    find_prebuilt,
-    jit_compiled,
-    load_prebuilt_fn,
-    norm_shapes,
-    resolve_source,
-)
+from kimik3.fused.launch_cost import launch_bytes, launch_flops
 
 # The kernels' metadata the host needs — positional parameter order of every compiled op (= each module's
 # launch()), eps values, thread and head layouts, default splits, the per-head routing tables — is defined once in
-# kernels/meta.py, which imports no CuTe DSL (a GPU machine running prebuilt kernels has none): the kernel modules
+# kernels/contracts/meta.py, which imports no CuTe DSL (a GPU machine running prebuilt kernels has none): the kernel modules
 # import the same definitions. GEMV_RMS_EPS is the eps every fused RMSNorm uses (gemv, attn_res, kda);
 # LM_ROWS_PER_CTA: one lm_head arg-max partial per 32 vocabulary rows; SITU_BETAS: the MoE kernel's SiTU constants.
-from kimik3.kernels.meta import (
+from kimik3.kernels.contracts.meta import (
     ARG_ORDER,
     LM_ROWS_PER_CTA,
     SITU_BETAS,
@@ -81,11 +70,22 @@ from kimik3.kernels.meta import (
     mla_default_splits,
     mla_head_layout,
 )
-from kimik3.kernels.meta import RMS_EPS as GEMV_RMS_EPS
-from kimik3.kernels.registry import FAMILIES as _REGISTRY_FAMILIES
-from kimik3.launch_cost import launch_bytes, launch_flops
-from kimik3.model import KDAState, KimiForCausalLM, acc_dtype, f32, rms_norm
-from kimik3.quant import experts_mxfp4
+from kimik3.kernels.contracts.meta import RMS_EPS as GEMV_RMS_EPS
+from kimik3.kernels.toolchain.loader import (
+    KERNEL_SOURCES,
+    PREBUILT_ENV,
+    default_prebuilt_dir,
+    dsl_available,
+    find_prebuilt,
+    jit_compiled,
+    load_prebuilt_fn,
+    norm_shapes,
+    resolve_source,
+)
+from kimik3.kernels.toolchain.registry import FAMILIES as _REGISTRY_FAMILIES
+from kimik3.model.config import ModelConfig, get_preset
+from kimik3.model.modeling import KDAState, KimiForCausalLM, acc_dtype, f32, rms_norm
+from kimik3.model.quant import experts_mxfp4
 from kimik3.stages.base import Stage, StageSupport
 
 __all__ = [
@@ -113,8 +113,8 @@ __all__ = [
 
 EXPERT_DTYPES = ("bf16", "mxfp4")
 
-# family -> (kernel module, variant): the registry's families (kernels/registry.py, DSL-free, defines them) plus the
-# per-head GEMV op of kernels/moe.py
+# family -> (kernel module, variant): the registry's families (kernels/toolchain/registry.py, DSL-free, defines them) plus the
+# per-head GEMV op of kernels/fused/moe.py
 FAMILY_MODULES: dict[str, tuple[str, str]] = {
     **{name: (f.module, f.variant) for name, f in _REGISTRY_FAMILIES.items()}, "moe.heads": ("moe", "heads")}
 
@@ -126,8 +126,8 @@ FAMILY_MODULES: dict[str, tuple[str, str]] = {
 class FusedOp:
     """One compiled op at static shapes: what the JIT compiles, a prebuilt directory ships, and a launch calls.
 
-    Duck-types :class:`kimik3.kernels.registry.KernelVariant` (name, family, module, variant, shapes, runtime,
-    budget, archs, compile) so :func:`kimik3.kernels.prebuilt.build_prebuilt` can export it unchanged.
+    Duck-types :class:`kimik3.kernels.toolchain.registry.KernelVariant` (name, family, module, variant, shapes, runtime,
+    budget, archs, compile) so :func:`kimik3.kernels.toolchain.prebuilt.build_prebuilt` can export it unchanged.
     """
 
     family: str
@@ -169,13 +169,15 @@ class FusedOp:
 
     @property
     def budget(self) -> Any:
-        from kimik3.kernels.registry import FAMILIES, Budget
+        from kimik3.kernels.toolchain.registry import FAMILIES, Budget
 
         return FAMILIES[self.family].budget if self.family in FAMILIES else Budget(max_registers=128)
 
     @property
     def module(self) -> ModuleType:
-        return importlib.import_module(f"kimik3.kernels.{self.module_name}")
+        from kimik3.kernels.toolchain.source import OPS
+
+        return importlib.import_module(f"kimik3.kernels.{OPS[self.module_name]}")
 
     def compile(self, arch: str, **kw: Any) -> Any:
         """A fresh compile of this op (needs the CuTe DSL; no GPU)."""
@@ -697,7 +699,7 @@ def load_kernels(ops: Sequence[FusedOp], arch: str, source: str = "auto",
                  prebuilt_dir: str | os.PathLike | None = None) -> dict[tuple[str, str, str], Callable[..., Any]]:
     """A callable per op: JIT-compiled (TVM-FFI) when ``source`` is "jit" (or "auto" with the DSL installed and no
     explicit prebuilt directory), else loaded from ``prebuilt_dir`` with every check of
-    :func:`kimik3.kernels.prebuilt.load_prebuilt` (source hash, arch, shapes, file hashes). Any op without a usable
+    :func:`kimik3.kernels.toolchain.prebuilt.load_prebuilt` (source hash, arch, shapes, file hashes). Any op without a usable
     kernel makes the whole call fail with one ``ValueError`` listing them."""
     source = resolve_source(source, prebuilt_dir)
     if arch not in SUPPORTED_ARCHS:
@@ -719,7 +721,7 @@ def load_kernels(ops: Sequence[FusedOp], arch: str, source: str = "auto",
     if directory is None:
         raise ValueError("stage 'fused' found no kernels: the CuTe DSL is not installed and no prebuilt directory was "
                          f"given (prebuilt=DIR or ${PREBUILT_ENV}); " + _build_hint(ops))
-    from kimik3.kernels import prebuilt as pb
+    from kimik3.kernels.toolchain import prebuilt as pb
 
     manifest = pb.read_manifest(directory)
     problems: list[str] = []
@@ -762,7 +764,7 @@ def _prebuilt_cache_len(directory: Path | None, cfg: ModelConfig, B: int, arch: 
 
 def _mla_context(cfg: ModelConfig) -> int:
     """The registry's static MLA cache length for a preset (what `kernels build` compiles), else 4096."""
-    from kimik3.kernels.registry import MLA_CONTEXT
+    from kimik3.kernels.toolchain.registry import MLA_CONTEXT
 
     return MLA_CONTEXT.get(cfg.name, 4096)
 
@@ -771,7 +773,7 @@ def fused_ops(preset: str | ModelConfig, batch: int, expert_format: str = "bf16"
               cache_len: int | None = None) -> list[FusedOp]:
     """The distinct ops of a config's fused step (the program built on a ``meta`` model: no memory, no GPU).
     ``cache_len`` defaults to the registry's static MLA context of the preset."""
-    from kimik3.init import build_model
+    from kimik3.model.random_init import build_model
 
     cfg = get_preset(preset)
     model = build_model(cfg, "meta").cast_(torch.bfloat16)
@@ -783,8 +785,8 @@ def build_prebuilt_kernels(arch: str, out_dir: str | os.PathLike, targets: Seque
     """Export every op the fused step needs for ``targets`` = [(preset, batch, expert_format), ...] into
     ``out_dir`` (TVM-FFI ``.so`` + cubin + PTX + manifest), skipping ops already there for the same arch, shapes
     and current kernel source. Needs the CuTe DSL, g++ and apache-tvm-ffi; no GPU."""
-    from kimik3.kernels import _source
-    from kimik3.kernels import prebuilt as pb
+    from kimik3.kernels.toolchain import prebuilt as pb
+    from kimik3.kernels.toolchain import source as _source
 
     seen: dict[tuple[str, str, str], FusedOp] = {}
     for preset, batch, fmt in targets:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kimik3.model import acc_dtype
+from kimik3.model.modeling import acc_dtype
 from kimik3.stages.absorbed import copy_state_
 from kimik3.stages.base import Stage, StageSupport
 

@@ -26,7 +26,7 @@ What one run checks (``python -m kimik3 validate [--quick]``, or :func:`run_vali
 * **hazards** — the megakernel hazard checker (:func:`kimik3.megakernel.check_program`) over the programs for
   every batch size (both scheduling policies, the CPU interpreter's 8 queues and an H100/H200's 132 SMs; also
   ``k3-shard``, the single-GPU target, at 132 SMs).
-* **expert-parallel** — :func:`kimik3.distributed.run_local` on real gloo process groups against a single
+* **expert-parallel** — :func:`kimik3.scale.expert_parallel.run_local` on real gloo process groups against a single
   process, ``e ≤ TOL["expert_parallel"]`` and identical greedy tokens.
 * **bf16 drift with depth** — ``k3-deep-tiny`` (K3's 93-layer pattern): the error of every layer's output in bf16
   against fp32 on the same bf16-rounded weights, a curve; reported, not bounded.

@@ -11,9 +11,9 @@ from typing import Any
 import pandas as pd
 import torch
 
-from kimik3.atomic import check_writable
-from kimik3.config import PRESET_NAMES
+from kimik3.model.config import PRESET_NAMES
 from kimik3.stages import get_stage
+from kimik3.util.files import check_writable
 from kimik3.validation.config import default_config, quick_config
 from kimik3.validation.matrix import run_validation
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kimik3.decoder import Decoder
-from kimik3.model import DecodeState, KDAState, KimiForCausalLM, MLACache, Router
+from kimik3.model.modeling import DecodeState, KDAState, KimiForCausalLM, MLACache, Router
 from kimik3.stages.base import Stage
 from kimik3.validation.metric import TOL, poison, rel_error
 

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from kimik3.config import get_preset
+from kimik3.model.config import get_preset
 
 __all__ = ["CHUNK_TOKENS", "ValidationConfig", "default_config", "quick_config"]
 
 # The longest context tile any stage uses: the GPU MLA decode kernel splits each sequence into slices of at least
-# 64 tokens (kernels/mla_decode.py ``default_splits``), the CPU megakernel splits the cache in >= 2 parts; naive,
+# 64 tokens (kernels/fused/mla_decode.py ``default_splits``), the CPU megakernel splits the cache in >= 2 parts; naive,
 # absorbed and compiled attend over the whole cache. Every context but "short" is longer than this.
 CHUNK_TOKENS = 64
 

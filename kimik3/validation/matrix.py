@@ -18,11 +18,11 @@ from typing import Any
 import pandas as pd
 import torch
 
-from kimik3.config import ModelConfig, get_preset
 from kimik3.decoder import Decoder
-from kimik3.init import build_model, from_preset
-from kimik3.model import KimiForCausalLM
-from kimik3.provenance import provenance
+from kimik3.model.config import ModelConfig, get_preset
+from kimik3.model.modeling import KimiForCausalLM
+from kimik3.model.random_init import build_model, from_preset
+from kimik3.perf.provenance import provenance
 from kimik3.stages import STAGES, get_stage
 from kimik3.stages.base import Stage
 from kimik3.validation.compare import (
@@ -210,7 +210,7 @@ def hazard_table(presets: Sequence[str], batch_sizes: Sequence[int], num_sms: Se
 
 def _expert_parallel(preset: str, world: int, batch: int, steps: int, prompt_len: int, seed: int) -> dict[str, Any]:
     """One expert-parallel run on ``world`` local gloo processes against a single process (fp32)."""
-    from kimik3.distributed import run_local, traffic_model
+    from kimik3.scale.expert_parallel import run_local, traffic_model
 
     lengths = mixed_lengths(batch, prompt_len, seed)
     res = run_local(world, preset=preset, batch=batch, steps=steps, seed=seed, prompt_len=prompt_len,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from kimik3.atomic import atomic_write_text
+from kimik3.util.files import atomic_write_text
 from kimik3.validation.config import _SHORT, CHUNK_TOKENS, ValidationConfig
 from kimik3.validation.metric import TOL
 

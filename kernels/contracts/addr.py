@@ -1,0 +1,142 @@
+"""The megakernel's address arithmetic as plain integer functions: one definition, two executions.
+
+The device opcodes (``kernels/megakernel/``) call these on traced DSL integers (``wide=Int64``) to compute which
+rows, columns and elements an instruction touches; the host's address replay (``kernels/verify/addr_replay.py``)
+calls them on Python ints. They use nothing but ``+ - *`` (``// %`` by a positive divisor) and a ``wide`` cast, and
+import only the standard library and ``contracts/isa.py``. Design: ``docs/architecture.md`` (map, megakernel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["GEMV_BT", "GEMV_UNROLL", "GEMV_MMA_ROWS", "LM_HEAD_MMA", "gemv_unroll", "gemv_mma_unroll",
+           "gemv_batch_tile", "gemv_tile_rows", "lm_head_tile_rows", "gemv_tiles", "gemv_item", "elem_offset",
+           "tile_rows", "expert_row_offset", "FP4_GROUP", "FP4_GROUP_BYTES", "fp4_row_offsets", "absorb_cw",
+           "VEC"]
+
+VEC = 8  # bf16 elements per 16-byte chunk (the device code's VEC)
+# MXFP4 experts (an "mxfp4" program): one E8M0 scale byte per FP4_GROUP columns, whose codes (two per byte) are one
+# 16-byte load
+FP4_GROUP = 32
+FP4_GROUP_BYTES = FP4_GROUP // 2
+
+
+# The megakernel's GEMV opcodes (NORM_PROJ, MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD) walk the batch in
+# passes of up to GEMV_BT rows: every weight chunk a lane loads is used for all the pass's rows, so at batch <= 8
+# each weight row is read from memory once for the whole batch (bigger batches: once per pass). 8 accumulators per
+# lane fit next to 8 weight chunks in flight under the 168-register cap because device_fns._dot_step walks the
+# pass's rows in a loop (one row's x chunks live at a time). The (row, pass) pairs are one flat loop of work items
+# (gemv_item; why: kernels/megakernel/gemv.py).
+GEMV_BT = 8
+GEMV_UNROLL = 8  # 16-byte weight loads in flight per lane per step: 12 warps x 32 lanes x 8 x 16 B = 48 KiB per SM
+# sm_100a's ptxas spills the whole megakernel with 8 or 4 (it allocates the widest branch differently); 2 there
+GEMV_UNROLL_BY_ARCH = {"sm_100a": 2}
+
+
+def gemv_unroll(arch: str) -> int:
+    """16-byte weight loads in flight per lane per step of the GEMV opcodes for the compile target ``arch``
+    (``MKConfig.arch``)."""
+    return GEMV_UNROLL_BY_ARCH.get(arch, GEMV_UNROLL)
+
+
+# A batch pass of GEMV_BT = 8 rows is the N of the tensor-core step (kernels/megakernel/mma.py, mma.sync m16n8k16): its
+# work items are 16-row weight tiles (GEMV_MMA_ROWS, mk_mma.MMA_ROWS) instead of single rows, each lane streaming
+# GEMV_UNROLL / 2 k blocks of 32 elements per step (2 weight chunks each: the same 16-byte loads in flight).
+GEMV_MMA_ROWS = 16
+
+
+def gemv_tile_rows(bt: int) -> int:
+    """Weight rows per GEMV work item for a batch pass of ``bt`` rows: a 16-row mma tile when the pass is
+    :data:`GEMV_BT` (8) rows, else one row (the CUDA-core path)."""
+    return GEMV_MMA_ROWS if bt == GEMV_BT else 1
+
+
+def gemv_tiles(n: Any, rows: int) -> Any:
+    """Work-item tiles of ``rows`` weight rows covering ``n`` rows (the last one may run past ``n``: its rows from
+    ``n`` on are read clamped and never stored)."""
+    return (n + (rows - 1)) // rows
+
+
+# LM_HEAD's tiles stay on the CUDA-core path (one weight row per item, at every pass width). With all five GEMV opcodes
+# on tensor cores ptxas spills the batch-8 megakernels for sm_90a (168 registers, 12-156 B: words of the VM that live
+# across the dispatch); with one of them (NORM_PROJ, O_PROJ_RESIDUAL or LM_HEAD) on CUDA cores tiny/b8 fits in 150-152
+# and the dense variants in at most 159 registers. LM_HEAD's own pressure is not the cause: the spill stays with one k
+# block per step, without γ, without the arg-max epilogue or the stage branch, and with every other opcode's k blocks
+# per step lowered. The tensor-core LM_HEAD is kept and host-executed (kernels/verify/host_exec_mk_gemv.py) for when the spill
+# is solved.
+LM_HEAD_MMA = False
+
+
+def lm_head_tile_rows(bt: int) -> int:
+    """Weight rows per LM_HEAD work item for a batch pass of ``bt`` rows: :func:`gemv_tile_rows` when
+    :data:`LM_HEAD_MMA`, else 1 (the CUDA-core path)."""
+    return gemv_tile_rows(bt) if LM_HEAD_MMA else 1
+
+
+def gemv_mma_unroll(arch: str, normed: bool = False) -> int:
+    """32-element k blocks in flight per lane per step of the tensor-core GEMV path: each is two 16-byte weight
+    loads, so :func:`gemv_unroll` / 2 keeps the CUDA-core path's bytes in flight (sm_90a: 4 blocks, 12 warps x 32
+    lanes x 4 x 32 B = 48 KiB per SM). An x normalised as loaded (``normed``) also holds a γ chunk per block: one
+    block fewer there (36 KiB per SM) keeps the megakernel under the register cap without spills."""
+    return max(1, gemv_unroll(arch) // 2 - (1 if normed else 0))
+
+
+def gemv_batch_tile(batch: int) -> int:
+    """Batch rows per pass of the GEMV opcodes: the largest divisor of ``batch`` up to :data:`GEMV_BT`, so every
+    pass is full and the work-item loop stays a real loop (code size independent of the batch)."""
+    if batch < 1:
+        raise ValueError(f"gemv_batch_tile: batch must be >= 1, got {batch}")
+    return max(d for d in range(1, min(batch, GEMV_BT) + 1) if batch % d == 0)
+
+
+def gemv_item(k: Any, n: Any, nbt: int) -> tuple[Any, Any]:
+    """(weight row or tile, batch pass) of work item ``k`` of a GEMV opcode over ``n`` weight rows (tiles of
+    :func:`gemv_tile_rows` rows: ``n`` = :func:`gemv_tiles`) in ``nbt`` passes (batch // the batch tile): item
+    ``t·n + j`` is pass ``t`` of row (tile) ``j``. Warp ``w`` takes items ``w, w + NW, ...``: the
+    warps sweep one pass (its x rows) at a time, and within a pass a warp's rows ascend (LM_HEAD's running arg-max
+    relies on it). With one pass the item is the row and the pass a constant 0: batch <= 8 has no pass arithmetic."""
+    if nbt == 1:
+        return k, 0
+    return k % n, k // n
+
+
+def _ident(v: Any) -> Any:
+    return v
+
+
+# ------------------------------------------------------------------------------------------- shared arithmetic
+def elem_offset(d1: Any, d2: Any, b: Any, r: Any, c: Any, wide: Callable[[Any], Any] = _ident) -> Any:
+    """Element offset of ``[b, r, c]`` in a ``[*, d1, d2]`` buffer (``wide``: the device's 64-bit cast)."""
+    return (wide(b) * wide(d1) + wide(r)) * wide(d2) + wide(c)
+
+
+def tile_rows(r0: Any, r1: Any) -> Any:
+    """Rows of a tiled GEMV instruction's weight box ``[r0, r1)``: warp ``w`` computes rows ``w, w + NW, ...`` below
+    it, row ``j`` of the box producing output column ``c0 + j`` of the instruction's output box."""
+    return r1 - r0
+
+
+def expert_row_offset(d1: Any, d2: Any, e: Any, r: Any, wide: Callable[[Any], Any] = _ident) -> Any:
+    """Element offset of row ``r`` of expert ``e`` in an ``[E, d1, d2]`` expert weight (expert stride d1·d2)."""
+    return elem_offset(d1, d2, e, r, 0, wide)
+
+
+def fp4_row_offsets(d1: Any, d2: Any, sd1: Any, sd2: Any, e: Any, r: Any, wide: Callable[[Any], Any] = _ident
+                    ) -> tuple[Any, Any]:
+    """Byte offsets of row ``r`` of expert ``e`` of an MXFP4 expert weight: in its ``[E, d1, d2]`` uint8 codes (``d2``
+    = columns / 2) and in its ``[E, sd1, sd2]`` uint8 scales (``sd2`` = columns / FP4_GROUP). Both are one byte per
+    element, so the element offsets are the byte offsets."""
+    return expert_row_offset(d1, d2, e, r, wide), expert_row_offset(sd1, sd2, e, r, wide)
+
+
+def absorb_cw(kvl: int) -> int:
+    """MLA_Q's W_UK absorption (``mk_mla.op_mla_q``): 16-byte column chunks per warp task, the largest power of two
+    up to 8 dividing the kvl/8 chunks; task ``i`` owns columns ``[8·CW·i, 8·CW·(i + 1))`` of every nope row of the
+    head, its 32/CW lane row groups split the rows. A trace-time constant on the device (plain ints)."""
+    nc = kvl // VEC
+    cw = 8
+    while nc % cw:
+        cw //= 2
+    return cw

@@ -1,0 +1,234 @@
+"""MoE router for decode (spec §5.2): gate matvec in fp32, sigmoid, biased (grouped) top-k, renormalise.
+
+Two kernels launched back to back by one ``@cute.jit`` op:
+
+1. ``gemv_kernel`` of :mod:`gemv` with a sigmoid epilogue and fp32 output: s[B, E] = σ(x · W_gate^T).
+   bf16 x bf16 products are exact in fp32, so this *is* fp32(x)·fp32(W) with fp32 accumulation.
+2. ``topk_kernel``: one warp per token, ceil(E/32) scores per lane in registers. Choice scores
+   c = s + bias (bias only selects). Grouped routing (n_group > topk_group): each group's score is the
+   sum of its two largest c (two butterfly arg-max rounds per group), the best ``topk_group`` groups
+   are kept and the others masked with -inf. Then k rounds of "local arg-max, butterfly arg-max
+   across the warp (ties -> lower expert id), owner retires the winner" (guide §4). Lane r < k ends
+   up holding the r-th choice; its weight is the UNBIASED score s, renormalised over the k lanes with
+   a warp sum (+1e-20) and multiplied by ``routed_scaling_factor``.
+
+Outputs, on device: expert ids int32 [B, k] in descending choice order, weights fp32 [B, k], and
+the sigmoid scores fp32 [B, E] (kept: the megakernel may want them, and the top-k reads them back).
+
+The top-k's per-lane work is in ``@cute.jit`` helpers taking the token and lane as plain integers
+(``topk_token``, ``topk_candidates``, ``_local_argmax``, ``argmax_take`` — every comparison, in a lane and across
+lanes —, ``topk_retire``, ``topk_group_candidates``, ``topk_group_mask``, ``topk_weight``);
+``kernels/verify/host_exec_router.py`` runs them on the host and replays the butterfly exchanges (``_warp_argmax``:
+shuffles, GPU only) in the shuffle order.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, const_expr
+from kimik3.kernels.common import device as C
+from kimik3.kernels.contracts.meta import ARG_ORDER
+from kimik3.kernels.fused.gemv import CTAS_PER_SM as GEMV_CTAS_PER_SM
+from kimik3.kernels.fused.gemv import WARPS as GEMV_WARPS
+from kimik3.kernels.fused.gemv import gemv_kernel, resident_ctas
+from kimik3.kernels.reference import common as ref_common
+from kimik3.kernels.toolchain import dsl
+from kimik3.kernels.toolchain.source import kernel_source_hash
+
+# hash of the source as imported: the build cache and prebuilt manifests key on the code that runs
+SOURCE_HASH = kernel_source_hash(__name__.rsplit(".", 1)[-1])
+TOKENS_PER_CTA = 4  # one warp per token
+VARIANTS = ("router",)
+OUTPUTS = {"router": ("weights", "ids")}
+
+
+@cute.jit
+def argmax_take(v: Float32, i: Int32, bv: Float32, bi: Int32) -> Any:
+    """Whether candidate (v, i) beats the best so far (bv, bi): a larger choice score, or an equal one with a lower
+    expert id (torch.topk's order on ties). Every comparison of the top-k, in a lane and across lanes, is this."""
+    return (v > bv) | ((v == bv) & (i < bi))
+
+
+@cute.jit
+def _local_argmax(v: cute.Tensor, ix: cute.Tensor) -> tuple[Float32, Int32]:
+    bv, bi = v[0], ix[0]
+    for j in cutlass.range_constexpr(1, cute.size(v)):
+        take = argmax_take(v[j], ix[j], bv, bi)
+        bv, bi = (v[j], ix[j]) if take else (bv, bi)
+    return bv, bi
+
+
+@cute.jit
+def _warp_argmax(v: Float32, i: Int32) -> tuple[Float32, Int32]:
+    """Butterfly arg-max over the warp (GPU only: shuffles); the host execution replays the same exchanges."""
+    for off in cutlass.range_constexpr(5):
+        ov = cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
+        oi = cute.arch.shuffle_sync_bfly(i, offset=16 >> off)
+        take = argmax_take(ov, oi, v, i)
+        v, i = (ov, oi) if take else (v, i)
+    return v, i
+
+
+@cute.jit
+def topk_token(bidx: Int32, warp: Int32) -> Int32:
+    """The token a warp routes: one warp per token, TOKENS_PER_CTA per CTA."""
+    return bidx * TOKENS_PER_CTA + warp
+
+
+@cute.jit
+def topk_candidates(mS: cute.Tensor, mBias: cute.Tensor, tok: Int32, lane: Int32, v: cute.Tensor,
+                    ix: cute.Tensor) -> None:
+    """A lane's candidates: experts lane, lane + 32, ... (coalesced: 32 lanes read 128 contiguous bytes) with their
+    choice scores c = s + bias; -inf past E."""
+    E = cute.size(mS, mode=[1])
+    for j in cutlass.range_constexpr(cute.size(v)):
+        e = j * 32 + lane
+        ix[j] = e
+        v[j] = -Float32.inf
+        if e < E:
+            v[j] = mS[tok, e] + mBias[e]
+
+
+@cute.jit
+def topk_retire(v: cute.Tensor, ix: cute.Tensor, bi: Int32) -> None:
+    """The owner of the round's winner takes it out of the race."""
+    for j in cutlass.range_constexpr(cute.size(v)):
+        v[j] = -Float32.inf if ix[j] == bi else v[j]
+
+
+@cute.jit
+def topk_group_candidates(v: cute.Tensor, ix: cute.Tensor, g: Int32, GS: cutlass.Constexpr, mv: cute.Tensor
+                          ) -> None:
+    """The lane's candidates of group g (the others -inf), for the group score."""
+    for j in cutlass.range_constexpr(cute.size(v)):
+        mv[j] = v[j] if ix[j] // GS == g else -Float32.inf
+
+
+@cute.jit
+def topk_group_mask(v: cute.Tensor, ix: cute.Tensor, gscore: cute.Tensor, GS: cutlass.Constexpr,
+                    NGROUP: cutlass.Constexpr, TOPK_GROUP: cutlass.Constexpr) -> None:
+    """Keep the candidates of the best TOPK_GROUP groups (ties -> lower group id), mask the others with -inf."""
+    for j in cutlass.range_constexpr(cute.size(v)):
+        keep = False
+        for g in cutlass.range_constexpr(NGROUP):
+            rank = Int32(0)  # groups strictly better than g (ties -> lower group id)
+            for h in cutlass.range_constexpr(NGROUP):
+                if const_expr(h != g):
+                    better = (gscore[h] > gscore[g]) | ((gscore[h] == gscore[g]) & (h < g))
+                    rank = rank + (1 if better else 0)
+            keep = keep | ((ix[j] // GS == g) & (rank < TOPK_GROUP))
+        v[j] = v[j] if keep else -Float32.inf
+
+
+@cute.jit
+def topk_weight(mS: cute.Tensor, tok: Int32, lane: Int32, my_id: Int32, TOPK: cutlass.Constexpr) -> Float32:
+    """Lane r < k holds the r-th choice; its weight is the UNBIASED sigmoid score (0 on the other lanes)."""
+    w = Float32(0.0)
+    if lane < TOPK:
+        w = mS[tok, my_id]
+    return w
+
+
+@cute.kernel
+def topk_kernel(mS: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
+                TOPK: cutlass.Constexpr, NGROUP: cutlass.Constexpr, TOPK_GROUP: cutlass.Constexpr,
+                SCALE: cutlass.Constexpr, RENORM: cutlass.Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    warp, lane = tidx // 32, tidx % 32
+    B, E = cute.size(mS, mode=[0]), cute.size(mS, mode=[1])
+    J = C.ceil_div(E, 32)
+    tok = topk_token(bidx, warp)
+    if tok < B:  # warp-uniform
+        v = cute.make_rmem_tensor((J,), Float32)
+        ix = cute.make_rmem_tensor((J,), Int32)
+        topk_candidates(mS, mBias, tok, lane, v, ix)
+        if const_expr(NGROUP > 1 and TOPK_GROUP < NGROUP):
+            GS = E // NGROUP
+            gscore = cute.make_rmem_tensor((NGROUP,), Float32)
+            for g in cutlass.range_constexpr(NGROUP):
+                # group score = sum of its two largest choice scores
+                mv = cute.make_rmem_tensor((J,), Float32)
+                topk_group_candidates(v, ix, g, GS, mv)
+                b1, i1 = _warp_argmax(*_local_argmax(mv, ix))
+                topk_retire(mv, ix, i1)
+                b2, _ = _warp_argmax(*_local_argmax(mv, ix))
+                gscore[g] = b1 + b2
+            topk_group_mask(v, ix, gscore, GS, NGROUP, TOPK_GROUP)
+        my_id = Int32(0)
+        for r in cutlass.range_constexpr(TOPK):
+            bv, bi = _warp_argmax(*_local_argmax(v, ix))
+            topk_retire(v, ix, bi)
+            my_id = bi if lane == r else my_id
+        w = topk_weight(mS, tok, lane, my_id, TOPK)
+        if const_expr(RENORM and TOPK > 1):
+            w = w / (C.warp_sum(w) + 1e-20)
+        if lane < TOPK:
+            mIds[tok, lane] = my_id
+            mWts[tok, lane] = w * SCALE
+
+
+@cute.jit
+def router(mW: cute.Tensor, mX: cute.Tensor, mBias: cute.Tensor, mScores: cute.Tensor, mIds: cute.Tensor,
+           mWts: cute.Tensor, stream: Any, TOPK: cutlass.Constexpr, NGROUP: cutlass.Constexpr,
+           TOPK_GROUP: cutlass.Constexpr, SCALE: cutlass.Constexpr, RENORM: cutlass.Constexpr):
+    E, H = cute.size(mW, mode=[0]), cute.size(mW, mode=[1])
+    B = cute.size(mX, mode=[0])
+    assert H % C.VEC == 0 and TOPK <= 32 and TOPK <= E and E % NGROUP == 0
+    BT = C.batch_tile(B)
+    gemv_kernel(mW, mX, None, None, mScores, BT, "sigmoid").launch(
+        grid=[B // BT, C.ceil_div(E, GEMV_WARPS), 1], block=[GEMV_WARPS * 32, 1, 1], stream=stream,
+        **resident_ctas(GEMV_CTAS_PER_SM))  # compiled for gemv's occupancy, as gemv.gemv launches it
+    topk_kernel(mScores, mBias, mIds, mWts, TOPK, NGROUP, TOPK_GROUP, SCALE, RENORM).launch(
+        grid=[C.ceil_div(B, TOKENS_PER_CTA), 1, 1], block=[TOKENS_PER_CTA * 32, 1, 1], stream=stream)
+
+
+def _specs(B: int, E: int, H: int, topk: int) -> dict[str, tuple[Any, tuple[int, ...]]]:
+    return {"W": (BFloat16, (E, H)), "x": (BFloat16, (B, H)), "bias": (Float32, (E,)), "scores": (Float32, (B, E)),
+            "ids": (Int32, (B, topk)), "weights": (Float32, (B, topk))}
+
+
+def compile_for(arch: str, *, variant: str = "router", B: int, E: int, H: int, topk: int, n_group: int = 1,
+                topk_group: int = 1, scale: float = 1.0, renorm: bool = True, tvm_ffi: bool = False,
+                remark_file: str | None = None) -> Any:
+    f = {k: dsl.fake(dt, shp) for k, (dt, shp) in _specs(B, E, H, topk).items()}
+    opts = dsl.compile_options(arch, tvm_ffi=tvm_ffi, remark_file=remark_file)
+    with dsl.arch_scope(arch):
+        return cute.compile(router, f["W"], f["x"], f["bias"], f["scores"], f["ids"], f["weights"],
+                            dsl.fake_stream(tvm_ffi), topk, n_group, topk_group, float(scale), bool(renorm),
+                            options=opts)
+
+
+def make_inputs(variant: str = "router", *, B: int, E: int, H: int, topk: int, device: str = "cpu", seed: int = 0,
+                **_: Any) -> dict[str, torch.Tensor]:
+    rng = ref_common.Rng(seed, device)
+    return {
+        "W": rng.randn(E, H, scale=H**-0.5, dtype=torch.bfloat16),
+        "x": rng.randn(B, H, dtype=torch.bfloat16),
+        "bias": rng.randn(E, scale=0.05),
+        "scores": rng.poisoned((B, E), torch.float32),
+        "ids": rng.poisoned((B, topk), torch.int32),
+        "weights": rng.poisoned((B, topk), torch.float32),
+    }
+
+
+def reference(variant: str, t: dict[str, torch.Tensor], *, topk: int, n_group: int = 1, topk_group: int = 1,
+              scale: float = 1.0, renorm: bool = True, **_: Any) -> dict[str, torch.Tensor]:
+    """The model's router (kimik3.model.modeling.route) on the same tensors; ids int32 in descending choice order."""
+    from kimik3.model.modeling import route
+
+    E = t["W"].shape[0]
+    cfg = types.SimpleNamespace(n_routed_experts=E, num_experts_per_tok=topk, n_group=n_group, topk_group=topk_group,
+                                norm_topk_prob=renorm, routed_scaling_factor=scale)
+    w, idx = route(t["x"], t["W"], t["bias"], cfg)
+    scores = torch.sigmoid(t["x"].float() @ t["W"].float().T)
+    return {"weights": w, "ids": idx.to(torch.int32), "scores": scores}
+
+
+def launch(compiled: Any, variant: str, t: dict[str, torch.Tensor], tvm_ffi: bool = False) -> None:
+    dsl.launch(compiled, [t[k] for k in ARG_ORDER[("router", variant)]], tvm_ffi)

@@ -1,0 +1,425 @@
+"""The megakernel's tiled-GEMV opcodes: NORM_PROJ, MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD (device code;
+see ``OPCODE_NOTES`` in ``megakernel.py``).
+
+The batch goes in passes of ``mk_addr.gemv_batch_tile(B)`` rows (up to 8): each weight chunk a lane loads serves
+every row of the pass, so up to batch 8 each weight row streams from memory once. Work items are (weight rows,
+pass) pairs dealt round-robin over the warps (``mk_addr.gemv_item``: pass by pass, so the warps share one pass's x
+rows, and within a pass a warp's rows ascend). One flat item loop rather than a pass loop inside the row loop: the
+nested loops' state did not fit next to the dot step at batch 64 (ptxas spilled the megakernel).
+
+Two paths, chosen at trace time by the pass width:
+
+* a pass of 8 rows (B % 8 == 0: B = 8, 64): tensor cores. A work item is a 16-row weight tile
+  (``mk_addr.gemv_tile_rows``) x the pass's 8 rows, one ``mma.sync.m16n8k16`` bf16 product per 16 k
+  (``device_fns.weight_tile_mma``, the chunk layout of ``kernels/megakernel/mma.py``): lane (g, q) loads chunk q of weight
+  rows g and g + 8 and of x row g per 32-element k block, ``mk_addr.gemv_mma_unroll`` (4) k blocks per step: 8
+  weight + 4 x 16-byte loads in flight per lane, 48 KiB of weights per SM as before. Each x chunk is loaded once per
+  16 weight rows. Normalised inputs (NORM_PROJ, MLP_GATE_UP, LM_HEAD, FFN_OUT's latent norm) are normalised as
+  loaded, ``bf16(γ·bf16(x·rstd))`` as ``kimik3.model.modeling.rms_norm`` (the mma's B operand is bf16), so no rstd is
+  applied afterwards. The accumulators come out in the C fragment layout: lane l's register i is (tile row
+  ``mk_mma.acc_row(l, i)``, pass row ``mk_mma.acc_col(l, i)``), stored by that lane with no warp sum; rows past
+  the box (the last tile's) are never stored.
+* other passes (1 to 7 rows), and LM_HEAD at every pass width (``mk_addr.LM_HEAD_MMA``: its tensor-core tiles
+  make ptxas spill the batch-8 megakernels): CUDA cores, one weight row per item through ``device_fns.weight_row_dot``
+  (``mk_addr.GEMV_UNROLL`` (8) 16-byte weight loads in flight per lane per step: 384 threads x 8 x 16 B = 48 KiB
+  per SM), the warp sum, then the epilogue; gamma is folded into the weight in fp32 and rstd applied to the dot.
+
+The RMSNorm prologue (``device_fns.rstd_rows``) issues 8 loads per lane per round trip."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from kimik3.kernels.contracts import addr as mk_addr
+from kimik3.kernels.contracts.addr import tile_rows
+from kimik3.kernels.contracts.isa import (
+    C0,
+    C1,
+    FFN_MLP,
+    FFN_ROUTED,
+    R0,
+    R1,
+    W_ARGS,
+)
+from kimik3.kernels.megakernel.device_fns import (
+    NW,
+    VEC,
+    bf16_round,
+    gchunks,
+    gflat,
+    glu,
+    rstd_rows,
+    warp_sum,
+    weight_row_dot,
+    weight_tile_mma,
+)
+from kimik3.kernels.megakernel.mma import MMA_COLS, acc_col, acc_row
+from kimik3.kernels.megakernel.operands import (
+    F32_VEC,
+    _bx,
+    _Ctx,
+    _eoff,
+    _row0,
+    _staged_rows,
+)
+
+
+def _tiling(cfg: Any) -> tuple[int, int, int]:
+    """Trace-time constants of a GEMV opcode: batch rows per pass, 16-byte weight loads in flight per lane (for the
+    compile target, ``cfg.arch``) and passes."""
+    BT = mk_addr.gemv_batch_tile(cfg.B)
+    return BT, mk_addr.gemv_unroll(cfg.arch), cfg.B // BT
+
+
+def _mma(cfg: Any, normed: bool = False) -> tuple[bool, int, int]:
+    """Whether the GEMV opcodes take the tensor-core path (a pass of 8 rows), its weight rows per work item and its
+    k blocks in flight per lane (``normed``: for an x normalised as loaded)."""
+    BT = mk_addr.gemv_batch_tile(cfg.B)
+    return BT == MMA_COLS, mk_addr.gemv_tile_rows(BT), mk_addr.gemv_mma_unroll(cfg.arch, normed)
+
+
+@cute.jit
+def _gemv_prologue(ctx: _Ctx, xop: Int32, eps: cutlass.Constexpr) -> tuple[Any, Int32]:
+    """x rows of operand ``xop`` as a chunk view + its batch stride in chunks; their rstd into s_f32[0:B]."""
+    xaddr = _row0(ctx, xop)
+    xs = ctx.s_d1[xop] * ctx.s_d2[xop] // VEC
+    rstd_rows(xaddr, xs, Int32(ctx.cfg.B), ctx.s_d2[xop] // VEC, eps, ctx.s_f32)
+    return gchunks(xaddr), xs
+
+
+@cute.jit
+def op_norm_proj(ctx: _Ctx) -> None:
+    cfg = ctx.cfg
+    BT, U, NBT = _tiling(cfg)
+    xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
+    fp32 = ctx.s_ins[W_ARGS]
+    n = tile_rows(_bx(ctx, 2, R0), _bx(ctx, 2, R1))
+    nch = ctx.s_d2[2] // VEC
+    wrow0 = _row0(ctx, 2)
+    staged = _staged_rows(ctx, Int32(2))
+    gv = gchunks(ctx.s_addr[1])
+    o0 = _bx(ctx, 3, C0)
+    of = gflat(Float32, ctx.s_addr[3])
+    ob = gflat(BFloat16, ctx.s_addr[3])
+    MMA, TR, UM = _mma(cfg, True)
+    if const_expr(MMA):
+        acc = cute.make_rmem_tensor((4,), Float32)
+        nt = mk_addr.gemv_tiles(n, TR)
+        for k in cutlass.range(ctx.warp, nt * NBT, NW, unroll=1):
+            jt, t = mk_addr.gemv_item(k, nt, NBT)
+            j0 = jt * TR
+            weight_tile_mma(ctx.s_stage, staged, wrow0, j0, n, nch, xv, t * BT * xs, xs, gv,
+                            ctx.s_f32[t * BT + ctx.lane // 4], acc, UM)
+            for i in cutlass.range_constexpr(4):
+                j = j0 + acc_row(ctx.lane, i)
+                if j < n:
+                    off = _eoff(ctx.s_d1[3], ctx.s_d2[3], t * BT + acc_col(ctx.lane, i), Int32(0), o0 + j)
+                    if fp32 != 0:
+                        of[off] = acc[i]
+                    else:
+                        ob[off] = acc[i].to(BFloat16)
+    else:
+        acc = cute.make_rmem_tensor((BT,), Float32)
+        for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
+            j, t = mk_addr.gemv_item(k, n, NBT)
+            weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U,
+                           wide_tail=True)
+            for bb in cutlass.range_constexpr(BT):
+                b = t * BT + bb
+                d = warp_sum(acc[bb]) * ctx.s_f32[b]
+                if ctx.lane == bb % 32:
+                    off = _eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), o0 + j)
+                    if fp32 != 0:
+                        of[off] = d
+                    else:
+                        ob[off] = d.to(BFloat16)
+
+
+@cute.jit
+def op_mlp_gate_up(ctx: _Ctx) -> None:
+    cfg = ctx.cfg
+    BT, U, NBT = _tiling(cfg)
+    xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
+    n = tile_rows(_bx(ctx, 2, R0), _bx(ctx, 2, R1))
+    nch = ctx.s_d2[2] // VEC
+    wg0, wu0 = _row0(ctx, 2), _row0(ctx, 3)
+    sg, su = _staged_rows(ctx, Int32(2)), _staged_rows(ctx, Int32(3))
+    gv = gchunks(ctx.s_addr[1])
+    o0 = _bx(ctx, 4, C0)
+    ob = gflat(BFloat16, ctx.s_addr[4])
+    MMA, TR, UM = _mma(cfg, True)
+    if const_expr(MMA):
+        ag = cute.make_rmem_tensor((4,), Float32)
+        au = cute.make_rmem_tensor((4,), Float32)
+        nt = mk_addr.gemv_tiles(n, TR)
+        for k in cutlass.range(ctx.warp, nt * NBT, NW, unroll=1):
+            jt, t = mk_addr.gemv_item(k, nt, NBT)
+            j0 = jt * TR
+            r = ctx.s_f32[t * BT + ctx.lane // 4]
+            weight_tile_mma(ctx.s_stage, sg, wg0, j0, n, nch, xv, t * BT * xs, xs, gv, r, ag, UM)
+            weight_tile_mma(ctx.s_stage, su, wu0, j0, n, nch, xv, t * BT * xs, xs, gv, r, au, UM)
+            for i in cutlass.range_constexpr(4):
+                j = j0 + acc_row(ctx.lane, i)
+                h = glu(bf16_round(ag[i]), bf16_round(au[i]), cfg.situ, cfg.situ_beta, cfg.situ_lin)
+                if j < n:
+                    ob[_eoff(ctx.s_d1[4], ctx.s_d2[4], t * BT + acc_col(ctx.lane, i), Int32(0), o0 + j)] = \
+                        h.to(BFloat16)
+    else:
+        ag = cute.make_rmem_tensor((BT,), Float32)
+        au = cute.make_rmem_tensor((BT,), Float32)
+        for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
+            j, t = mk_addr.gemv_item(k, n, NBT)
+            weight_row_dot(ctx.s_stage, sg, wg0, j, nch, xv, t * BT * xs, xs, False, gv, ag, BT, U,
+                           wide_tail=True)
+            weight_row_dot(ctx.s_stage, su, wu0, j, nch, xv, t * BT * xs, xs, False, gv, au, BT, U,
+                           wide_tail=True)
+            for bb in cutlass.range_constexpr(BT):
+                b = t * BT + bb
+                r = ctx.s_f32[b]
+                a = bf16_round(warp_sum(ag[bb]) * r)
+                u = bf16_round(warp_sum(au[bb]) * r)
+                h = glu(a, u, cfg.situ, cfg.situ_beta, cfg.situ_lin)
+                if ctx.lane == bb % 32:
+                    ob[_eoff(ctx.s_d1[4], ctx.s_d2[4], b, Int32(0), o0 + j)] = h.to(BFloat16)
+
+
+@cute.jit
+def op_o_proj_residual(ctx: _Ctx) -> None:
+    cfg = ctx.cfg
+    BT, U, NBT = _tiling(cfg)
+    accumulate = ctx.s_ins[W_ARGS]
+    xaddr = _row0(ctx, 0)
+    xs = ctx.s_d1[0] * ctx.s_d2[0] // VEC
+    xv = gchunks(xaddr)
+    n = tile_rows(_bx(ctx, 1, R0), _bx(ctx, 1, R1))
+    nch = ctx.s_d2[1] // VEC
+    wrow0 = _row0(ctx, 1)
+    staged = _staged_rows(ctx, Int32(1))
+    entry, c0 = _bx(ctx, 2, R0), _bx(ctx, 2, C0)
+    sb = gflat(BFloat16, ctx.s_addr[2])
+    MMA, TR, UM = _mma(cfg)
+    if const_expr(MMA):
+        acc = cute.make_rmem_tensor((4,), Float32)
+        nt = mk_addr.gemv_tiles(n, TR)
+        for k in cutlass.range(ctx.warp, nt * NBT, NW, unroll=1):
+            jt, t = mk_addr.gemv_item(k, nt, NBT)
+            j0 = jt * TR
+            weight_tile_mma(ctx.s_stage, staged, wrow0, j0, n, nch, xv, t * BT * xs, xs, None, None, acc, UM)
+            for i in cutlass.range_constexpr(4):
+                j = j0 + acc_row(ctx.lane, i)
+                if j < n:
+                    off = _eoff(ctx.s_d1[2], ctx.s_d2[2], t * BT + acc_col(ctx.lane, i), entry, c0 + j)
+                    y = bf16_round(acc[i])
+                    if accumulate != 0:
+                        y = sb[off].to(Float32) + y
+                    sb[off] = y.to(BFloat16)
+    else:
+        acc = cute.make_rmem_tensor((BT,), Float32)
+        for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
+            j, t = mk_addr.gemv_item(k, n, NBT)
+            weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, None, acc, BT, U,
+                           wide_tail=True)
+            for bb in cutlass.range_constexpr(BT):
+                b = t * BT + bb
+                y = bf16_round(warp_sum(acc[bb]))
+                if ctx.lane == bb % 32:
+                    off = _eoff(ctx.s_d1[2], ctx.s_d2[2], b, entry, c0 + j)
+                    if accumulate != 0:
+                        y = sb[off].to(Float32) + y
+                    sb[off] = y.to(BFloat16)
+
+
+@cute.jit
+def op_ffn_out(ctx: _Ctx) -> None:
+    """Operand order (scheduler ``out_cols``): [latent sum, (latent norm), up rows] if routed, [mlp hidden,
+    down rows] if mlp, stream column tile last."""
+    cfg = ctx.cfg
+    BT, U, NBT = _tiling(cfg)
+    flags = ctx.s_ins[W_ARGS]
+    routed = (flags & FFN_ROUTED) != 0
+    mlp = (flags & FFN_MLP) != 0
+    ln = 1 if cfg.latent_norm else 0
+    ia = Int32(0)
+    iu = Int32(1 + ln)
+    ih = Int32(0)
+    if routed:
+        ih = Int32(2 + ln)
+    idn = ih + 1
+    io = ih + 2 if mlp else ih
+    # routed source (its x is the fp32-combined latent sum, cast to bf16 by EXPERT_DOWN)
+    xa = _row0(ctx, ia)
+    xas = ctx.s_d1[ia] * ctx.s_d2[ia] // VEC
+    if const_expr(cfg.latent_norm):
+        if routed:
+            rstd_rows(xa, xas, Int32(cfg.B), ctx.s_d2[ia] // VEC, cfg.eps, ctx.s_f32)
+    av = gchunks(xa)
+    gv = gchunks(ctx.s_addr[1]) if const_expr(cfg.latent_norm) else None
+    nch_u = ctx.s_d2[iu] // VEC
+    wu0 = _row0(ctx, iu)
+    su = _staged_rows(ctx, iu)
+    # mlp source
+    xh = _row0(ctx, ih)
+    xhs = ctx.s_d1[ih] * ctx.s_d2[ih] // VEC
+    hv = gchunks(xh)
+    nch_d = ctx.s_d2[idn] // VEC
+    wd0 = _row0(ctx, idn)
+    sd = _staged_rows(ctx, idn)
+    n = tile_rows(_bx(ctx, io, C0), _bx(ctx, io, C1))
+    entry, c0 = _bx(ctx, io, R0), _bx(ctx, io, C0)
+    sb = gflat(BFloat16, ctx.s_addr[io])
+    MMA, TR, UM = _mma(cfg)
+    if const_expr(MMA):
+        _ffn_out_mma(ctx, routed, mlp, av, xas, gv, nch_u, wu0, su, hv, xhs, nch_d, wd0, sd, n, io, entry, c0, sb)
+    else:
+        ar = cute.make_rmem_tensor((BT,), Float32)
+        am = cute.make_rmem_tensor((BT,), Float32)
+        for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
+            j, t = mk_addr.gemv_item(k, n, NBT)
+            ar.fill(0.0)
+            am.fill(0.0)
+            if routed:
+                weight_row_dot(ctx.s_stage, su, wu0, j, nch_u, av, t * BT * xas, xas, False, gv, ar, BT, U,
+                               wide_tail=True)
+            if mlp:
+                weight_row_dot(ctx.s_stage, sd, wd0, j, nch_d, hv, t * BT * xhs, xhs, False, None, am, BT, U,
+                               wide_tail=True)
+            for bb in cutlass.range_constexpr(BT):
+                b = t * BT + bb
+                yr = warp_sum(ar[bb])
+                ym = warp_sum(am[bb])
+                out = Float32(0.0)
+                if routed:
+                    if const_expr(cfg.latent_norm):
+                        yr = yr * ctx.s_f32[b]
+                    out = bf16_round(yr)
+                if mlp:
+                    out = bf16_round(out + bf16_round(ym))
+                if ctx.lane == bb % 32:
+                    off = _eoff(ctx.s_d1[io], ctx.s_d2[io], b, entry, c0 + j)
+                    sb[off] = (sb[off].to(Float32) + out).to(BFloat16)
+
+
+@cute.jit
+def _ffn_out_mma(ctx: _Ctx, routed: Any, mlp: Any, av: Any, xas: Int32, gv: Any, nch_u: Int32, wu0: Int64,
+                 su: Int32, hv: Any, xhs: Int32, nch_d: Int32, wd0: Int64, sd: Int32, n: Int32, io: Int32,
+                 entry: Int32, c0: Int32, sb: Any) -> None:
+    """FFN_OUT's tensor-core path (see :func:`op_ffn_out`): both sources as 16-row tiles, the routed latent sum
+    normalised as loaded when the model has the latent norm."""
+    cfg = ctx.cfg
+    BT, _, NBT = _tiling(cfg)
+    _, TR, UM = _mma(cfg)
+    _, _, UN = _mma(cfg, cfg.latent_norm)
+    ar = cute.make_rmem_tensor((4,), Float32)
+    am = cute.make_rmem_tensor((4,), Float32)
+    nt = mk_addr.gemv_tiles(n, TR)
+    for k in cutlass.range(ctx.warp, nt * NBT, NW, unroll=1):
+        jt, t = mk_addr.gemv_item(k, nt, NBT)
+        j0 = jt * TR
+        ar.fill(0.0)
+        am.fill(0.0)
+        if routed:
+            r = None
+            if const_expr(cfg.latent_norm):
+                r = ctx.s_f32[t * BT + ctx.lane // 4]
+            weight_tile_mma(ctx.s_stage, su, wu0, j0, n, nch_u, av, t * BT * xas, xas, gv, r, ar, UN)
+        if mlp:
+            weight_tile_mma(ctx.s_stage, sd, wd0, j0, n, nch_d, hv, t * BT * xhs, xhs, None, None, am, UM)
+        for i in cutlass.range_constexpr(4):
+            j = j0 + acc_row(ctx.lane, i)
+            out = Float32(0.0)
+            if routed:
+                out = bf16_round(ar[i])
+            if mlp:
+                out = bf16_round(out + bf16_round(am[i]))
+            if j < n:
+                off = _eoff(ctx.s_d1[io], ctx.s_d2[io], t * BT + acc_col(ctx.lane, i), entry, c0 + j)
+                sb[off] = (sb[off].to(Float32) + out).to(BFloat16)
+
+
+@cute.jit
+def op_lm_head(ctx: _Ctx) -> None:
+    cfg = ctx.cfg
+    BT, U, NBT = _tiling(cfg)
+    xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
+    ti, r0 = ctx.s_ins[W_ARGS], ctx.s_ins[W_ARGS + 2]
+    n = tile_rows(r0, ctx.s_ins[W_ARGS + 3])
+    nch = ctx.s_d2[2] // VEC
+    wrow0 = _row0(ctx, 2)
+    staged = _staged_rows(ctx, Int32(2))
+    gv = gchunks(ctx.s_addr[1])
+    logits = gflat(Float32, ctx.s_addr[3])
+    # per-(warp, token) running arg-max in smem; slot (w, b) is only ever touched by one lane of warp w, the lane
+    # that holds token b's winner below (CUDA cores: lane b % BT; tensor cores: lane (b % 8) // 2), so no
+    # intra-warp synchronisation is needed
+    s_bv = cute.make_tensor(ctx.s_f32.iterator + F32_VEC, cute.make_layout(NW * cfg.B))
+    s_bi = ctx.s_i32
+    MMA, TR, UM = _mma(cfg, True)
+    if const_expr(MMA and mk_addr.LM_HEAD_MMA):  # off: see mk_addr.LM_HEAD_MMA
+        # the slots of batch columns 2q, 2q + 1 of every pass belong to lane q < 4 (it holds the tile's winner)
+        if ctx.lane < MMA_COLS // 2:
+            for b in cutlass.range(2 * ctx.lane, cfg.B, MMA_COLS, unroll=1):
+                for c in cutlass.range_constexpr(2):
+                    s_bv[ctx.warp * cfg.B + b + c] = -Float32.inf
+                    s_bi[ctx.warp * cfg.B + b + c] = 2**31 - 1
+        acc = cute.make_rmem_tensor((4,), Float32)
+        nt = mk_addr.gemv_tiles(n, TR)
+        for k in cutlass.range(ctx.warp, nt * NBT, NW, unroll=1):
+            jt, t = mk_addr.gemv_item(k, nt, NBT)
+            j0 = jt * TR
+            weight_tile_mma(ctx.s_stage, staged, wrow0, j0, n, nch, xv, t * BT * xs, xs, gv,
+                            ctx.s_f32[t * BT + ctx.lane // 4], acc, UM)
+            for c in cutlass.range_constexpr(2):  # batch column 2q + c: registers c (row g), c + 2 (row g + 8)
+                b = t * BT + acc_col(ctx.lane, c)
+                v = -Float32.inf
+                vi = Int32(2**31 - 1)
+                for i in cutlass.range_constexpr(c, 4, 2):  # row g, then g + 8: strict > keeps the lower
+                    j = j0 + acc_row(ctx.lane, i)
+                    d = bf16_round(acc[i])  # the reference's bf16 linear, then fp32
+                    if j < n:
+                        logits[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), r0 + j)] = d
+                        if d > v:
+                            v, vi = d, j
+                for off in cutlass.range_constexpr(3):  # over the 8 groups (lane bits 2..4): ties to the lower
+                    ov = cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
+                    oi = cute.arch.shuffle_sync_bfly(vi, offset=16 >> off)
+                    take = (ov > v) | ((ov == v) & (oi < vi))
+                    v, vi = (ov, oi) if take else (v, vi)
+                if ctx.lane < MMA_COLS // 2:
+                    slot = ctx.warp * cfg.B + b
+                    if v > s_bv[slot]:  # a warp's tiles ascend: strict > keeps the lowest id
+                        s_bv[slot] = v
+                        s_bi[slot] = vi
+    else:
+        if ctx.lane < BT:
+            for b in cutlass.range(ctx.lane, cfg.B, BT, unroll=1):
+                s_bv[ctx.warp * cfg.B + b] = -Float32.inf
+                s_bi[ctx.warp * cfg.B + b] = 2**31 - 1
+        acc = cute.make_rmem_tensor((BT,), Float32)
+        for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
+            j, t = mk_addr.gemv_item(k, n, NBT)
+            weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U,
+                           wide_tail=True)
+            for bb in cutlass.range_constexpr(BT):
+                b = t * BT + bb
+                d = bf16_round(warp_sum(acc[bb]) * ctx.s_f32[b])  # the reference's bf16 linear, then fp32
+                if ctx.lane == bb % 32:
+                    logits[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), r0 + j)] = d
+                    slot = ctx.warp * cfg.B + b
+                    if d > s_bv[slot]:  # a warp's rows ascend: strict > keeps the lowest id
+                        s_bv[slot] = d
+                        s_bi[slot] = j
+    cute.arch.sync_threads()
+    best_v = gflat(Float32, ctx.s_addr[4])
+    best_i = gflat(Int64, ctx.s_addr[5])
+    if ctx.tidx < cfg.B:
+        b = ctx.tidx
+        v, i = s_bv[b], s_bi[b]
+        for w in cutlass.range_constexpr(1, NW):
+            ov, oi = s_bv[w * cfg.B + b], s_bi[w * cfg.B + b]
+            take = (ov > v) | ((ov == v) & (oi < i))
+            v, i = (ov, oi) if take else (v, i)
+        best_v[_eoff(ctx.s_d1[4], ctx.s_d2[4], b, Int32(0), ti)] = v
+        best_i[_eoff(ctx.s_d1[5], ctx.s_d2[5], b, Int32(0), ti)] = Int64(r0 + i)

@@ -1,0 +1,643 @@
+"""The persistent decode megakernel: one CTA per SM walks its queue of the int32 program, once per decode step.
+
+Why one launch per step: a K3 decode step is thousands of small operations (a few µs each at batch 1). As separate
+kernels each pays a launch, a drain of the GPU and a ramp-up; as one persistent kernel the only synchronisation is
+what the data needs — counters in global memory — and an SM that waits for its inputs can already stream the
+weights of its next instruction. The program (``kimik3.megakernel.instructions``: opcodes, operand boxes, waits,
+signals, per-SM queues) is built once on the host by the scheduler; this kernel is its interpreter.
+
+The loop, per CTA (``block_idx.x`` = queue number), per queue position ``q`` holding instruction ``v`` (design v2:
+the weight stage is chosen on the host and streamed one instruction ahead, ``isa.W_STAGE_*`` / ``isa.W_NEXT_*``):
+
+1. **fetch**: warp 0 moves ``v``'s 128-word row into ``s_ins``; the previous position already copied it into smem
+   with ``cp.async`` (its wait is warp 0's ``cp.async.wait_group 0``: warp 0's groups hold only rows), so the row
+   costs no global round trip here (the first position, or one after a gap in the queue, copies its own). Then
+   ``bar.sync``, and warp 1 caches per operand (one lane each, all in flight) the buffer's base address (from the
+   buffer table ``bufs``) and its dims (from the program's buffer section) in smem;
+2. **stage** (warps 1..11, ``cp.async.cg`` 16-byte copies, which also leave the lines in L2): two stage buffers
+   of ``STAGE_BYTES``, used by queue position parity. Position ``q`` reads ``stage[q % 2]``, filled while ``q-1``
+   ran; it now copies the NEXT position's rows (``W_NEXT_BUF`` / ``_ELEM`` / ``_CHUNKS``: a buffer of the table,
+   an element offset and a chunk count the host wrote) into ``stage[(q+1) % 2]`` — the buffer ``q-1`` finished
+   reading before its end barrier — and commits the group (an empty one when nothing is staged, so every
+   position commits exactly one). The first position (or one after a gap) also copies its own rows from
+   ``W_STAGE_OP`` / ``_ROWS`` / ``_CHUNKS`` first. All this precedes the waits: it is legal only because the host
+   stages nothing but static WEIGHT rows (the hazard checker and the address replay prove it);
+3. **wait**: lane ``w`` of warp 0 spins on wait ``w`` (all waits at once: one round trip for the counter total
+   and the ``ld.acquire.gpu`` counter load together) until ``counter[c] ≥ step·total[c] + target``, with
+   ``nanosleep`` back-off; a bounded-spin **watchdog** (``ctl[1]`` spins) then sets the error word (CAS 0 → 1,
+   first thread of the launch wins) with the instruction, counter, target and value seen, and the CTA leaves; a
+   CTA that sees the error word set while spinning leaves too, so a broken program ends the launch instead of
+   hanging it. Each waiting lane stamps ``%globaltimer`` when its wait holds; warp 0 then reads the next queue
+   entry and copies its row (``cp.async``, one 16-byte chunk per lane) for step 1 of the next position;
+4. **execute**: ``cp.async.wait_group 1`` (this position's stage has landed, the next one's copy stays in
+   flight), ``bar.sync`` (broadcasts the acquires, the operand table and the stage), dispatch on the opcode to
+   its device function; the opcodes read ``ctx.s_stage`` = ``stage[q % 2]`` through ``_staged_rows``;
+5. **signal**: ``bar.sync`` (every thread's writes done), then thread 0 ``red.release.gpu.add`` on the
+   instruction's counter (release is cumulative over the barrier), end stamp, and the row
+   ``timings[v] = (start ns, end ns, %smid)`` that ``kimik3.megakernel.timeline.from_timings`` reads (start: the
+   latest of the waits' stamps, i.e. when the instruction could start).
+
+Three CTA barriers per instruction; global round trips on the critical path: the operand table (one, in parallel
+over operands and overlapping the waits) and the waits (one, in parallel over waits, plus the spin).
+
+Counters are monotonic across launches (the host zeroes them once and passes the step number in ``ctl[0]``).
+Every parameter is a statically laid-out tensor, i.e. one 8-byte pointer (guide §1.3), so the op can be exported
+as a prebuilt kernel: program ``[PROG_WORDS] i32``, buffer table ``[MAX_BUFS] i64`` (device address per program
+buffer), counters ``[MAX_CTRS] i32``, timings ``[MAX_INSTR, 3] i64``, error ``[8] i32``, control ``[8] i32``
+(step, watchdog spins, sleep ns). Capacities are static shapes; the host pads.
+
+The CTA is 384 threads (12 warps): 512 threads cap ptxas at 128 registers and the widest opcodes spilled there;
+at 384 the cap is 168 and every preset x batch (micro, tiny, k3-shard x 1, 8, 64) compiles with 126-160 registers,
+0 spills, 0 stack, ~129-142 KiB of dynamic shared memory (96 KiB of it the two weight stage buffers). Every opcode is
+one branch of ``_dispatch``; values live across the dispatch are kept in shared memory (``s_run``, the waits'
+``s_wok`` / ``s_tw``) because ptxas allocates registers for the widest branch and anything live across all of them
+counts against every one.
+
+Opcodes (first version: simple, correct-by-construction device code; see ``OPCODE_NOTES`` for each one's
+performance limits). Compiled for sm_90a / sm_100a without a GPU (``tests/test_megakernel_compile.py``); the launch
+is checked on a GPU by ``tests/test_megakernel_gpu.py``.
+
+This file is the VM (fetch, the stage pipeline, wait with its watchdog, dispatch, signal, timing) and the
+compile-time config; the opcodes live in one module per family, on the operand access of ``mk_operands.py``:
+``mk_gemv.py`` (the tiled GEMV opcodes: ``device_fns.weight_row_dot`` on CUDA cores, ``device_fns.weight_tile_mma``
+on tensor cores at batch passes of 8), ``mk_mma.py`` (the ``mma.sync`` step and its fragment layout), ``mk_kda.py``,
+``mk_mla.py``,
+``mk_moe.py`` and ``mk_misc.py`` (EMBED, ATTN_RES_MIX, ARGMAX). Which elements an opcode touches comes from
+``mk_addr.py``, the arithmetic the host's address replay runs too. The source hash covers every one of them
+(``_source.OPCODE_MODULES``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass.experimental.primitives import nanosleep
+from kimik3.kernels.common import device as C
+from kimik3.kernels.contracts.isa import (
+    BT_MAX,
+    BUFFER_WORDS,
+    BW_D1,
+    BW_D2,
+    CHUNK_BYTES,
+    COUNTER_WORDS,
+    CTL_WORDS,
+    CW_TOTAL,
+    ERR_BAD_PROGRAM,
+    ERR_WATCHDOG,
+    ERROR_WORDS,
+    EXPERT_FORMATS,
+    H_EXPERT_FORMAT,
+    H_INSTR_WORDS,
+    H_MAGIC,
+    H_OFF_BUF,
+    H_OFF_CTR,
+    H_OFF_INS,
+    H_OFF_Q,
+    H_Q,
+    H_S,
+    H_VERSION,
+    INSTR_WORDS,
+    MAGIC,
+    MAX_OPERANDS,
+    MAX_WAITS,
+    OPERAND_WORDS,
+    OW_BUF,
+    STAGE_BUFFERS,
+    STAGE_BYTES,
+    VERSION,
+    W_AMOUNT,
+    W_NEXT_BUF,
+    W_NEXT_CHUNKS,
+    W_NEXT_ELEM_HI,
+    W_NEXT_ELEM_LO,
+    W_NOPS,
+    W_NWAITS,
+    W_OP,
+    W_OPS,
+    W_SIGNAL,
+    W_STAGE_CHUNKS,
+    W_STAGE_OP,
+    W_WAITS,
+    Op,
+)
+from kimik3.kernels.megakernel.device_fns import (
+    NT,
+    NW,
+    VEC,
+    gchunks,
+)
+from kimik3.kernels.megakernel.gemv import op_ffn_out, op_lm_head, op_mlp_gate_up, op_norm_proj, op_o_proj_residual
+from kimik3.kernels.megakernel.kda import op_kda_step
+from kimik3.kernels.megakernel.misc import op_argmax, op_attn_res_mix, op_embed
+from kimik3.kernels.megakernel.mla import op_mla_kv_append, op_mla_partial, op_mla_q, op_mla_reduce
+from kimik3.kernels.megakernel.moe import op_expert_down, op_expert_gate_up, op_router
+from kimik3.kernels.megakernel.operands import F32_RED, F32_VEC, F32_WORDS, I32_WORDS, _Ctx, _kda_groups, _pad32, _row0  # noqa: F401
+from kimik3.kernels.toolchain import dsl
+from kimik3.kernels.toolchain.source import kernel_source_hash
+
+SOURCE_HASH = kernel_source_hash("megakernel")
+
+__all__ = ["MKConfig", "OPCODE_NOTES", "STAGE_BYTES", "STAGE_BUFFERS", "ERROR_WORDS", "CTL_WORDS", "ERR_WATCHDOG",
+           "ERR_BAD_PROGRAM", "megakernel", "compile_for", "launch", "SOURCE_HASH", "VARIANTS"]
+
+VARIANTS = ("megakernel",)
+# The int32 program layout, the opcode numbers and the launch's error / control words come from kernels/contracts/isa.py,
+# the one definition the host program (kimik3.megakernel.instructions) encodes with; it imports no torch.
+# The weight stage: STAGE_BUFFERS buffers of STAGE_BYTES (isa.py: the host sizes the staged rows with them)
+STAGE_CHUNKS = STAGE_BYTES // CHUNK_BYTES
+WORDS_PER_CHUNK = CHUNK_BYTES // 4
+ROW_CHUNKS = INSTR_WORDS // WORDS_PER_CHUNK  # one 16-byte copy per lane of warp 0 moves an instruction row
+assert ROW_CHUNKS == 32 and CHUNK_BYTES == 2 * VEC
+# s_run slots (launch invariants kept in shared memory; RUN_V: the queue entry of the position about to run)
+RUN_Q, RUN_QLEN, RUN_OFF_BUF, RUN_OFF_CTR, RUN_OFF_INS, RUN_OFF_Q, RUN_STEP, RUN_SPINS, RUN_SLEEP, RUN_V = range(10)
+# opcode numbers as plain ints (the dispatch compares them with traced Int32 values)
+OP_EMBED, OP_ATTN_RES_MIX, OP_NORM_PROJ, OP_MLP_GATE_UP = int(Op.EMBED), int(Op.ATTN_RES_MIX), int(Op.NORM_PROJ), \
+    int(Op.MLP_GATE_UP)
+OP_KDA_STEP, OP_MLA_Q, OP_MLA_KV_APPEND, OP_MLA_PARTIAL = int(Op.KDA_STEP), int(Op.MLA_Q), int(Op.MLA_KV_APPEND), \
+    int(Op.MLA_PARTIAL)
+OP_MLA_REDUCE, OP_O_PROJ_RESIDUAL, OP_ROUTER, OP_EXPERT_GATE_UP = int(Op.MLA_REDUCE), int(Op.O_PROJ_RESIDUAL), \
+    int(Op.ROUTER), int(Op.EXPERT_GATE_UP)
+OP_EXPERT_DOWN, OP_FFN_OUT, OP_LM_HEAD, OP_ARGMAX = int(Op.EXPERT_DOWN), int(Op.FFN_OUT), int(Op.LM_HEAD), \
+    int(Op.ARGMAX)
+
+OPCODE_NOTES: dict[str, tuple[str, str]] = {
+    # opcode: (what the device code does, known performance limits of this first version)
+    "EMBED": ("per batch row of the tile: the token's embedding row copied with 16-byte loads/stores into "
+              "stream[:, 0]", "none worth noting (B·H·2 bytes)"),
+    "ATTN_RES_MIX": ("per batch row: one pass accumulates Σv² and Σv·ω for every candidate (ω = norm ⊙ proj in "
+                     "fp32), one CTA reduction, softmax over depth in every thread, second pass mixes the raw "
+                     "candidates in fp32 and stores bf16", "rows of a tile run one after another (2 barriers each); "
+                                                           "the second pass re-reads the candidates from L1/L2"),
+    "NORM_PROJ": ("rstd of every batch row (one warp per row, 8 independent 16-byte loads per lane per round trip), "
+                  "then one warp per weight row: 8 16-byte weight loads per lane in flight (from the smem stage for "
+                  "staged rows) times γ, fp32 dot with up to 8 batch rows per pass (the rows walked in a loop, one "
+                  "accumulator live at a time), rstd applied after the dot (guide §3.1); fp32 or bf16 out",
+                  "CUDA-core FMAs, one CTA per SM: 12 warps keep 48 KiB of weights in flight per SM; the smem stage, "
+                  "copied while the previous instruction ran, covers the first 48 KiB of rows; up to batch 8 each "
+                  "weight row is read once, at B = 64 once per pass of 8 (L1) and x comes from L1/L2 for every row — "
+                  "FMA/L1-bound on that path. At batch passes of 8 rows (B = 8, 64) the tensor-core path instead: "
+                  "16-row tiles x the pass per warp item, mma.sync m16n8k16 on 16-byte chunks (mk_mma's chunk "
+                  "layout), x normalised as loaded (bf16(γ·bf16(x·rstd))), each x chunk loaded once per 16 rows; "
+                  "3 k blocks in flight per lane there (36 KiB of weights per SM: the γ chunks take the registers)"),
+    "MLP_GATE_UP": ("as NORM_PROJ for the gate and the up row of each channel, then SiTU-GLU (or SwiGLU) in fp32",
+                    "as NORM_PROJ; x is read twice per channel (once per weight)"),
+    "KDA_STEP": ("per (head, sequence): threads < dk do the width-4 conv + SiLU for q/k/v (shifting the conv "
+                 "history in place), the decay gate (f_a·f_b in fp32, rounded like the reference's bf16 linear) "
+                 "and the output gate; one CTA reduction gives ‖q‖, ‖k‖; the dk×dk state is split "
+                 "column-per-thread in KP = NT/dk row groups: pass 1 reads and decays the state for Sᵀk (smem "
+                 "reduction over the groups), pass 2 re-reads it (L1), applies the delta-rule update, stores it and "
+                 "accumulates Sᵀq; gated RMSNorm with a second CTA reduction",
+                 "(head, sequence) pairs run one after another with ~8 barriers each; the state is read twice "
+                 "(the second time from L1) to keep it out of registers; the f_a·f_b dot is a serial dk-long loop "
+                 "per thread"),
+    "MLA_Q": ("per batch tile: q_a rows staged in smem (4 loads in flight per thread), their rstd, the rows "
+              "normalised in place exactly as the reference (bf16(x·rstd)·γ), one warp per q_b row (16-byte weight "
+              "loads, smem stage first); the rope part goes straight to mla_q; then the W_UK absorption as a GEMV "
+              "over W_UK's rows: a warp task owns mk_addr.absorb_cw(kvl) 16-byte column chunks (8 at k3-shard), "
+              "its 32/CW lane groups split the nope rows, each lane keeps 8 (bt <= 2) or 4 16-byte W_UK loads in "
+              "flight and 8 columns x bt fp32 accumulators; the row groups meet in a partial butterfly "
+              "(mk_mla.absorb_lane / absorb_coords)",
+              "kvl/(8·CW) absorption tasks per head (8 at k3-shard) leave 4 of 12 warps idle during the "
+              "absorption; the q_b rows and W_UK are re-read per batch tile (B > 4)"),
+    "MLA_KV_APPEND": ("one warp per sequence: each lane loads all its latent / weight / rope elements at once "
+                      "(kvl/32 + rope/32 independent loads), latent RMSNorm exactly as the reference, latent and "
+                      "shared key written at the sequence's position (mk_mla.kv_append_load / norm_value)",
+                      "none worth noting (scalar 2-byte loads, but all of a lane's in one round trip)"),
+    "MLA_PARTIAL": ("heads spread over the 12 warps, PART_HB = 2 heads per warp pass (their queries in fp32 "
+                    "registers; the lane owns 16-byte latent chunks lane + 32m and rope elements lane + 32m); the "
+                    "split's cache rows up to the sequence's position are walked PART_PU = 2 rows per step with "
+                    "every load of the step in flight, each row loaded once for the warp's heads (the other warps "
+                    "hit L1); per (row, head) one 6-step shuffle chain sums the latent and the rope partials (the "
+                    "reference's two bf16 einsums, bit-identical to two warp sums: mk_mla._score_sum), the online "
+                    "softmax rescales once per step and only when the max grows (exp2); writes (o, max, sum) "
+                    "(mk_mla.partial_load_q / partial_load_rows / partial_dots / partial_out_block)",
+                    "CUDA-core FMAs: per (head, row) and lane 34 FMAs, 6 shuffles, ~9 converts: issue-bound at "
+                    "~2x the FMA floor (96 heads x 256 rows of one split: ~0.25 ms on one SM); a tensor-core (mma) "
+                    "version, or fewer heads per instruction, is what would cut it"),
+    "MLA_REDUCE": ("per (head, batch tile): one warp per batch row takes the splits' common max and denominator "
+                   "(lanes over splits), every thread merges two latent columns over the splits with 8 splits' "
+                   "loads per step in flight (mk_mla.merge_max_lane / merge_den_lane / merge_lane) into o_lat in "
+                   "smem (bf16), the tile's gate factors bf16(σ(g)) staged in smem alongside; one warp per W_UV row "
+                   "(16-byte weight loads), output gate applied from smem",
+                   "each merging thread re-reads the splits' max (L1 hits) and evaluates its own exp per split"),
+    "O_PROJ_RESIDUAL": ("one warp per o_proj row (column of the stream): dot over the mixer output, bf16, added "
+                        "into (or starting) the block's partial sum; at batch passes of 8 a 16-row mma tile per "
+                        "warp item (4 k blocks in flight per lane, 48 KiB per SM)", "as NORM_PROJ"),
+    "ROUTER": ("one warp per token: sigmoid scores (+ bias to choose), k rounds of butterfly arg-max (ties to the "
+               "lower id), renormalise; warp 0 compacts the chosen experts in ascending order with ballots into "
+               "slots; one thread per (token, slot) writes the slot weight and use flag",
+               "grouped routing (n_group > 1) is not implemented (refused on the host)"),
+    "EXPERT_GATE_UP": ("slot lists (expert id, ascending token list) read once per instruction into shared memory; "
+                       "one warp per hidden channel streams its w1 and w3 rows (4 + 4 16-byte loads per lane in "
+                       "flight), each chunk dotted with every token of the pass (4 tokens, 2 above batch 8), "
+                       "SiTU-GLU. MXFP4 (fp4): tensor cores: a warp item is 16 channels of w1 and w3 x up to 8 "
+                       "tokens of the slot (the mma's columns); per 128-column block lane (g, q) decodes group q of "
+                       "rows g, g + 8 straight into bf16x2 fragments (_common.fp4_bf16x2: placed code bits times the "
+                       "bf16x2 group scale) and puts its token's x in the same pair order (prmt), 2 mma.sync per "
+                       "8-code word; code groups + scales prefetched into L1 two blocks ahead; SiTU-GLU on the "
+                       "accumulator fragments",
+                       "the expert is data-dependent, so the host cannot name its rows: no stage; a slot with more "
+                       "tokens than a pass re-reads its rows (L1/L2); dense experts stay on CUDA cores (the 8 FMAs "
+                       "per weight at batch 8 are hidden by the stream there); MXFP4 ~3.2 PTX instructions per "
+                       "weight and pass (the decode), whatever the tokens"),
+    "EXPERT_DOWN": ("slot lists with the tokens' router weights once per instruction; one warp per latent row streams "
+                    "each used expert's w2 row (6 16-byte loads per lane in flight), dotted with the slot's tokens "
+                    "per pass, bf16 times the router weight, accumulated in fp32 per token (lane b mod 32), one bf16 "
+                    "cast. MXFP4: 16-row mma tiles as EXPERT_GATE_UP; the slots of a tile are dealt over G warps "
+                    "(all 12 at k3-shard B <= 8), each keeping its router-weighted fp32 sums in registers, summed "
+                    "across the G warps through shared memory in a fixed order after one barrier",
+                    "no stage (data-dependent expert); rows re-read per extra pass of an expert's tokens; MXFP4 at "
+                    "B = 64: the fp32 scratch holds the slot lists' weights, so G = 1 (2 warps stream)"),
+    "FFN_OUT": ("one warp per hidden column: routed part (latent RMSNorm applied after the dot) and/or the "
+                "shared/dense down row, each rounded to bf16 as the reference does, added into the stream",
+                "as NORM_PROJ"),
+    "LM_HEAD": ("final RMSNorm + one warp per vocabulary row: bf16-rounded fp32 logits, per-warp running arg-max "
+                "per token, merged across warps through smem (ties to the lowest id); CUDA cores at every batch "
+                "(its tensor-core tiles, next to the other GEMV opcodes', made ptxas spill the VM's loop state at "
+                "batch 8: mk_addr.LM_HEAD_MMA)", "as NORM_PROJ's CUDA-core path"),
+    "ARGMAX": ("one thread per token walks the tiles' (max, arg-max) pairs, 4 independent loads per iteration, "
+               "first maximum wins", "serial over tiles (a few hundred at most)"),
+}
+
+
+@dataclass(frozen=True)
+class MKConfig:
+    """Everything the device code needs at compile time: widths from the model config, the batch size, the
+    buffer capacities and the target architecture. (Box extents, tile sizes, buffer dims, the cache length and the
+    SM count are read from the program at run time, so one compiled kernel serves every schedule of a config and
+    batch size.)"""
+
+    B: int
+    H: int
+    eps: float
+    lora_eps: float
+    situ: bool
+    situ_beta: float
+    situ_lin: float | None
+    dk: int
+    nh_kda: int
+    conv: int
+    kda_lb: float | None
+    nh: int
+    ql: int
+    kvl: int
+    rope: int
+    nope: int
+    dv: int
+    mla_scale: float
+    E: int
+    topk: int
+    dmax: int
+    renorm: bool
+    route_scale: float
+    latent_norm: bool
+    kmax: int
+    prog_words: int
+    max_instr: int
+    max_bufs: int
+    max_ctrs: int
+    fp4: bool  # the routed experts are MXFP4 (codes + E8M0 scales, isa.MXFP4_OPERANDS); the program must say so
+    # the compile target (compile_for sets it): ptxas allocates registers per architecture, so some loop widths
+    # depend on it (mk_addr.gemv_unroll, mk_moe.gate_up_pass / down_pass); the host execution runs the default
+    # unless a case names another
+    arch: str = "sm_90a"
+
+    @property
+    def bt(self) -> int:
+        """Batch rows per GEMV pass (one fp32 accumulator each per warp): the largest divisor of B up to 8, so
+        every tile is full and the tile loop stays a real loop (code size independent of B)."""
+        return max(d for d in range(1, min(self.B, BT_MAX) + 1) if self.B % d == 0)
+
+    @property
+    def nbt(self) -> int:
+        return self.B // self.bt
+
+    @property
+    def unroll(self) -> int:
+        """16-byte weight loads in flight per lane: 4 while at most 2 batch rows share a weight chunk, else 2 (the
+        FMAs per weight byte grow with the batch rows, and their x chunks need the registers)."""
+        return 4 if self.bt <= 2 else 2
+
+    @property
+    def xb_elems(self) -> int:
+        """bf16 smem scratch for MLA: q_a rows (or o_lat rows) of a batch tile, then the tile's nope queries."""
+        return self.bt * (max(self.ql, self.kvl, VEC) + max(self.nope, VEC))
+
+
+def _check_static(cfg: MKConfig) -> None:
+    """Trace-time limits of the static scratch sizes (plain asserts: a config outside them fails to compile)."""
+    assert cfg.B >= 1 and cfg.H % VEC == 0
+    assert F32_RED + NW * 2 * cfg.kmax <= F32_VEC, "too many AttnRes candidates for the reduction scratch"
+    if cfg.dk:
+        assert cfg.dk <= NT and cfg.dk % _kda_groups(cfg.dk) == 0
+        assert F32_VEC + 5 * cfg.dk + _kda_groups(cfg.dk) * cfg.dk <= F32_WORDS
+    if cfg.E:
+        assert F32_VEC + cfg.B * cfg.topk <= F32_WORDS
+        assert 2 * _pad32(cfg.E) + cfg.B * cfg.topk <= I32_WORDS
+    assert F32_VEC + NW * cfg.B <= F32_WORDS and NW * cfg.B <= I32_WORDS
+    if cfg.nh:
+        assert cfg.ql % VEC == 0 and cfg.kvl % VEC == 0
+
+
+@cute.jit
+def _dispatch(ctx: _Ctx, op: Int32) -> None:
+    """One branch per opcode (all threads of the CTA take the same one, so barriers inside are legal). Families
+    absent from the config (no KDA / MLA / MoE layers) compile to nothing."""
+    cfg = ctx.cfg
+    if op == OP_EMBED:
+        op_embed(ctx)
+    elif op == OP_ATTN_RES_MIX:
+        op_attn_res_mix(ctx)
+    elif op == OP_NORM_PROJ:
+        op_norm_proj(ctx)
+    elif op == OP_MLP_GATE_UP:
+        op_mlp_gate_up(ctx)
+    elif op == OP_O_PROJ_RESIDUAL:
+        op_o_proj_residual(ctx)
+    elif op == OP_FFN_OUT:
+        op_ffn_out(ctx)
+    elif op == OP_LM_HEAD:
+        op_lm_head(ctx)
+    elif op == OP_ARGMAX:
+        op_argmax(ctx)
+    else:
+        if const_expr(cfg.dk > 0):
+            if op == OP_KDA_STEP:
+                op_kda_step(ctx)
+        if const_expr(cfg.nh > 0):
+            if op == OP_MLA_Q:
+                op_mla_q(ctx)
+            elif op == OP_MLA_KV_APPEND:
+                op_mla_kv_append(ctx)
+            elif op == OP_MLA_PARTIAL:
+                op_mla_partial(ctx)
+            elif op == OP_MLA_REDUCE:
+                op_mla_reduce(ctx)
+        if const_expr(cfg.E > 0):
+            if op == OP_ROUTER:
+                op_router(ctx)
+            elif op == OP_EXPERT_GATE_UP:
+                op_expert_gate_up(ctx)
+            elif op == OP_EXPERT_DOWN:
+                op_expert_down(ctx)
+
+
+# ---------------------------------------------------------------------------------------------- the kernel
+@cute.jit
+def _row_chunks(mProg: cute.Tensor, off_ins: Int32, v: Int32) -> Any:
+    """Instruction row ``v`` of the program in global memory as ``[chunk, 4]`` int32 (16-byte chunks)."""
+    addr = mProg.iterator.toint() + (Int64(off_ins) + Int64(v) * INSTR_WORDS) * 4
+    ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=16)
+    return cute.make_tensor(ptr, cute.make_layout((ROW_CHUNKS, WORDS_PER_CHUNK), stride=(WORDS_PER_CHUNK, 1)))
+
+
+@cute.jit
+def _spin(mCtr: cute.Tensor, mErr: cute.Tensor, c: Int32, target: Int32, v: Int32, bidx: Int32, step: Int32,
+          max_spins: Int32, sleep_ns: Int32) -> Int32:
+    """Spin until ``counter[c] >= target`` (``ld.acquire.gpu``, ``nanosleep`` back-off). Returns 1 when it holds,
+    0 when the watchdog tripped (this thread sets the error word if it is the first in the launch: CAS 0 -> 1, then
+    the instruction, counter, target, value seen, CTA, SM and step) or another CTA's error word was seen."""
+    ok = Int32(1)
+    seen = cute.arch.load(mCtr.iterator + c, Int32, sem="acquire", scope="gpu")
+    spins = Int32(0)
+    while (seen < target) & (ok == 1):
+        nanosleep(sleep_ns)
+        spins = spins + 1
+        if cute.arch.load(mErr.iterator, Int32, sem="relaxed", scope="gpu") != 0:
+            ok = Int32(0)  # another CTA tripped: leave instead of waiting for it
+        elif spins >= max_spins:
+            ok = Int32(0)
+            old = cute.arch.atomic_cas(mErr.iterator, cmp=Int32(0), val=Int32(ERR_WATCHDOG), sem="relaxed",
+                                       scope="gpu")
+            if old == 0:  # first to trip: record where
+                mErr[1] = v
+                mErr[2] = c
+                mErr[3] = target
+                mErr[4] = seen
+                mErr[5] = bidx
+                mErr[6] = Int32(cute.arch.smid())
+                mErr[7] = step
+        if ok == 1:
+            seen = cute.arch.load(mCtr.iterator + c, Int32, sem="acquire", scope="gpu")
+    return ok
+
+
+@cute.kernel
+def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor, mTime: cute.Tensor,
+                      mErr: cute.Tensor, mCtl: cute.Tensor, cfg: cutlass.Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    warp, lane = tidx // 32, tidx % 32
+    alloc = cutlass.memory.SmemAllocator()
+    s_ins = C.smem_tensor(alloc, Int32, (INSTR_WORDS,), "megakernel")
+    # the next instruction's row lands here (cp.async, warp 0) while this one runs; warp 0 moves it into s_ins
+    s_nxt = C.smem_tensor(alloc, Int32, (INSTR_WORDS,), "megakernel")
+    s_nxt4 = cute.make_tensor(s_nxt.iterator, cute.make_layout((ROW_CHUNKS, WORDS_PER_CHUNK),
+                                                               stride=(WORDS_PER_CHUNK, 1)))
+    s_addr = C.smem_tensor(alloc, Int64, (MAX_OPERANDS,), "megakernel")
+    s_d1 = C.smem_tensor(alloc, Int32, (MAX_OPERANDS,), "megakernel")
+    s_d2 = C.smem_tensor(alloc, Int32, (MAX_OPERANDS,), "megakernel")
+    s_wok = C.smem_tensor(alloc, Int32, (MAX_WAITS,), "megakernel")  # per wait: 1 = satisfied, 0 = watchdog/error
+    s_tw = C.smem_tensor(alloc, Int64, (MAX_WAITS,), "megakernel")  # per wait: %globaltimer when it was satisfied
+    stage = C.smem_tensor(alloc, BFloat16, (STAGE_BUFFERS * STAGE_CHUNKS * VEC,), "megakernel", align=128)
+    stages = cute.make_tensor(stage.iterator, cute.make_layout((STAGE_CHUNKS, VEC, STAGE_BUFFERS),
+                                                               stride=(VEC, 1, STAGE_CHUNKS * VEC)))
+    s_f32 = C.smem_tensor(alloc, Float32, (F32_WORDS,), "megakernel")
+    s_i32 = C.smem_tensor(alloc, Int32, (I32_WORDS,), "megakernel")
+    xb_chunks = -(-cfg.xb_elems // VEC)
+    s_xbf = C.smem_tensor(alloc, BFloat16, (xb_chunks * VEC,), "megakernel", align=128)
+    s_xb = cute.make_tensor(s_xbf.iterator, cute.make_layout((xb_chunks, VEC), stride=(VEC, 1)))
+    cp_atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                                  num_bits_per_copy=128)
+    cp_row = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), Int32,
+                                 num_bits_per_copy=128)
+
+    # Launch-invariant values live in smem, not registers: the opcode bodies need every register they can get
+    # (ptxas allocates for the worst branch, and whatever is live across the dispatch counts against all of them).
+    s_run = C.smem_tensor(alloc, Int32, (16,), "megakernel")
+    if tidx == 0:
+        good = (mProg[H_MAGIC] == MAGIC) & (mProg[H_VERSION] == VERSION) & (mProg[H_INSTR_WORDS] == INSTR_WORDS)
+        good = good & (mProg[H_OFF_INS] % WORDS_PER_CHUNK == 0)  # rows are copied 16 bytes at a time
+        # the expert opcodes read the routed experts in the one format the kernel was compiled for
+        good = good & (mProg[H_EXPERT_FORMAT] == EXPERT_FORMATS.index("mxfp4" if cfg.fp4 else "dense"))
+        nq = mProg[H_Q] if good & (bidx < mProg[H_S]) else Int32(0)
+        s_run[RUN_Q] = nq
+        s_run[RUN_QLEN] = mProg[H_Q]
+        s_run[RUN_OFF_BUF], s_run[RUN_OFF_CTR] = mProg[H_OFF_BUF], mProg[H_OFF_CTR]
+        s_run[RUN_OFF_INS], s_run[RUN_OFF_Q] = mProg[H_OFF_INS], mProg[H_OFF_Q]
+        s_run[RUN_STEP], s_run[RUN_SPINS], s_run[RUN_SLEEP] = mCtl[0], mCtl[1], mCtl[2]
+        v0 = Int32(-1)
+        if nq > 0:
+            v0 = mProg[mProg[H_OFF_Q] + bidx * mProg[H_Q]]
+        s_run[RUN_V] = v0
+        if (good == False) & (bidx == 0):  # noqa: E712  (a DSL Boolean, not a Python bool)
+            mErr[0] = ERR_BAD_PROGRAM
+    cute.arch.sync_threads()
+    ahead = Int32(0)  # 1 when the previous queue position ran: it has issued this one's row and stage copies
+    aborted = Int32(0)
+    for q in cutlass.range(s_run[RUN_Q], unroll=1):
+        v = s_run[RUN_V]
+        par = q % STAGE_BUFFERS
+        s_stage = stages[(None, None, par)]  # this instruction's stage buffer (the next one fills the other)
+        ctx = _Ctx(cfg=cfg, tidx=tidx, warp=warp, lane=lane, s_ins=s_ins, s_addr=s_addr, s_d1=s_d1, s_d2=s_d2,
+                   s_stage=s_stage, s_f32=s_f32, s_i32=s_i32, s_xbf=s_xbf, s_xb=s_xb)
+        if (v >= 0) & (aborted == 0):
+            # ---- fetch: warp 0 moves the row (prefetched by the previous position, else copied now) into s_ins
+            if warp == 0:
+                if ahead == 0:
+                    cute.copy(cp_row, _row_chunks(mProg, s_run[RUN_OFF_INS], v)[(lane, None)], s_nxt4[(lane, None)])
+                    cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)  # warp 0's groups hold only rows: this is the row landing
+                for k in cutlass.range_constexpr(WORDS_PER_CHUNK):
+                    s_ins[lane * WORDS_PER_CHUNK + k] = s_nxt[lane * WORDS_PER_CHUNK + k]
+            cute.arch.sync_threads()
+            # per operand its buffer's address and dims (warp 1, one lane per operand, all in flight at once)
+            nops = s_ins[W_NOPS]
+            if (warp == 1) & (lane < nops):
+                buf = s_ins[W_OPS + OPERAND_WORDS * lane + OW_BUF]
+                s_addr[lane] = mBufs[buf]
+                s_d1[lane] = mProg[s_run[RUN_OFF_BUF] + buf * BUFFER_WORDS + BW_D1]
+                s_d2[lane] = mProg[s_run[RUN_OFF_BUF] + buf * BUFFER_WORDS + BW_D2]
+            # ---- stage copies (warps 1..): static weights only, so they may precede the waits
+            if ahead == 0:  # first position (or after a gap): this instruction's own stage, from W_STAGE_*
+                cute.arch.sync_threads()  # _row0 reads the operand table
+                sj = s_ins[W_STAGE_OP]
+                if (sj >= 0) & (warp > 0):
+                    src = gchunks(_row0(ctx, sj))
+                    for c in cutlass.range(tidx - 32, s_ins[W_STAGE_CHUNKS], NT - 32, unroll=1):
+                        cute.copy(cp_atom, src[(c, None)], s_stage[(c, None)])
+                cute.arch.cp_async_commit_group()
+            nbuf = s_ins[W_NEXT_BUF]
+            if (nbuf >= 0) & (warp > 0):  # the next position's stage, into the other buffer
+                elem = (Int64(s_ins[W_NEXT_ELEM_HI]) << 32) | (Int64(s_ins[W_NEXT_ELEM_LO]) & Int64(0xFFFFFFFF))
+                src = gchunks(mBufs[nbuf] + elem * 2)
+                dst = stages[(None, None, 1 - par)]
+                for c in cutlass.range(tidx - 32, s_ins[W_NEXT_CHUNKS], NT - 32, unroll=1):
+                    cute.copy(cp_atom, src[(c, None)], dst[(c, None)])
+            cute.arch.cp_async_commit_group()  # an empty group when nothing is staged: one group per position
+            # ---- wait: lane w of warp 0 spins on wait w (all waits in flight at once)
+            nw = s_ins[W_NWAITS]
+            if warp == 0:
+                # the next position's queue entry (static program data), loaded with the waits' first round trip
+                vn = Int32(-1)
+                if q + 1 < s_run[RUN_Q]:
+                    vn = mProg[s_run[RUN_OFF_Q] + bidx * s_run[RUN_QLEN] + q + 1]
+                if lane < nw:
+                    c = s_ins[W_WAITS + 2 * lane]
+                    target = s_run[RUN_STEP] * mProg[s_run[RUN_OFF_CTR] + c * COUNTER_WORDS + CW_TOTAL] + \
+                        s_ins[W_WAITS + 2 * lane + 1]
+                    s_wok[lane] = _spin(mCtr, mErr, c, target, v, bidx, s_run[RUN_STEP], s_run[RUN_SPINS],
+                                        s_run[RUN_SLEEP])
+                if (lane < nw) | (lane == 0):
+                    s_tw[lane] = cute.arch.globaltimer()
+                # the next position's row (one 16-byte chunk per lane), in flight during this body
+                if vn >= 0:
+                    cute.copy(cp_row, _row_chunks(mProg, s_run[RUN_OFF_INS], vn)[(lane, None)], s_nxt4[(lane, None)])
+                cute.arch.cp_async_commit_group()
+                if lane == 0:
+                    s_run[RUN_V] = vn
+            cute.arch.cp_async_wait_group(1)  # own stage landed; the most recent group (next stage / row) in flight
+            cute.arch.sync_threads()  # broadcasts the waits' acquires, the operand table and the stage to the CTA
+            go = Int32(1)
+            for w in cutlass.range_constexpr(MAX_WAITS):
+                if w < nw:
+                    go = go & s_wok[w]
+            if go != 0:
+                _dispatch(ctx, s_ins[W_OP])
+            else:
+                aborted = Int32(1)
+            # read before the barrier: warp 0 refills s_ins right after it (the next position's fetch)
+            signal, amount = s_ins[W_SIGNAL], s_ins[W_AMOUNT]
+            t0 = s_tw[0]
+            for w in cutlass.range_constexpr(1, MAX_WAITS):
+                if w < s_ins[W_NWAITS]:
+                    t0 = t0 if t0 > s_tw[w] else s_tw[w]
+            cute.arch.sync_threads()  # every thread's writes are done before the release
+            if (tidx == 0) & (go != 0):
+                if signal >= 0:
+                    cute.arch.red(mCtr.iterator + signal, amount, op="add", dtype=Int32, sem="release", scope="gpu")
+                mTime[v, 0] = t0
+                mTime[v, 1] = cute.arch.globaltimer()
+                mTime[v, 2] = Int64(cute.arch.smid())
+            ahead = Int32(1)
+        else:  # a gap in the queue, or the launch is aborting: nothing was staged for the next position
+            cute.arch.cp_async_wait_group(0)  # no copy of an earlier position may land in a buffer reused after it
+            cute.arch.sync_threads()  # every thread has read RUN_V
+            if tidx == 0:
+                vn = Int32(-1)
+                if q + 1 < s_run[RUN_Q]:
+                    vn = mProg[s_run[RUN_OFF_Q] + bidx * s_run[RUN_QLEN] + q + 1]
+                s_run[RUN_V] = vn
+            cute.arch.sync_threads()
+            ahead = Int32(0)
+    cute.arch.cp_async_wait_group(0)  # an aborted CTA leaves no copy in flight into its shared memory
+
+
+
+@cute.jit
+def megakernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor, mTime: cute.Tensor, mErr: cute.Tensor,
+               mCtl: cute.Tensor, num_ctas: Int32, stream: Any, cfg: cutlass.Constexpr):
+    """Launch ``num_ctas`` persistent CTAs (one per SM, all co-resident: a cooperative launch, so a grid the GPU
+    cannot hold at once is refused by the driver instead of deadlocking)."""
+    _check_static(cfg)
+    megakernel_kernel(mProg, mBufs, mCtr, mTime, mErr, mCtl, cfg).launch(
+        grid=[num_ctas, 1, 1], block=[NT, 1, 1], stream=stream, cooperative=True,
+        min_blocks_per_mp=1)  # .minnctapersm 1: without it ptxas may aim at 2 CTAs/SM and spill at 64 registers
+
+
+# ---------------------------------------------------------------------------------------------- host side
+def _specs(cfg: MKConfig) -> dict[str, tuple[Any, tuple[int, ...]]]:
+    """name -> (dtype, static shape) of every tensor parameter, in call order."""
+    return {"program": (Int32, (cfg.prog_words,)), "buffers": (Int64, (cfg.max_bufs,)),
+            "counters": (Int32, (cfg.max_ctrs,)), "timings": (Int64, (cfg.max_instr, 3)),
+            "error": (Int32, (ERROR_WORDS,)), "ctl": (Int32, (CTL_WORDS,))}
+
+
+def config_from_shapes(**shapes: Any) -> MKConfig:
+    """The ``MKConfig`` of static shapes (``kimik3.megakernel.gpu.static_shapes``): every field without a default
+    is required; ``arch`` is optional (default sm_90a, the figures the host execution runs)."""
+    names = {f.name for f in fields(MKConfig)}
+    required = {f.name for f in fields(MKConfig) if f.default is MISSING and f.default_factory is MISSING}
+    unknown = set(shapes) - names
+    missing = required - set(shapes)
+    if unknown or missing:
+        raise ValueError(f"megakernel shapes: unknown {sorted(unknown)}, missing {sorted(missing)}")
+    if "arch" in shapes and shapes["arch"] not in dsl.SUPPORTED_ARCHS:
+        raise ValueError(f"megakernel shapes: unsupported arch {shapes['arch']!r}; expected one of "
+                         f"{dsl.SUPPORTED_ARCHS}")
+    return MKConfig(**shapes)
+
+
+def compile_for(arch: str, *, variant: str = "megakernel", tvm_ffi: bool = False, remark_file: str | None = None,
+                **shapes: Any) -> Any:
+    """Compile the megakernel for the static shapes of one config + batch (``kimik3.megakernel.gpu.static_shapes``);
+    fake tensors, so no GPU is needed."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown megakernel variant {variant!r}; expected one of {VARIANTS}")
+    cfg = replace(config_from_shapes(**shapes), arch=arch)  # the loop widths follow the target (MKConfig.arch)
+    fakes = [dsl.fake(dt, shp) for dt, shp in _specs(cfg).values()]
+    opts = dsl.compile_options(arch, tvm_ffi=tvm_ffi, remark_file=remark_file)
+    with dsl.arch_scope(arch):
+        return cute.compile(megakernel, *fakes, Int32(1), dsl.fake_stream(tvm_ffi), cfg, options=opts)
+
+
+def launch(compiled: Any, t: dict[str, Any], num_ctas: int, tvm_ffi: bool = True) -> None:
+    """Run a compiled megakernel on CUDA tensors ``t`` (keys of ``_specs``) with ``num_ctas`` CTAs."""
+    args = [t[k] for k in ("program", "buffers", "counters", "timings", "error", "ctl")]
+    if tvm_ffi:
+        compiled(*args, num_ctas)
+        return
+    import torch
+    from cuda.bindings.driver import CUstream
+    from cutlass.cute.runtime import from_dlpack
+
+    wrapped = [from_dlpack(a, assumed_align=16) for a in args]
+    compiled(*wrapped, Int32(num_ctas), CUstream(torch.cuda.current_stream().cuda_stream))
+
+
+def shapes_of(cfg: MKConfig) -> dict[str, Any]:
+    return asdict(cfg)

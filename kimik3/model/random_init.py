@@ -1,0 +1,113 @@
+"""Deterministic random weights with sane scales, for presets (tests, notebooks, benchmarks).
+
+Scales keep the logits neither NaN/inf nor saturated: projections ~ N(0, 1/fan_in), norm weights 1 ± 0.1 (so a
+missing weight multiply fails a test), KDA decay parameters in the ranges the FLA initialisation uses, a small
+non-zero router bias (so the selection-only bias is exercised). Two choices keep a *random* model as well
+conditioned as a trained one, which matters for the bf16-vs-fp32 tolerance of validation.md:
+
+* residual-branch outputs (o_proj, down_proj, the latent up-projection, expert down-projections) are scaled by
+  ``(2L)^-3/4`` — GPT-2/Megatron scale residual branches by ``(2L)^-1/2``; with every block a random map that
+  amplifies rounding, a slightly stronger scaling keeps L layers of bf16 rounding inside 3e-2;
+* routed experts are *upcycled*: one random expert plus 10% independent noise per expert (sparse upcycling).
+  bf16 rounding flips near-tied top-k choices of a random router every few hundred decisions; trained routers
+  are decisive, random ones are not, and with independent random experts one flip moves a row's logits by
+  O(10%). Each expert still differs, so fp32 tests (1e-4) see any wrong expert choice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kimik3.model.checks import require_memory, resolve_dtype
+from kimik3.model.config import ModelConfig, get_preset
+from kimik3.model.modeling import KimiForCausalLM
+
+__all__ = ["init_weights", "from_preset", "build_model", "device_model"]
+
+UPCYCLE_NOISE = 0.1
+RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "routed_expert_up_proj.weight", "experts.w2")
+
+
+def build_model(cfg: ModelConfig | str, device: str | torch.device = "cpu") -> KimiForCausalLM:
+    """An uninitialised model on ``device`` (use ``"meta"`` to count parameters of full-size presets)."""
+    cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
+    with torch.device(device):
+        return KimiForCausalLM(cfg)
+
+
+@torch.no_grad()
+def init_weights(model: KimiForCausalLM, seed: int = 0, device: str | torch.device = "cpu") -> KimiForCausalLM:
+    """Fill every parameter deterministically from ``seed`` (fp32, then cast).
+
+    ``device``: where the random numbers are drawn. The CPU generator (the default) gives the same weights on every
+    machine; a GPU generator fills a k3-shard-sized model in seconds instead of minutes of CPU sampling, with the
+    same rules and scales but other values (nothing that times a step depends on which)."""
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def normal(shape, std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=dev) * std
+
+    def uniform(shape, lo: float, hi: float) -> torch.Tensor:
+        return torch.rand(shape, generator=gen, device=dev) * (hi - lo) + lo
+
+    residual_scale = (2 * model.config.num_hidden_layers) ** -0.75
+    for name, p in model.named_parameters():
+        shape, leaf = p.shape, name.rsplit(".", 2)
+        last = name.split(".")[-1]
+        parent = leaf[-2] if len(leaf) > 1 else ""
+        if last == "A_log":
+            v = uniform(shape, 1.0, 16.0).log()
+        elif last == "dt_bias":
+            dt = uniform(shape, math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            v = dt + torch.log(-torch.expm1(-dt))  # inverse softplus, as FLA initialises it
+        elif parent.endswith("_conv1d"):
+            v = normal(shape, 0.5)
+        elif last == "e_score_correction_bias":
+            v = normal(shape, 0.01)
+        elif parent.endswith("norm") or parent.endswith("layernorm") or parent == "o_norm":
+            v = 1.0 + normal(shape, 0.1)
+        elif parent.endswith("_res_proj"):
+            v = normal(shape, 1.0 / math.sqrt(shape[-1]))
+        elif parent == "embed_tokens":
+            v = normal(shape, 1.0)
+        elif name.endswith(("experts.w1", "experts.w3", "experts.w2")):
+            base = normal(shape[1:], 1.0 / math.sqrt(shape[-1]))
+            v = (base + UPCYCLE_NOISE * normal(shape, 1.0 / math.sqrt(shape[-1]))) / math.sqrt(1 + UPCYCLE_NOISE**2)
+        elif p.dim() == 2:
+            v = normal(shape, 1.0 / math.sqrt(shape[-1]))
+        else:
+            raise RuntimeError(f"init_weights: no rule for parameter {name} {tuple(shape)}")
+        if name.endswith(RESIDUAL_OUTPUTS):
+            v = v * residual_scale
+        p.data.copy_(v.to(device=p.device, dtype=p.dtype))
+    return model
+
+
+def from_preset(name: str | ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu", init_device: str | torch.device = "cpu") -> KimiForCausalLM:
+    """A preset model with deterministic random weights (``dtype`` for the bf16 tensors; fp32 ones stay fp32).
+
+    Weights are drawn in fp32 from one CPU generator, one tensor at a time, and written straight into a model
+    allocated on ``device`` in ``dtype``: the same seed gives the same weights on every device, and a
+    k3-shard-sized model never exists in fp32 in host memory. ``init_device``: where the random numbers are drawn
+    (see :func:`init_weights`; ``init_device=device`` on a GPU is the fast path, with other weights than the CPU's).
+    """
+    dtype = resolve_dtype(dtype)
+    cfg = get_preset(name)
+    model = build_model(cfg, "meta").cast_(dtype)
+    require_memory(sum(p.numel() * p.element_size() for p in model.parameters()), device,
+                   f"the weights of preset {cfg.name or name!r} in {dtype}")
+    model = model.to_empty(device=device)
+    model.reset_buffers()
+    init_weights(model, seed, device=init_device)
+    return model.eval()
+
+
+def device_model(preset: str | ModelConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                 device: str | torch.device = "cuda") -> KimiForCausalLM:
+    """A preset model allocated and initialised on ``device``: the random numbers are drawn there too (the same
+    rules as :func:`from_preset`; on a CPU exactly its weights, on a GPU other values, in seconds)."""
+    return from_preset(preset, seed=seed, dtype=dtype, device=device, init_device=device)
