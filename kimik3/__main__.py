@@ -13,17 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kimik3.util.args import positive_int
+
 __all__ = ["main"]
 
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
-    return v
 
 
 def _export(argv: list[str]) -> int:
@@ -41,7 +34,7 @@ def _export(argv: list[str]) -> int:
     ap.add_argument("--expert-format", default="bf16", choices=["bf16", "mxfp4", "int4", "fp8"],
                     help="mxfp4 / int4: routed experts quantized (K3 / K2-Thinking layout); fp8: every linear weight "
                          "in 128x128-block FP8 (DeepSeek-V3 / K2 layout)")
-    ap.add_argument("--max-shard-mb", type=_positive_int, default=None)
+    ap.add_argument("--max-shard-mb", type=positive_int, default=None)
     ap.add_argument("--overwrite", action="store_true",
                     help="replace a non-empty --out that is not a kimik3 export (its files are deleted)")
     a = ap.parse_args(argv)

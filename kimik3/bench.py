@@ -216,7 +216,8 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
             df[f"speedup_vs_{ref}"] = [base.get(b, float("nan")) / m if m == m else float("nan")
                                        for b, m in zip(df.batch, df.get("ms_per_token"))]
     if checkpoint is None and len(df) and df.stage.isin(["fused", "megakernel"]).any():
-        # the GPU performance model (design v1, H200 constants) beside the measurement: a model, not a measurement
+        # the GPU performance model (kimik3.perfmodel.CURRENT_DESIGN, H200 constants) beside the measurement: a
+        # model, not a measurement
         from kimik3.perfmodel import model_columns
 
         extra = [model_columns(source, s, int(b), context) for s, b in zip(df.stage, df.batch)]

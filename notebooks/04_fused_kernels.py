@@ -60,6 +60,7 @@ from IPython.display import Markdown, display
 from kimik3.kernels.toolchain.loader import dsl_available
 
 from kimik3.fused.launch_cost import launch_bytes, launch_flops
+from kimik3.fused.plan import FusedStep
 from kimik3.model.config import get_preset
 from kimik3.model.random_init import build_model
 from kimik3.notebook.kernel_report import KernelReport, ptx_highlights, show_source
@@ -67,7 +68,6 @@ from kimik3.notebook.start import start_notebook
 from kimik3.perf.hardware import get_hardware
 from kimik3.perf.recorded import load_recorded, resolve_data_path
 from kimik3.perf.roofline import roofline_figure, save_html
-from kimik3.stages.fused import FusedStep
 
 # plotly renders with no network (plotly.js embedded once, no CDN); figures go to `out`
 out = start_notebook(out_dir, pandas_display={"width": 200, "max_columns": 20, "max_colwidth": 80}).out
@@ -206,10 +206,10 @@ report.section("L0.kda.step", kda.kda_kernel)
 # CTA a slice of the sequence and 2 heads per warp, loads 4 cache rows before any math, and keeps an online softmax
 # in the log2 domain (`ex2.approx`); the combine kernel merges the per-split (m, l, o) partials.
 #
-# The absorption itself, q_lat = W_UKᵀ q_nope and o = W_UV o_lat, is a GEMV whose weight differs per head. It reuses
-# the MoE expert kernel with a constant routing (head h = expert h; `kernels/fused/moe.py: head_gemv`). The W_UK weight is
-# augmented with an identity block for the 64 rope dimensions, so one launch writes the complete MLA query
-# `[q_lat ; q_rope]` (8.6 MB more weight read per MLA layer, no copy kernel).
+# The absorption itself, q_lat = W_UKᵀ q_nope and o = W_UV o_lat, is a GEMV whose weight differs per head. It reuses the
+# MoE expert kernel with a constant routing (head h = expert h; `kernels/fused/moe.py: head_gemv`). The W_UK weight is
+# augmented with an identity block for the 64 rope dimensions, so one launch writes the complete MLA query `[q_lat ;
+# q_rope]` (8.6 MB more weight read per MLA layer, no copy kernel).
 
 # %%
 from kimik3.kernels.fused import mla_decode, moe

@@ -542,7 +542,7 @@ if compile_kernel:
     from kimik3.kernels.toolchain import build as B
     from kimik3.kernels.toolchain import registry as R
 
-    from kimik3.megakernel.gpu import variant_name
+    from kimik3.megakernel.kernel_shapes import variant_name
 
     v = R.get_variant(variant_name(cfg, batch_size))
     r = B.build(v, "sm_90a")

@@ -32,8 +32,8 @@
 # **Assumptions** (stated once, used throughout; `kimik3.scale.nvl72` docstring has the detail):
 # routed experts sharded over all GPUs (expert parallelism, uniform routing — every MoE layer waits for the *busiest*
 # GPU's expert reads); everything else either replicated per GPU ("DP attention": each GPU runs its own sequences'
-# attention on a full copy, the layout of `kimik3.scale.expert_parallel`) or tensor-parallel over a group of `tp` GPUs; experts
-# in MXFP4, everything else bf16; a collective costs a fixed latency (assumed: 10 µs per all-to-all, 5 µs per
+# attention on a full copy, the layout of `kimik3.scale.expert_parallel`) or tensor-parallel over a group of `tp` GPUs;
+# experts in MXFP4, everything else bf16; a collective costs a fixed latency (assumed: 10 µs per all-to-all, 5 µs per
 # all-reduce — swept below) plus its bytes over one direction of the GPU's NVLink; local work bounded by HBM bandwidth
 # (datasheet, 100 %). These are idealised bounds, not a simulation of a serving stack.
 

@@ -30,8 +30,8 @@ file  phase            est.   what
                               ``data/measurements`` format
 ====  ===============  =====  ======================================================================================
 
-The k3-shard model is built once, on the GPU (``kimik3.model.random_init.device_model``), and shared by the kernels and bench
-phases; prompts go through the model's chunked forward; every kernel is loaded in this process.
+The k3-shard model is built once, on the GPU (``kimik3.model.random_init.device_model``), and shared by the kernels
+and bench phases; prompts go through the model's chunked forward; every kernel is loaded in this process.
 
 Exit status: 0 only if every phase ran, every planned GPU test passed (failed, errored, timed out or skipped
 tests fail the check, each named), every benchmark row was measured and agrees with ``naive`` within
@@ -202,7 +202,8 @@ def _prebuilt_status(prebuilt: Path | None, arch: str = "sm_90a",
     from kimik3.kernels.toolchain.registry import get_variant
     from kimik3.kernels.toolchain.source import kernel_source_hash
 
-    from kimik3.stages.fused import _find_prebuilt, fused_ops
+    from kimik3.fused.loading import _find_prebuilt
+    from kimik3.fused.plan import fused_ops
 
     manifest: dict[str, Any] = {}
     if prebuilt is not None and (prebuilt / "manifest.json").exists():
@@ -252,7 +253,7 @@ def plan(prebuilt: Path | None, quick: bool, presets: str = "", batches: str = "
     (``presets`` / ``batches``: only those targets, comma-separated)."""
     from kimik3.kernels.toolchain.loader import dsl_available
 
-    from kimik3.stages.fused import fused_ops
+    from kimik3.fused.plan import fused_ops
 
     fused_targets, mk_targets = select(presets, batches)
     megakernels = megakernel_variants(presets, batches)
@@ -341,7 +342,7 @@ def verify_prebuilt(prebuilt: Path, status: dict[str, Any], load: bool) -> list[
     from kimik3.kernels.toolchain import prebuilt as pb
     from kimik3.kernels.toolchain.loader import load_prebuilt_fn
 
-    from kimik3.megakernel.gpu import static_shapes
+    from kimik3.megakernel.kernel_shapes import static_shapes
 
     results = []
     had_runtime = (prebuilt / RUNTIME_LIB).exists()
@@ -594,8 +595,10 @@ def _judge(nbytes: float, seconds: float, copy_bw: float, floor: float) -> dict[
 
 def _phase_kernels(out: Path, args: argparse.Namespace) -> None:
     from kimik3.fused.launch_cost import launch_bytes, launch_flops
+    from kimik3.fused.loading import load_kernels
+    from kimik3.fused.runners import KernelRunner
     from kimik3.model.quant import mxfp4_quantize as mxfp4_pack
-    from kimik3.stages.fused import FusedStage, KernelRunner, load_kernels
+    from kimik3.stages.fused import FusedStage
 
     deadline = float(args.deadline)
     copy_bw, floor = _copy_bw(out)
@@ -717,7 +720,8 @@ def _phase_bench(out: Path, args: argparse.Namespace) -> None:
                               "context": p["context"], "steps": p["steps"], "repeats": p["repeats"],
                               "order": p["order"], "rows": rows, "skipped": skipped, "dry_run": dry,
                               "tolerance_vs_naive": TOL["bf16_stage"],
-                              "weights": "kimik3.model.random_init rules, drawn on the device (kimik3.model.random_init.device_model)"}
+                              "weights": "kimik3.model.random_init rules, drawn on the device "
+                                         "(kimik3.model.random_init.device_model)"}
     try:
         for stage, batch in p["order"]:
             left = deadline - time.time()
@@ -1133,7 +1137,7 @@ def _print_summary(out: Path, summary: dict[str, Any]) -> None:
 
 def _build(args: argparse.Namespace) -> int:
     """Compile + export every kernel of the targets (CPU machine with the CuTe DSL), record the commit."""
-    from kimik3.stages.fused import build_prebuilt_kernels
+    from kimik3.fused.loading import build_prebuilt_kernels
 
     out = Path(args.build_prebuilt)
     targets, mk_targets = select(args.presets, args.batches)

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cases(module: str, cases: list[dict], tmp: Path, timeout: int) -> list[dict]:
-    """``python -m <module> cases.json`` (``kimik3.kernels.verify.host_exec.cases_main``): one result per case, in order;
-    fails with the subprocess's stderr when it did not report every case."""
+    """``python -m <module> cases.json`` (``kimik3.kernels.verify.host_exec.cases_main``): one result per case, in
+    order; fails with the subprocess's stderr when it did not report every case."""
     path = tmp / "cases.json"
     path.write_text(json.dumps(cases))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

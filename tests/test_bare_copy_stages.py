@@ -38,7 +38,7 @@ CHILD = textwrap.dedent("""
     import torch
     import kimik3
     assert kimik3.__file__.startswith(BARE), kimik3.__file__
-    from kimik3.stages.fused import dsl_available
+    from kimik3.fused.loading import dsl_available
     assert not dsl_available()
 
     out = {"kimik3": kimik3.__file__}
@@ -61,7 +61,8 @@ CHILD = textwrap.dedent("""
             import kimik3.megakernel.gpu as G
             k = G._compile("sm_90a", G.static_shapes("tiny", 1), PREBUILT, G.variant_name("tiny", 1))
         else:
-            from kimik3.stages.fused import fused_ops, load_kernels
+            from kimik3.fused.loading import load_kernels
+            from kimik3.fused.plan import fused_ops
             ops = [o for o in fused_ops("tiny", 1) if o.family == "gemv.rmsnorm"][:1]
             k = load_kernels(ops, "sm_90a", "prebuilt", PREBUILT)
         out["load"] = f"loaded {type(k).__name__}"

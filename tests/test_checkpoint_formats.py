@@ -22,8 +22,9 @@ from safetensors.torch import load_file, save_file
 import kimik3
 import kimik3.model.checkpoint as ckpt
 from kimik3.model import quant
+from kimik3.model.checkpoint import load_k3_shard
 from kimik3.model.config import ModelConfig, _k3_mla_pattern, get_preset
-from kimik3.model.subset import k3_shard_selection, load_k3_shard, select, slice_model
+from kimik3.model.subset import k3_shard_selection, select, slice_model
 from kimik3.validation.metric import TOL, rel_error
 
 G = torch.Generator().manual_seed(17)
@@ -498,7 +499,7 @@ def test_subset_peak_memory_on_a_2gb_checkpoint(tmp_path):
     # VmHWM: this process's own high-water RSS (ru_maxrss would carry the forking parent's over exec)
     code = (
         "import sys, torch, kimik3\n"
-        "from kimik3.model.subset import load_k3_shard\n"
+        "from kimik3.model.checkpoint import load_k3_shard\n"
         "def hwm():\n"
         "    line = next(x for x in open('/proc/self/status') if x.startswith('VmHWM:'))\n"
         "    return int(line.split()[1]) * 1024\n"

@@ -1,8 +1,8 @@
 """Every contract between the host and the device code is defined once.
 
-* ``kernels/contracts/isa.py`` (the megakernel's instruction encoding) and ``kernels/contracts/meta.py`` (the fused kernels' layouts,
-  eps values, parameter order) load on their own, in a fresh interpreter where torch and cutlass cannot be
-  imported — what a consumer that needs only the contract gets;
+* ``kernels/contracts/isa.py`` (the megakernel's instruction encoding) and ``kernels/contracts/meta.py`` (the fused
+  kernels' layouts, eps values, parameter order) load on their own, in a fresh interpreter where torch and cutlass
+  cannot be imported — what a consumer that needs only the contract gets;
 * the host program encodes with those definitions (header, tables and rows read back at the contract's offsets);
 * no other module of the package or the kernels assigns a contract constant or defines a metadata function again;
 * the kernel source hash covers every project module a kernel imports (so editing a contract invalidates the
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from kimik3.kernels.contracts import isa, meta
-from kimik3.kernels.toolchain.source import CONTRACTS, DEPENDENCIES, KERNEL_DIR
+from kimik3.kernels.toolchain.source import OPS, hashed_modules, module_path
 
 from kimik3.megakernel import instructions, interpreter
 from kimik3.megakernel.scheduler import build_program
@@ -42,7 +42,7 @@ _STANDALONE = textwrap.dedent("""
     sys.meta_path.insert(0, Block())
     out = {}
     for name in ("isa", "meta"):
-        spec = importlib.util.spec_from_file_location(f"contract_{name}", f"{sys.argv[1]}/kernels/{name}.py")
+        spec = importlib.util.spec_from_file_location(f"contract_{name}", f"{sys.argv[1]}/kernels/contracts/{name}.py")
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
         spec.loader.exec_module(mod)
@@ -145,34 +145,34 @@ def test_no_second_definition() -> None:
                         copies.append(f"{rel}:{node.lineno} assigns {n}")
             elif isinstance(node, ast.FunctionDef) and node.name in _META_FUNCS and rel != "kernels/contracts/meta.py":
                 copies.append(f"{rel}:{node.lineno} defines {node.name}()")
-    assert not copies, "contract values defined outside kernels/contracts/isa.py / kernels/contracts/meta.py:\n" + "\n".join(copies)
+    assert not copies, ("contract values defined outside kernels/contracts/isa.py / kernels/contracts/meta.py:\n"
+                        + "\n".join(copies))
 
 
 def _local_imports(name: str) -> set[str]:
-    """Sibling kernel modules ``kernels/<name>.py`` imports (relative imports)."""
+    """Kernel modules (named from ``kernels/``, e.g. ``common.device``) that module ``name`` imports."""
     out = set()
-    for node in ast.walk(ast.parse((KERNEL_DIR / f"{name}.py").read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                out.add(node.module.split(".")[0])
-            else:
-                out.update(a.name for a in node.names)
-    return out - {"_source"}  # the hashing code itself, not compiled code
+    for node in ast.walk(ast.parse(module_path(name).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kimik3.kernels."):
+            sub = node.module.removeprefix("kimik3.kernels.")
+            for a in node.names:  # `from kimik3.kernels.common import device` names a module
+                out.add(f"{sub}.{a.name}" if module_path(f"{sub}.{a.name}").is_file() else sub)
+    return out - {"toolchain.source"}  # the hashing code itself, not compiled code
 
 
 def test_source_hash_covers_every_imported_module() -> None:
-    kernels = [p.stem for p in KERNEL_DIR.glob("*.py") if "SOURCE_HASH = kernel_source_hash" in p.read_text()]
+    kernels = [op for op, mod in OPS.items() if "SOURCE_HASH = kernel_source_hash" in module_path(mod).read_text()]
     assert {"gemv", "router", "kda", "mla_decode", "moe", "attn_res", "megakernel"} <= set(kernels)
     for k in kernels:
-        hashed = {k, *DEPENDENCIES.get(k, ()), *CONTRACTS.get(k, ()), "_common"}
-        todo, seen = [k], set()
+        hashed = set(hashed_modules(k))
+        todo, seen = [OPS[k]], set()
         while todo:
             m = todo.pop()
             if m in seen:
                 continue
             seen.add(m)
             todo.extend(_local_imports(m))
-        assert seen <= hashed, f"kernels/{k}.py compiles code from {sorted(seen - hashed)}, which its hash misses"
+        assert seen <= hashed, f"kernels/{OPS[k]} compiles code from {sorted(seen - hashed)}, which its hash misses"
 
 
 @pytest.mark.parametrize("fn", ["route_from_logits", "router_logits", "kda_decay", "kda_gated_norm",

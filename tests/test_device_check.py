@@ -68,7 +68,7 @@ def test_out_is_required() -> None:
 
 
 def test_prebuilt_status_flags_stale_kernels(tmp_path: Path) -> None:
-    from kimik3.stages.fused import fused_ops
+    from kimik3.fused.plan import fused_ops
 
     op = fused_ops("tiny", 1)[0]
     manifest = {"arch": "sm_90a", "kernels": {op.name: {"module": op.module_name, "variant": op.variant,
@@ -92,7 +92,7 @@ def test_build_prebuilt_records_the_commit(tmp_path: Path, monkeypatch: pytest.M
     calls, mk = [], []
     import kimik3.kernels.toolchain.prebuilt as pb
 
-    import kimik3.stages.fused as fused
+    import kimik3.fused.loading as fused
 
     monkeypatch.setattr(fused, "build_prebuilt_kernels", lambda arch, out, targets, **kw: calls.append(targets))
     monkeypatch.setattr(pb, "build_prebuilt", lambda arch, out, variants, **kw: mk.append([v.name for v in variants]))
@@ -105,7 +105,8 @@ def test_build_prebuilt_records_the_commit(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_device_model_reproduces_from_preset_on_cpu() -> None:
-    """The on-device initialiser runs kimik3.model.random_init's own rules; with a CPU generator it is from_preset exactly."""
+    """The on-device initialiser runs kimik3.model.random_init's own rules; with a CPU generator it is from_preset
+    exactly."""
     a = device_model("micro", seed=3, dtype=torch.bfloat16, device="cpu")
     b = kimik3.from_preset("micro", seed=3, dtype=torch.bfloat16)
     sa, sb = a.state_dict(), b.state_dict()

@@ -89,7 +89,8 @@ def test_dry_run_tampered_artefact_fails_and_is_named(tiny_prebuilt: Path, tmp_p
 
 @pytest.mark.slow
 def test_dry_run_full_target_set(tmp_path: Path) -> None:
-    """Every target the GPU run uses (kimik3.kernels.toolchain.targets): exported, verified, loaded, carried under 64 MiB."""
+    """Every target the GPU run uses (kimik3.kernels.toolchain.targets): exported, verified, loaded, carried under 64
+    MiB."""
     prebuilt = build_prebuilt(tmp_path / "prebuilt")
     code, r = _dry_run(tmp_path / "out", prebuilt)
     assert code == 0 and r["summary"]["failures"] == [], r["summary"]["failures"]

@@ -3,7 +3,8 @@
 validation.md: fp32 expert-parallel decode vs single process, ``e ≤ TOL["expert_parallel"]`` per step and
 identical greedy tokens. The reference here is computed in the test process with the plain ``naive`` Decoder
 (independently of the module's own comparison). Every multi-process run goes through
-:func:`kimik3.scale.expert_parallel.run_local` or a ``torchrun`` subprocess, both with hard deadlines, so nothing can hang.
+:func:`kimik3.scale.expert_parallel.run_local` or a ``torchrun`` subprocess, both with hard deadlines, so nothing can
+hang.
 """
 
 from __future__ import annotations
@@ -227,7 +228,8 @@ def test_launcher_under_torchrun(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_loopback_port()),
-           "-m", "kimik3.scale.expert_parallel", "--preset", "micro", "--batch", "2", "--steps", str(STEPS), "--seed", "0",
+           "-m", "kimik3.scale.expert_parallel", "--preset", "micro", "--batch", "2", "--steps", str(STEPS),
+           "--seed", "0",
            "--threads", "1", "--timeout", str(RUN_TIMEOUT_S), "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -32,20 +32,13 @@ from kimik3.kernels.contracts.meta import (
 from kimik3.kernels.toolchain.targets import fused_cases
 
 import kimik3
+from kimik3.fused.loading import _find_prebuilt, _prebuilt_cache_len, load_kernels
+from kimik3.fused.plan import FAMILY_MODULES, FusedStep, fused_ops, plan_errors
+from kimik3.fused.runners import ReferenceRunner
 from kimik3.model.config import get_preset
 from kimik3.model.quant import mxfp4_quantize as mxfp4_pack
 from kimik3.model.random_init import build_model
-from kimik3.stages.fused import (
-    FAMILY_MODULES,
-    FusedStage,
-    FusedStep,
-    ReferenceRunner,
-    _find_prebuilt,
-    _prebuilt_cache_len,
-    fused_ops,
-    load_kernels,
-    plan_errors,
-)
+from kimik3.stages.fused import FusedStage
 from kimik3.validation import bf16_pair, mixed_lengths
 from kimik3.validation.metric import TOL, rel_error
 
@@ -186,6 +179,7 @@ def test_prebuilt_cache_len_choice(tmp_path: Path):
 def test_replicas_match_the_kernel_modules():
     pytest.importorskip("cutlass")
     from kimik3.kernels.fused import attn_res, gemv, kda, mla_decode, moe
+    from kimik3.kernels.reference import moe as moe_ref
     from kimik3.kernels.toolchain import registry
 
     for nh in (1, 2, 3, 6, 16, 96, 128):
@@ -204,9 +198,9 @@ def test_replicas_match_the_kernel_modules():
             ok = False
         assert kda_head_dim_ok(D) == ok, D
     for B, NH in ((1, 96), (8, 6), (64, 3)):
-        a, b = head_routing(B, NH), moe.head_routing(B, NH)
+        a, b = head_routing(B, NH), moe_ref.head_routing(B, NH)
         assert all(torch.equal(a[k], b[k]) for k in b)
-    from kimik3.stages import fused
+    from kimik3.fused import plan as fused
 
     assert fused.GEMV_RMS_EPS == gemv.RMS_EPS == attn_res.EPS == kda.NORM_EPS
     assert fused.LM_ROWS_PER_CTA == gemv.WARPS * gemv.LM_ROWS_PER_WARP
@@ -219,11 +213,12 @@ def test_replicas_match_the_kernel_modules():
 def test_arg_order_matches_module_launch(monkeypatch):
     """ARG_ORDER (used on GPU machines without the DSL) = the order each module's launch() passes."""
     pytest.importorskip("cutlass")
-    from kimik3.kernels.common import device as C
+    from kimik3.kernels.toolchain import dsl as C
     from kimik3.kernels.toolchain import registry
+    from kimik3.kernels.toolchain.source import OPS
 
     for (mod_name, variant), order in ARG_ORDER.items():
-        mod = __import__(f"kimik3.kernels.{mod_name}", fromlist=["launch"])
+        mod = __import__(f"kimik3.kernels.{OPS[mod_name]}", fromlist=["launch"])
         t = {k: f"<{k}>" for k in order}
         passed: list = []
         monkeypatch.setattr(C, "launch", lambda c, args, tvm_ffi, out=passed: out.extend(args))
@@ -362,7 +357,8 @@ def test_composition_mxfp4_matches_dequantised_model(small_pair):
 # ====================================================================== on a GPU
 
 gpu = pytest.mark.skipif(not CUDA, reason="no CUDA device")
-GPU_CASES = fused_cases("bf16")  # exactly the exported targets (kimik3.kernels.toolchain.targets): the loader refuses others
+# exactly the exported targets (kimik3.kernels.toolchain.targets): the loader refuses others
+GPU_CASES = fused_cases("bf16")
 
 
 class _GpuPairs:

@@ -1,8 +1,8 @@
 """The kernels' device code executed on the host: the GEMV family, the routed MXFP4 / bf16 experts, the AttnRes
 mix, the router's scores GEMV and the megakernel's tile-GEMV helper.
 
-``kimik3.kernels.verify.host_exec`` runs the same ``@cute.jit`` helpers the GPU kernels call (which rows, batch rows, expert
-and chunks a block / warp / lane touches; the lane's dot products, MXFP4 code expansion and E8M0 scale; the MoE
+``kimik3.kernels.verify.host_exec`` runs the same ``@cute.jit`` helpers the GPU kernels call (which rows, batch rows,
+expert and chunks a block / warp / lane touches; the lane's dot products, MXFP4 code expansion and E8M0 scale; the MoE
 combine) over every block, warp and lane of a real launch, does the warp sums in the shuffle order and the epilogue,
 stores into outputs poisoned with NaN, counts every store, and compares with the module's reference. Host runs go
 through a subprocess: a device-only instruction reached on the host aborts the process.
@@ -75,39 +75,41 @@ def _cases_slow() -> list[dict]:
 # Planted bugs (docs/planted-bugs.md): (module, [(original, mutated)]) and the case that must then fail. Each
 # mutated line is the real one in the kernel module, so a refactor that moves it fails load_mutant loudly.
 MUTANTS: dict[str, tuple[list, dict]] = {
-    "gemv-row-tile": (["gemv", [["return rg * WARPS + warp, bt * BT", "return rg * WARPS + warp + 1, bt * BT"]]],
+    "gemv-row-tile": (["fused.gemv", [["return rg * WARPS + warp, bt * BT", "return rg * WARPS + warp + 1, bt * BT"]]],
                       {"family": "gemv.plain", "preset": "micro", "batch": 8}),
-    "gemv-batch-tile": (["gemv", [["return rg * WARPS + warp, bt * BT", "return rg * WARPS + warp, bt"]]],
+    "gemv-batch-tile": (["fused.gemv", [["return rg * WARPS + warp, bt * BT", "return rg * WARPS + warp, bt"]]],
                         {"family": "gemv.plain", "preset": "tiny", "batch": 64}),
-    "gemv-lane-tail": (["gemv", [["_dot_step(gW, gG, mX, x0, rounds * 32 + lane, acc, ssq, 1, BT)",
-                                  "_dot_step(gW, gG, mX, x0, rounds * 32 + lane - 1, acc, ssq, 1, BT)"]]],
+    "gemv-lane-tail": (["fused.gemv", [["_dot_step(gW, gG, mX, x0, rounds * 32 + lane, acc, ssq, 1, BT)",
+                                        "_dot_step(gW, gG, mX, x0, rounds * 32 + lane - 1, acc, ssq, 1, BT)"]]],
                        {"family": "gemv.rmsnorm", "preset": "tiny", "batch": 1}),
-    # the MXFP4 decode lives in _common (shared with the megakernel's expert opcodes): the fused kernel runs with
+    # the MXFP4 decode lives in common.device (shared with the megakernel's expert opcodes): the fused kernel runs with
     # the mutated helpers through its import (host_exec.load_case_mutant)
-    "mxfp4-nibble-order": (["_common", [["return 8 * j + s + 4 * hi", "return 8 * j + 2 * s + hi"]]],
+    "mxfp4-nibble-order": (["common.device", [["return 8 * j + s + 4 * hi", "return 8 * j + 2 * s + hi"]]],
                            {"family": "moe.mxfp4", "preset": "micro", "batch": 8}),
-    "mxfp4-scale-bias": (["_common", [["((Uint32(e) + 14) << 23)", "((Uint32(e) + 15) << 23)"]]],
+    "mxfp4-scale-bias": (["common.device", [["((Uint32(e) + 14) << 23)", "((Uint32(e) + 15) << 23)"]]],
                          {"family": "moe.mxfp4", "preset": "micro", "batch": 1}),
-    "mxfp4-sign-bit": (["_common", [["((t & 0x00080008) << 12)", "((t & 0x00080008) << 11)"]]],
+    "mxfp4-sign-bit": (["common.device", [["((t & 0x00080008) << 12)", "((t & 0x00080008) << 11)"]]],
                        {"family": "moe.mxfp4", "preset": "micro", "batch": 1}),
-    "moe-expert-slot": (["moe", [["return mActE[a], mActStart[a], mActCount[a]",
-                                  "return a, mActStart[a], mActCount[a]"]]],
+    "moe-expert-slot": (["fused.moe", [["return mActE[a], mActStart[a], mActCount[a]",
+                                        "return a, mActStart[a], mActCount[a]"]]],
                         {"family": "moe.bf16", "preset": "micro", "batch": 1}),
-    "moe-token-tile": (["moe", [["pair[t] = mSorted[start + cutlass.min(t0 + t, cnt - 1)]",
-                                 "pair[t] = mSorted[start + cutlass.min(t, cnt - 1)]"]]],
+    "moe-token-tile": (["fused.moe", [["pair[t] = mSorted[start + cutlass.min(t0 + t, cnt - 1)]",
+                                       "pair[t] = mSorted[start + cutlass.min(t, cnt - 1)]"]]],
                        {"family": "moe.bf16", "preset": "micro", "batch": 64}),
-    "attn-res-chunk-order": (["attn_res", [["cute.copy(ld_v, gV[(None, tidx + c * NT)], rv[None, c, j])",
-                                            "cute.copy(ld_v, gV[(None, tidx * CH + c)], rv[None, c, j])"]]],
+    "attn-res-chunk-order": (["fused.attn_res", [["cute.copy(ld_v, gV[(None, tidx + c * NT)], rv[None, c, j])",
+                                                  "cute.copy(ld_v, gV[(None, tidx * CH + c)], rv[None, c, j])"]]],
                              {"family": "attn_res", "preset": "k3-shard", "batch": 8}),
-    "mk-weight-row": (["device_fns", [["gchunks(wrow0 + Int64(j) * Int64(nch) * 16)",
-                                       "gchunks(wrow0 + Int64(j - 1) * Int64(nch) * 16)"]]], _mk(8, 12, 392, 5, False)),
-    "mk-stage-row": (["device_fns", [["row_dot(stage, j * nch, True,", "row_dot(stage, (j + 1) * nch, True,"]]],
+    "mk-weight-row": (["megakernel.device_fns", [["gchunks(wrow0 + Int64(j) * Int64(nch) * 16)",
+                                                  "gchunks(wrow0 + Int64(j - 1) * Int64(nch) * 16)"]]],
+                      _mk(8, 12, 392, 5, False)),
+    "mk-stage-row": (["megakernel.device_fns", [["row_dot(stage, j * nch, True,",
+                                                 "row_dot(stage, (j + 1) * nch, True,"]]],
                      _mk(8, 12, 392, 5, False)),
     # the tile GEMV's last, predicated step: chunks past the row's end (read at its last chunk) keep weight 1
-    "mk-tail-mask": (["device_fns", [["w = w * (Float32(1.0) if c + 32 * u < lim else Float32(0.0))",
-                                      "w = w * Float32(1.0)"]]], _mk(1, 12, 392, 5, True)),
+    "mk-tail-mask": (["megakernel.device_fns", [["w = w * (Float32(1.0) if c + 32 * u < lim else Float32(0.0))",
+                                                 "w = w * Float32(1.0)"]]], _mk(1, 12, 392, 5, True)),
     # the tile GEMV's batch-row loop (3 or more rows per pass) drops the x row stride
-    "mk-row-stride": (["device_fns", [["xb = x0 + b * xs  # row b of the pass", "xb = x0 + b"]]],
+    "mk-row-stride": (["megakernel.device_fns", [["xb = x0 + b * xs  # row b of the pass", "xb = x0 + b"]]],
                       _mk(8, 12, 392, 5, False)),
 }
 
@@ -196,24 +198,28 @@ def test_load_mutant_rejects_a_missing_line() -> None:
     from kimik3.kernels.verify.host_exec import load_mutant
 
     with pytest.raises(ValueError, match="occurs 0 times"):
-        load_mutant("gemv", [("this line is not in gemv.py", "x")])
+        load_mutant("fused.gemv", [("this line is not in fused/gemv.py", "x")])
 
 
 def test_shared_module_mutant_reaches_the_kernel_module_that_imports_it() -> None:
-    """A mutant of _common comes back as the case's kernel module importing the mutated copy (both import forms:
-    ``from . import _common as C`` in moe, ``from ._common import ...`` in mk_moe); a module that does not import
-    it is refused, since the mutant could not reach its device code."""
+    """A mutant of common.device comes back as the case's kernel module importing the mutated copy (both import
+    forms: ``from kimik3.kernels.common import device as C`` in fused.moe, ``from kimik3.kernels.common.device import
+    ...`` in megakernel.moe); a module that does not import it is refused, since the mutant could not reach its
+    device code."""
     from kimik3.kernels.verify.host_exec import load_case_mutant
 
     mut = MUTANTS["mxfp4-nibble-order"][0]
-    name, moe = load_case_mutant(mut, "moe")
-    assert name == "moe" and moe.C.__name__.endswith("._mutant__common")
+    name, moe = load_case_mutant(mut, "fused.moe")
+    assert name == "fused.moe" and moe.__name__ == "kimik3.kernels.fused._mutant_moe"
+    assert moe.C.__name__ == "kimik3.kernels.common._mutant_device"
     assert [moe.C.fp4_pair_col(q) for q in range(4)] == [0, 1, 2, 3]  # the mutant's adjacent columns (was 0, 4, 1, 5)
-    name, mk = load_case_mutant(mut, "mk_moe")
-    assert name == "mk_moe" and mk.x_pair_bf16x2.__module__.endswith("._mutant__common")
-    assert load_case_mutant(["gemv", []], "moe")[0] == "gemv"  # a kernel module's own mutant: itself
-    with pytest.raises(ValueError, match="does not import _common"):
-        load_case_mutant(mut, "meta")
+    name, mk = load_case_mutant(mut, "megakernel.moe")
+    assert name == "megakernel.moe" and mk.x_pair_bf16x2.__module__ == "kimik3.kernels.common._mutant_device"
+    assert load_case_mutant(["fused.gemv", []], "fused.moe")[0] == "fused.gemv"  # a kernel module's own mutant
+    with pytest.raises(ValueError, match="does not import common.device"):
+        load_case_mutant(mut, "contracts.meta")
+    with pytest.raises(ValueError, match="no kernel module 'gemv'"):  # named by the dotted path under kernels/
+        load_case_mutant(["gemv", []], "fused.moe")
 
 
 def _mutant_names(path: Path) -> set[str]:

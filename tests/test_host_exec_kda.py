@@ -47,18 +47,19 @@ def _cases_slow() -> list[dict]:
 # Planted bugs (docs/planted-bugs.md): (module, [(original, mutated)]) and the case that must then fail. Each
 # mutated line is the real one in the kernel module, so a refactor that moves it fails load_mutant loudly.
 MUTANTS: dict[str, tuple[list, dict]] = {
-    "kda-state-row": (["kda", [["return ks * RS + r\n", "return ks * RS + r + 1\n"]]],
+    "kda-state-row": (["fused.kda", [["return ks * RS + r\n", "return ks * RS + r + 1\n"]]],
                       {"family": "kda", "preset": "tiny", "batch": 8}),
-    "kda-read-before-update": (["kda", [["pacc[cc] = rq * (D**-0.5) * (pj + QK * rk * d)",
-                                         "pacc[cc] = rq * (D**-0.5) * pj"]]],
+    "kda-read-before-update": (["fused.kda", [["pacc[cc] = rq * (D**-0.5) * (pj + QK * rk * d)",
+                                               "pacc[cc] = rq * (D**-0.5) * pj"]]],
                                {"family": "kda", "preset": "tiny", "batch": 8}),
-    "mk-kda-state-row": (["mk_kda", [["return p * R + r\n", "return p * R + r + 1\n"]]],
+    "mk-kda-state-row": (["megakernel.kda", [["return p * R + r\n", "return p * R + r + 1\n"]]],
                          {"family": "mk_kda", "preset": "micro", "batch": 1}),
-    "mk-kda-state-col": (["mk_kda", [["return tidx % dk, tidx // dk", "return tidx % dk + 1, tidx // dk"]]],
+    "mk-kda-state-col": (["megakernel.kda", [["return tidx % dk, tidx // dk", "return tidx % dk + 1, tidx // dk"]]],
                          {"family": "mk_kda", "preset": "micro", "batch": 1}),
     "mk-kda-decay-after-update": (
-        ["mk_kda", [["s = S[kda_state_offset(srow, ii, vcol, dk)] * sf[sdec + ii] + (sf[sk + ii] * rk) * delta",
-                     "s = (S[kda_state_offset(srow, ii, vcol, dk)] + (sf[sk + ii] * rk) * delta) * sf[sdec + ii]"]]],
+        ["megakernel.kda",
+         [["s = S[kda_state_offset(srow, ii, vcol, dk)] * sf[sdec + ii] + (sf[sk + ii] * rk) * delta",
+           "s = (S[kda_state_offset(srow, ii, vcol, dk)] + (sf[sk + ii] * rk) * delta) * sf[sdec + ii]"]]],
         {"family": "mk_kda", "preset": "micro", "batch": 1}),
 }
 

@@ -1,14 +1,15 @@
-"""The megakernel's tensor-core GEMV path (``kernels/megakernel/gemv.py`` at a batch pass of 8 rows) executed on the host.
+"""The megakernel's tensor-core GEMV path (``kernels/megakernel/gemv.py`` at a batch pass of 8 rows) executed on the
+host.
 
 ``kimik3.kernels.verify.host_exec_mk_gemv`` runs the lane-level helper ``device_fns.weight_tile_mma`` (row clamping, the
 staged / unstaged choice, chunk addresses of the two weight rows and the x row, the x normalisation, the tail clamp
-and zeroing, the registers handed to ``mk_mma.mma_chunk``) over every (16-row tile, pass) item and lane of an
-instruction; only the ``mma.sync`` is evaluated by ``mk_mma.mma_reference``. The opcodes' epilogues are replayed per
-accumulator register into outputs poisoned with NaN (every store counted) and compared with the CPU interpreter's
-opcode reference. Boxes that end inside a tile, K not a multiple of 32 (the tail), a tile straddling the stage's
-end, batch 8 and 64 (8 passes), every FFN_OUT source combination and an LM_HEAD arg-max tie are covered; planted
-bugs (wrong register order, wrong chunk, gamma missing, no tail zeroing, the staged rule, the tile height) must
-fail. Host runs go through a subprocess: a device-only instruction reached on the host aborts the process.
+and zeroing, the registers handed to ``megakernel.mma.mma_chunk``) over every (16-row tile, pass) item and lane of
+an instruction; only the ``mma.sync`` is evaluated by ``megakernel.mma.mma_reference``. The opcodes' epilogues are
+replayed per accumulator register into outputs poisoned with NaN (every store counted) and compared with the CPU
+interpreter's opcode reference. Boxes that end inside a tile, K not a multiple of 32 (the tail), a tile straddling the
+stage's end, batch 8 and 64 (8 passes), every FFN_OUT source combination and an LM_HEAD arg-max tie are covered;
+planted bugs (wrong register order, wrong chunk, gamma missing, no tail zeroing, the staged rule, the tile height)
+must fail. Host runs go through a subprocess: a device-only instruction reached on the host aborts the process.
 """
 
 from __future__ import annotations
@@ -39,27 +40,27 @@ CASES: list[dict] = [
 # Planted bugs: (module, [(original, mutated)]) and the case that must then fail.
 MUTANTS: dict[str, tuple[list, dict]] = {
     # rows g and g + 8 of the A fragments swapped
-    "mk-mma-register-order": (["device_fns", [["_chunk_mma(acc, ua[None, u], ub[None, u], ux[None, u]",
-                                               "_chunk_mma(acc, ub[None, u], ua[None, u], ux[None, u]"]]],
+    "mk-mma-register-order": (["megakernel.device_fns", [["_chunk_mma(acc, ua[None, u], ub[None, u], ux[None, u]",
+                                                          "_chunk_mma(acc, ub[None, u], ua[None, u], ux[None, u]"]]],
                               {"op": "o_proj_residual", "args": {"K": 264, "n": 40, "accumulate": True}}),
     # k blocks one chunk apart instead of one quad (4 chunks) apart
-    "mk-mma-chunk": (["device_fns", [["cc = [c + 4 * u if", "cc = [c + u if"]]],
+    "mk-mma-chunk": (["megakernel.device_fns", [["cc = [c + 4 * u if", "cc = [c + u if"]]],
                      {"op": "o_proj_residual", "args": {"K": 264, "n": 40, "accumulate": True}}),
     # x normalised without γ
-    "mk-mma-gamma": (["device_fns", [["rx[None, u].store((xh.to(Float32) * rg[None, u].load().to(Float32))"
-                                      ".to(BFloat16))", "rx[None, u].store(xh)"]]],
+    "mk-mma-gamma": (["megakernel.device_fns", [["rx[None, u].store((xh.to(Float32) * rg[None, u].load().to(Float32))"
+                                                 ".to(BFloat16))", "rx[None, u].store(xh)"]]],
                      {"op": "norm_proj", "args": {"K": 200, "n": 37, "staged": 20}}),
     # the clamped chunks of the tail k block counted (their x not zeroed)
-    "mk-mma-tail": (["device_fns", [["ux[i, u] = ux[i, u] if c + 4 * u < lim else Uint32(0)",
-                                     "ux[i, u] = ux[i, u]"]]],
+    "mk-mma-tail": (["megakernel.device_fns", [["ux[i, u] = ux[i, u] if c + 4 * u < lim else Uint32(0)",
+                                                "ux[i, u] = ux[i, u]"]]],
                     {"op": "ffn_out", "args": {"K": 200, "n": 30, "flags": 2, "staged": 5}}),
     # a tile read from the stage when only its first row is staged (the rest of the stage is poison)
-    "mk-mma-staged-rule": (["device_fns", [["if cutlass.min(j0 + (MMA_ROWS - 1), n - 1) < staged_rows:",
-                                            "if j0 < staged_rows:"]]],
+    "mk-mma-staged-rule": (["megakernel.device_fns", [["if cutlass.min(j0 + (MMA_ROWS - 1), n - 1) < staged_rows:",
+                                                       "if j0 < staged_rows:"]]],
                            {"op": "norm_proj", "args": {"K": 200, "n": 37, "staged": 20}}),
     # work items 8 rows apart while every tile computes 16: rows stored twice
-    "mk-mma-tile-rows": (["mk_addr", [["return GEMV_MMA_ROWS if bt == GEMV_BT else 1",
-                                       "return 8 if bt == GEMV_BT else 1"]]],
+    "mk-mma-tile-rows": (["contracts.addr", [["return GEMV_MMA_ROWS if bt == GEMV_BT else 1",
+                                              "return 8 if bt == GEMV_BT else 1"]]],
                          {"op": "o_proj_residual", "args": {"K": 264, "n": 40, "accumulate": True}}),
 }
 
@@ -70,8 +71,8 @@ def _name(c: dict) -> str:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    return run_with_mutants("kimik3.kernels.verify.host_exec_mk_gemv", CASES, MUTANTS, tmp_path_factory.mktemp("mk_gemv"),
-                            900, _name)
+    return run_with_mutants("kimik3.kernels.verify.host_exec_mk_gemv", CASES, MUTANTS,
+                            tmp_path_factory.mktemp("mk_gemv"), 900, _name)
 
 
 @pytest.mark.parametrize("name", [_name(c) for c in CASES])
@@ -127,7 +128,9 @@ def test_mutants_of_other_modules_are_refused() -> None:
     from kimik3.kernels.verify.host_exec_mk_gemv import _modules
 
     assert _modules(None) == (device_fns, mk_addr)
-    with pytest.raises(ValueError, match="mutants of device_fns or mk_addr only, got 'mk_moe'"):
-        _modules(["mk_moe", [["a", "b"]]])
-    m = mutated_modules(["mk_addr", [["GEMV_MMA_ROWS = 16", "GEMV_MMA_ROWS = 8"]]], {"mk_addr": mk_addr}, "t")
-    assert m["mk_addr"] is not mk_addr and m["mk_addr"].GEMV_MMA_ROWS == 8
+    with pytest.raises(ValueError,
+                       match="mutants of megakernel.device_fns or contracts.addr only, got 'megakernel.moe'"):
+        _modules(["megakernel.moe", [["a", "b"]]])
+    m = mutated_modules(["contracts.addr", [["GEMV_MMA_ROWS = 16", "GEMV_MMA_ROWS = 8"]]], {"contracts.addr": mk_addr},
+                        "t")
+    assert m["contracts.addr"] is not mk_addr and m["contracts.addr"].GEMV_MMA_ROWS == 8

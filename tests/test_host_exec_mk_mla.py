@@ -1,7 +1,7 @@
 """The megakernel's MLA opcodes (``kernels/megakernel/mla.py``) executed on the host, one instruction at a time.
 
-``kimik3.kernels.verify.host_exec_mk_mla`` runs the opcodes' own ``@cute.jit`` helpers (the W_UK absorption's chunk column /
-row-group tiling and its vectorised lane loop, the q_b and W_UV rows through ``device_fns.weight_row_dot``, the
+``kimik3.kernels.verify.host_exec_mk_mla`` runs the opcodes' own ``@cute.jit`` helpers (the W_UK absorption's chunk
+column / row-group tiling and its vectorised lane loop, the q_b and W_UV rows through ``device_fns.weight_row_dot``, the
 latent RMSNorm lanes, MLA_PARTIAL's query / cache-row loads, partial scores and online-softmax output update, and
 MLA_REDUCE's split merge) over every warp task and lane of an instruction, does the warp sums, the online softmax
 and the stores the thin GPU layer does, in the kernel's order, into outputs poisoned with NaN (every store counted),
@@ -59,8 +59,8 @@ def _cases_slow() -> list[dict]:
 # Planted bugs (docs/planted-bugs.md): (module, [(original, mutated)]) and the case that must then fail.
 MUTANTS: dict[str, tuple[list, dict]] = {
     # the W_UK row stride one chunk short: every nope row after the first read from the wrong place
-    "mk-mla-wuk-row-stride": (["mk_mla", [["wv[((row0 + n0 + RG * u) * nchr + cb, None)]",
-                                           "wv[((row0 + n0 + RG * u) * (nchr - 1) + cb, None)]"]]],
+    "mk-mla-wuk-row-stride": (["megakernel.mla", [["wv[((row0 + n0 + RG * u) * nchr + cb, None)]",
+                                                   "wv[((row0 + n0 + RG * u) * (nchr - 1) + cb, None)]"]]],
                               {"op": "q", "preset": "micro", "batch": 1, "args": {"h0": 3}}),
 }
 
@@ -76,8 +76,8 @@ def _name(c: dict) -> str:
 
 @pytest.fixture(scope="module")
 def ci_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    return run_with_mutants("kimik3.kernels.verify.host_exec_mk_mla", _cases_ci(), MUTANTS, tmp_path_factory.mktemp("mk_mla"),
-                            900, _name)
+    return run_with_mutants("kimik3.kernels.verify.host_exec_mk_mla", _cases_ci(), MUTANTS,
+                            tmp_path_factory.mktemp("mk_mla"), 900, _name)
 
 
 @pytest.mark.parametrize("name", [_name(c) for c in _cases_ci()])
@@ -103,7 +103,7 @@ def test_mla_opcode_host_execution_full(case: dict, tmp_path: Path) -> None:
 
 
 def test_absorption_tiles_cover_every_column_once() -> None:
-    """The absorption's tiling (``mk_addr.absorb_cw``, shared with the device; the lane split of
+    """The absorption's tiling (``contracts.addr.absorb_cw``, shared with the device; the lane split of
     ``mk_mla.absorb_coords`` restated): every W_UK chunk column is owned with every row group exactly once."""
     from kimik3.kernels.contracts.addr import absorb_cw
 

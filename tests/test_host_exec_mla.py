@@ -51,14 +51,14 @@ _SPLIT_END = "return t0, cutlass.min(t0 + chunk, n)"
 # Planted bugs (docs/planted-bugs.md): (module, [(original, mutated)]) and the case that must then fail. Each
 # mutated line is the real one in kernels/fused/mla_decode.py, so a refactor that moves it fails load_mutant loudly.
 MUTANTS: dict[str, tuple[list, dict]] = {
-    "mla-split-last-dropped": (["mla_decode", [[_SPLIT_END, _SPLIT_END + " - 1"]]],
+    "mla-split-last-dropped": (["fused.mla_decode", [[_SPLIT_END, _SPLIT_END + " - 1"]]],
                                {"preset": "tiny", "batch": 8, "lens": RAGGED8}),
-    "mla-split-past-end": (["mla_decode", [[_SPLIT_END, "return t0, cutlass.min(t0 + chunk, n + 1)"]]],
+    "mla-split-past-end": (["fused.mla_decode", [[_SPLIT_END, "return t0, cutlass.min(t0 + chunk, n + 1)"]]],
                            {"preset": "tiny", "batch": 8, "lens": RAGGED8}),
-    "mla-softmax-sum-rescale": (["mla_decode", [["lsum[hh] = lsum[hh] * corr", "lsum[hh] = lsum[hh]"]]],
+    "mla-softmax-sum-rescale": (["fused.mla_decode", [["lsum[hh] = lsum[hh] * corr", "lsum[hh] = lsum[hh]"]]],
                                 {"preset": "tiny", "batch": 8, "lens": RAGGED8}),
-    "mla-warp-heads": (["mla_decode", [["return (hg * WARPS + warp) * HPW", "return (hg + warp) * HPW"]]], SMALL),
-    "mla-combine-weight": (["mla_decode", [["L = L + w * mPartL[b, h, sp]", "L = L + mPartL[b, h, sp]"]]],
+    "mla-warp-heads": (["fused.mla_decode", [["return (hg * WARPS + warp) * HPW", "return (hg + warp) * HPW"]]], SMALL),
+    "mla-combine-weight": (["fused.mla_decode", [["L = L + w * mPartL[b, h, sp]", "L = L + mPartL[b, h, sp]"]]],
                            {"preset": "tiny", "batch": 8, "lens": RAGGED8}),
 }
 

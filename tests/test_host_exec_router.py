@@ -13,7 +13,7 @@ Whole programs at ``micro`` and ``tiny``; at ``k3-shard`` the first MoE layer's 
 first / last row tile, every lane) and the misc opcodes; the full ``tiny`` batch-8 / ``k3-shard`` layers are slow.
 Programs carrying MXFP4 routed experts (``expert_format="mxfp4"``: the kernel compiled with ``MKConfig.fp4`` decodes
 codes and E8M0 scales to bf16 registers for ``mma.sync``; on the host every lane's code runs and only the mma is
-evaluated by ``mk_mma.mma_reference``) run their first MoE layer against the interpreter's dequantise-then-dense
+evaluated by ``megakernel.mma.mma_reference``) run their first MoE layer against the interpreter's dequantise-then-dense
 bodies (every layer runs the same code on the same shapes); their whole programs are slow.
 Planted mutants (docs/planted-bugs.md) must fail.
 """
@@ -75,70 +75,73 @@ def _cases_slow() -> list[dict]:
 # Planted bugs (docs/planted-bugs.md): (module, [(original, mutated)]) and the case that must then fail. Each mutated
 # line is the real one in the kernel module, so a refactor that moves it fails load_mutant loudly.
 MUTANTS: dict[str, tuple[list, dict]] = {
-    "topk-tie-break": (["router", [["return (v > bv) | ((v == bv) & (i < bi))",
-                                    "return (v > bv) | ((v == bv) & (i > bi))"]]],
+    "topk-tie-break": (["fused.router", [["return (v > bv) | ((v == bv) & (i < bi))",
+                                          "return (v > bv) | ((v == bv) & (i > bi))"]]],
                        {"family": "router.ties", "preset": "tiny", "batch": 8}),
-    "topk-group-keep": (["router", [["keep = keep | ((ix[j] // GS == g) & (rank < TOPK_GROUP))",
-                                     "keep = keep | ((ix[j] // GS == g) & (rank <= TOPK_GROUP))"]]],
+    "topk-group-keep": (["fused.router", [["keep = keep | ((ix[j] // GS == g) & (rank < TOPK_GROUP))",
+                                           "keep = keep | ((ix[j] // GS == g) & (rank <= TOPK_GROUP))"]]],
                         {"family": "router", "preset": "tiny", "batch": 8, "shapes": GROUPED}),
-    "mk-router-tie-break": (["mk_moe", [["return (ov > v) | ((ov == v) & (oi < i))",
-                                         "return (ov > v) | ((ov == v) & (oi > i))"]]],
+    "mk-router-tie-break": (["megakernel.router", [["return (ov > v) | ((ov == v) & (oi < i))",
+                                                    "return (ov > v) | ((ov == v) & (oi > i))"]]],
                             {"family": "mk.ROUTER", "preset": "micro", "batch": 8, "ties": True}),
-    "mk-router-compaction": (["mk_moe", [["return base + cute.arch.popc(bal & below)",
-                                          "return base + cute.arch.popc(bal & ~below)"]]],
+    "mk-router-compaction": (["megakernel.router", [["return base + cute.arch.popc(bal & below)",
+                                                     "return base + cute.arch.popc(bal & ~below)"]]],
                              {"family": "mk.ROUTER", "preset": "micro", "batch": 8, "ties": True}),
-    "mk-down-expert-stride": (["mk_moe", [[
+    "mk-down-expert-stride": (["megakernel.moe", [[
         "wv = gchunks(ctx.s_addr[4] + expert_row_offset(ctx.s_d1[4], ctx.s_d2[4], e, r, Int64) * 2)",
         "wv = gchunks(ctx.s_addr[4] + (Int64(e) + Int64(r)) * Int64(ctx.s_d2[4]) * 2)"]]],
         {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
-    "mk-down-slot-row": (["mk_moe", [["(b * ctx.s_d1[0] + j) * hs", "(b * ctx.s_d1[0]) * hs"]]],
+    "mk-down-slot-row": (["megakernel.moe", [["(b * ctx.s_d1[0] + j) * hs", "(b * ctx.s_d1[0]) * hs"]]],
                          {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
-    "mk-down-list-weight": (["mk_moe", [["mw[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), j)]",
-                                         "mw[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), p)]"]]],
+    "mk-down-list-weight": (["megakernel.moe", [["mw[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), j)]",
+                                                 "mw[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), p)]"]]],
                             {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
-    "mk-down-out-col": (["mk_moe", [["return _eoff(ctx.s_d1[5], ctx.s_d2[5], b, Int32(0), r)",
-                                     "return _eoff(ctx.s_d1[5], ctx.s_d2[5], b, Int32(0), r + 1)"]]],
+    "mk-down-out-col": (["megakernel.moe", [["return _eoff(ctx.s_d1[5], ctx.s_d2[5], b, Int32(0), r)",
+                                             "return _eoff(ctx.s_d1[5], ctx.s_d2[5], b, Int32(0), r + 1)"]]],
                         {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
-    "mk-argmax-last-max": (["mk_misc", [["take = v > best", "take = v >= best"]]],
+    "mk-argmax-last-max": (["megakernel.misc", [["take = v > best", "take = v >= best"]]],
                            {"family": "mk.misc", "preset": "micro", "batch": 8}),
-    # MXFP4 experts (kernels/megakernel/moe.py fp4_mma_tile and around; every case runs the lane code on the host with the
-    # mma.sync evaluated by mk_mma.mma_reference). w1's scale byte read one group to the right (the next group's, or
-    # the next row's first)
-    "mk-fp4-scale-group": (["mk_moe", [["cute.copy(ld_s, sg[(gi, None)], rs[None, 0])",
-                                        "cute.copy(ld_s, sg[(gi + 1, None)], rs[None, 0])"]]], MX8),
+    # MXFP4 experts (kernels/megakernel/moe.py fp4_mma_tile and around; every case runs the lane code on the host with
+    # the mma.sync evaluated by megakernel.mma.mma_reference). w1's scale byte read one group to the right (the next
+    # group's, or the next row's first)
+    "mk-fp4-scale-group": (["megakernel.moe", [["cute.copy(ld_s, sg[(gi, None)], rs[None, 0])",
+                                                "cute.copy(ld_s, sg[(gi + 1, None)], rs[None, 0])"]]], MX8),
     # the two codes of a byte swapped (high nibble taken as the even column) in the x pair order shared with the
-    # fused kernel (module _common: the opcodes run with the mutated helpers): x no longer matches the decoded words
-    "mk-fp4-nibble-order": (["_common", [["return 8 * j + s + 4 * hi", "return 8 * j + ((s + 4 * hi) ^ 1)"]]], MX8),
+    # fused kernel (module common.device: the opcodes run with the mutated helpers): x no longer matches the decoded
+    # words
+    "mk-fp4-nibble-order": (["common.device", [["return 8 * j + s + 4 * hi", "return 8 * j + ((s + 4 * hi) ^ 1)"]]],
+                            MX8),
     # the x registers in column order instead of the decoded words' pair order
-    "mk-fp4-x-register-order": (["_common", [["lo, hi = (fp4_pair_col(VEC * j + 2 * s + h) - VEC * j for h",
-                                              "lo, hi = (2 * s + h for h"]]], MX8),
+    "mk-fp4-x-register-order": (["common.device", [["lo, hi = (fp4_pair_col(VEC * j + 2 * s + h) - VEC * j for h",
+                                                    "lo, hi = (2 * s + h for h"]]], MX8),
     # the decode's sign bit dropped (bf16 bit 15 not kept): negative codes decode positive
-    "mk-fp4-sign-bit": (["_common", [["FP4_BF16_BITS = 0x81C081C0", "FP4_BF16_BITS = 0x01C001C0"]]], MX8),
+    "mk-fp4-sign-bit": (["common.device", [["FP4_BF16_BITS = 0x81C081C0", "FP4_BF16_BITS = 0x01C001C0"]]], MX8),
     # the placement multiplier of the odd registers shifted one bit too far (2^3 + 2^9: magnitudes doubled, signs
     # at bit 16 of the low half)
-    "mk-fp4-place-shift": (["_common", [["a = 6 - 4 * (s % 2)", "a = 6 - 3 * (s % 2)"]]], MX8),
+    "mk-fp4-place-shift": (["common.device", [["a = 6 - 4 * (s % 2)", "a = 6 - 3 * (s % 2)"]]], MX8),
     # rows g and g + 8 decoded with each other's scale
-    "mk-fp4-row-scale": (["mk_moe", [["scales = fp4_group_scales(rs[0, 0], rs[0, 1], keep)",
-                                      "scales = fp4_group_scales(rs[0, 1], rs[0, 0], keep)"]]], MX8),
+    "mk-fp4-row-scale": (["megakernel.moe", [["scales = fp4_group_scales(rs[0, 0], rs[0, 1], keep)",
+                                              "scales = fp4_group_scales(rs[0, 1], rs[0, 0], keep)"]]], MX8),
     # EXPERT_DOWN's cross-warp sum reads member k's partial from member k + 1's slot (the last one never written)
-    "mk-fp4-down-part-slot": (["mk_moe", [["(w + (k - 1) * ntiles) * fp4_down_part_words",
-                                           "(w + k * ntiles) * fp4_down_part_words"]]], MX8),
+    "mk-fp4-down-part-slot": (["megakernel.moe", [["(w + (k - 1) * ntiles) * fp4_down_part_words",
+                                                   "(w + k * ntiles) * fp4_down_part_words"]]], MX8),
     # EXPERT_DOWN's cross-warp sum stops one member short: the last member's slots are never added
-    "mk-fp4-down-last-member": (["mk_moe", [["for k in cutlass.range(1, g, unroll=1):",
-                                             "for k in cutlass.range(1, g - 1, unroll=1):"]]], MX8),
+    "mk-fp4-down-last-member": (["megakernel.moe", [["for k in cutlass.range(1, g, unroll=1):",
+                                                     "for k in cutlass.range(1, g - 1, unroll=1):"]]], MX8),
     # the x values of the neighbouring group: k no longer matches between A and B
-    "mk-fp4-x-group": (["mk_moe", [["xv[(xr0 + gi * X_CHUNKS_PER_GROUP + j, None)]",
-                                    "xv[(xr0 + (gi ^ 1) * X_CHUNKS_PER_GROUP + j, None)]"]]], MX8),
+    "mk-fp4-x-group": (["megakernel.moe", [["xv[(xr0 + gi * X_CHUNKS_PER_GROUP + j, None)]",
+                                            "xv[(xr0 + (gi ^ 1) * X_CHUNKS_PER_GROUP + j, None)]"]]], MX8),
     # the lane's second A row one too low (row g + 7 in place of g + 8)
-    "mk-fp4-second-row": (["mk_moe", [["cutlass.min(rt + g + 8, r1 - 1)", "cutlass.min(rt + g + 7, r1 - 1)"]]], MX8),
+    "mk-fp4-second-row": (["megakernel.moe", [["cutlass.min(rt + g + 8, r1 - 1)", "cutlass.min(rt + g + 7, r1 - 1)"]]],
+                          MX8),
     # EXPERT_DOWN's epilogue shuffles column c from the wrong lane of the row group
-    "mk-fp4-column-src": (["mk_moe", [["return lane_group(lane) * 4 + c // 2, c % 2",
-                                       "return lane_group(lane) * 4 + c % 4, c % 2"]]], MX8),
+    "mk-fp4-column-src": (["megakernel.moe", [["return lane_group(lane) * 4 + c // 2, c % 2",
+                                               "return lane_group(lane) * 4 + c % 4, c % 2"]]], MX8),
     # EXPERT_GATE_UP's epilogue stores register i's value at the other row of the lane's pair
-    "mk-fp4-out-row": (["mk_moe", [["r = rt + acc_row(lane, i)\n", "r = rt + acc_row(lane, i ^ 2)\n"]]], MX8),
+    "mk-fp4-out-row": (["megakernel.moe", [["r = rt + acc_row(lane, i)\n", "r = rt + acc_row(lane, i ^ 2)\n"]]], MX8),
     # the code rows at half their stride (d2 counted in 16-bit units): other rows' codes, still 16-byte aligned
-    "mk-fp4-code-row-stride": (["mk_moe", [["fp4_row_offsets(ctx.s_d1[jc], ctx.s_d2[jc], ctx.s_d1[js]",
-                                            "fp4_row_offsets(ctx.s_d1[jc], ctx.s_d2[jc] // 2, ctx.s_d1[js]"]]],
+    "mk-fp4-code-row-stride": (["megakernel.moe", [["fp4_row_offsets(ctx.s_d1[jc], ctx.s_d2[jc], ctx.s_d1[js]",
+                                                    "fp4_row_offsets(ctx.s_d1[jc], ctx.s_d2[jc] // 2, ctx.s_d1[js]"]]],
                                {**MX8, "preset": "tiny", "batch": 1}),
 }
 

@@ -153,7 +153,7 @@ def test_fused_packing_hands_over_the_kept_bytes(mx_ckpt, odd_ckpt):
 def test_fused_step_wires_the_kept_bytes(tmp_path):
     """FusedStep (the program, built on the CPU) passes the held tensors themselves to the MXFP4 expert kernel,
     decoding to the weights it packs from the dequantised model; with expert_format='bf16' it refuses."""
-    from kimik3.stages.fused import FusedStep
+    from kimik3.fused.plan import FusedStep
 
     cfg = get_preset("tiny").replace(name="tiny-kept", num_hidden_layers=2, kda_layers=(0,), vocab_size=256,
                                      n_routed_experts=8, intermediate_size=64)

@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 import torch
 from kimik3.kernels.common import device as _common
-from kimik3.kernels.fused import attn_res, gemv, kda, mla_decode, moe, router
+from kimik3.kernels.fused import gemv, mla_decode, moe
+from kimik3.kernels.reference import attn_res as attn_res_ref
+from kimik3.kernels.reference import gemv as gemv_ref
+from kimik3.kernels.reference import kda as kda_ref
+from kimik3.kernels.reference import mla_decode as mla_ref
+from kimik3.kernels.reference import moe as moe_ref
+from kimik3.kernels.reference import router as router_ref
 from kimik3.kernels.toolchain import registry as R
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -31,13 +37,13 @@ def err(a: torch.Tensor, b: torch.Tensor) -> float:
 # the fused families (the persistent megakernel has no per-kernel inputs: its reference is the CPU interpreter)
 @pytest.mark.parametrize("v", R.variants_for(["tiny"], [1, 8], list(R.FAMILIES)), ids=lambda v: v.name)
 def test_outputs_are_poisoned_and_references_finite(v: R.KernelVariant) -> None:
-    t = v.module.make_inputs(v.variant, **v.shapes, **v.runtime, seed=3)
+    t = v.reference.make_inputs(v.variant, **v.shapes, **v.runtime, seed=3)
     for name in v.module.OUTPUTS[v.variant]:
         if name in ("S", "conv"):  # KDA state is in/out: initialised, not poisoned
             continue
         out = t[name]
         assert (out.isnan().all() if out.dtype.is_floating_point else (out == -1).all()), name
-    ref = v.module.reference(v.variant, t, **v.shapes, **v.runtime)
+    ref = v.reference.reference(v.variant, t, **v.shapes, **v.runtime)
     assert all(torch.isfinite(r.double()).all() for r in ref.values())
 
 
@@ -45,8 +51,8 @@ def test_outputs_are_poisoned_and_references_finite(v: R.KernelVariant) -> None:
 @pytest.mark.parametrize("variant", ["plain", "residual", "f32out"])
 def test_gemv_reference(variant: str) -> None:
     B, N, K = 3, 20, 136
-    t = gemv.make_inputs(variant, B=B, N=N, K=K, seed=1)
-    y = gemv.reference(variant, t)["y"]
+    t = gemv_ref.make_inputs(variant, B=B, N=N, K=K, seed=1)
+    y = gemv_ref.reference(variant, t)["y"]
     x, W = t["x"].double().numpy(), t["W"].double().numpy()
     for b, n in [(0, 0), (1, 7), (2, 19)]:  # scalar dot products, fsum
         want = math.fsum(x[b, k] * W[n, k] for k in range(K))
@@ -57,8 +63,8 @@ def test_gemv_reference(variant: str) -> None:
 
 def test_gemv_rmsnorm_reference_and_fused_form() -> None:
     B, N, K = 4, 24, 384
-    t = gemv.make_inputs("rmsnorm", B=B, N=N, K=K, seed=2)
-    y = gemv.reference("rmsnorm", t)["y"]
+    t = gemv_ref.make_inputs("rmsnorm", B=B, N=N, K=K, seed=2)
+    y = gemv_ref.reference("rmsnorm", t)["y"]
     x = t["x"].double()
     xhat = (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + gemv.RMS_EPS)).to(torch.bfloat16)
     normed = (xhat * t["gamma"]).double()  # bf16 x bf16 -> bf16, as the model's RMSNorm
@@ -70,8 +76,8 @@ def test_gemv_rmsnorm_reference_and_fused_form() -> None:
 
 
 def test_lm_head_reference() -> None:
-    t = gemv.make_inputs("lm_head", B=3, N=512, K=128, seed=4)
-    ref = gemv.reference("lm_head", t)
+    t = gemv_ref.make_inputs("lm_head", B=3, N=512, K=128, seed=4)
+    ref = gemv_ref.reference("lm_head", t)
     assert ref["token"].dtype == torch.int32
     assert torch.equal(ref["token"].long(), torch.from_numpy(ref["logits"].numpy().argmax(-1)))
     x = t["x"].double()
@@ -118,8 +124,8 @@ def _route_plain(x, W, bias, k, n_group, topk_group, scale, renorm):
 
 @pytest.mark.parametrize("E,k,G,TG,scale", [(32, 4, 1, 1, 1.0), (56, 16, 1, 1, 1.0), (64, 6, 8, 3, 2.5)])
 def test_router_reference(E: int, k: int, G: int, TG: int, scale: float) -> None:
-    t = router.make_inputs(B=5, E=E, H=64, topk=k, seed=E)
-    ref = router.reference("router", t, topk=k, n_group=G, topk_group=TG, scale=scale)
+    t = router_ref.make_inputs(B=5, E=E, H=64, topk=k, seed=E)
+    ref = router_ref.reference("router", t, topk=k, n_group=G, topk_group=TG, scale=scale)
     ids, wts = _route_plain(t["x"].float().numpy(), t["W"].float().numpy(), t["bias"].numpy(), k, G, TG, scale, True)
     assert np.array_equal(ref["ids"].numpy(), ids)
     np.testing.assert_allclose(ref["weights"].numpy(), wts, rtol=1e-5)
@@ -210,7 +216,7 @@ def test_mxfp4_dequant_bitwise() -> None:
     packed = torch.randint(0, 256, (7, 48), generator=g, dtype=torch.uint8)
     scale = torch.randint(100, 140, (7, 3), generator=g, dtype=torch.uint8)
     packed[0, :16] = torch.arange(16, dtype=torch.uint8) * 17  # every code, both nibbles
-    got = moe.mxfp4_dequant(packed, scale)
+    got = moe_ref.mxfp4_dequant(packed, scale)
     want = torch.from_numpy(_dequant_scalar(packed.numpy(), scale.numpy())).float()
     assert torch.equal(got, want)  # bitwise (all values are exactly representable)
 
@@ -274,9 +280,9 @@ def test_situ_formula() -> None:
 def test_moe_reference_vs_dense(variant: str) -> None:
     """Reference (loop over routed pairs) vs every expert on every token, masked by a dense routing matrix."""
     shp = dict(B=5, E=8, L=64, I=96, topk=3)
-    t = moe.make_inputs(variant, **shp, seed=7)
-    ref = moe.reference(variant, t)["out"]
-    w1, w3, w2 = moe.expert_weights(variant, t)
+    t = moe_ref.make_inputs(variant, **shp, seed=7)
+    ref = moe_ref.reference(variant, t)["out"]
+    w1, w3, w2 = moe_ref.expert_weights(variant, t)
     x = t["x"].double()
     a = torch.einsum("bl,eil->bei", x, w1.double()).to(torch.bfloat16).double()
     u = torch.einsum("bl,eil->bei", x, w3.double()).to(torch.bfloat16).double()
@@ -324,10 +330,10 @@ def test_moe_align_algorithm() -> None:
 # ---------------------------------------------------------------------------------------------- MLA
 @pytest.mark.parametrize("nsplit", [1, 3, 8])
 def test_mla_split_combine_matches_full_softmax(nsplit: int) -> None:
-    t = mla_decode.make_inputs(B=4, nh=4, DL=128, DR=32, S=40, nsplit=nsplit, seed=nsplit)
+    t = mla_ref.make_inputs(B=4, nh=4, DL=128, DR=32, S=40, nsplit=nsplit, seed=nsplit)
     t["lens"][2] = 5  # fewer tokens than splits x TT: empty splits must drop out
-    full = mla_decode.reference("mla", t)["o"]
-    split = mla_decode.split_reference(t, nsplit)
+    full = mla_ref.reference("mla", t)["o"]
+    split = mla_ref.split_reference(t, nsplit)
     assert err(split["o"], full) < 1e-5
     assert torch.isinf(split["part_m"]).any() or nsplit == 1 or t["lens"].min() >= nsplit * mla_decode.TT
 
@@ -347,7 +353,7 @@ def test_mla_reference_is_absorbed_attention() -> None:
     q_lat = torch.einsum("hnl,bhn->bhl", W_UK, q_n)
     t = {"q": torch.cat([q_lat, q_r], -1), "kv": torch.cat([c, k_r], -1), "lens": lens, "scale": scale,
          "o": torch.empty(B, nh, DL)}
-    o_lat = mla_decode.reference("mla", t)["o"].double()
+    o_lat = mla_ref.reference("mla", t)["o"].double()
     for b in range(B):
         n = int(lens[b])
         k_n = torch.einsum("hnl,tl->htn", W_UK, c[b, :n])  # per-head keys, expanded
@@ -393,8 +399,8 @@ def _kda_plain(t: dict[str, torch.Tensor], lower_bound: float | None) -> dict[st
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 def test_kda_reference(lower_bound: float | None) -> None:
-    t = kda.make_inputs(B=2, nh=3, D=64, seed=11)
-    ref = kda.reference("kda", t, lower_bound=lower_bound)
+    t = kda_ref.make_inputs(B=2, nh=3, D=64, seed=11)
+    ref = kda_ref.reference("kda", t, lower_bound=lower_bound)
     plain = _kda_plain(t, lower_bound)
     assert err(ref["S"], plain["S"]) < 1e-5
     assert err(ref["out"], plain["out"]) < 1e-3
@@ -402,8 +408,8 @@ def test_kda_reference(lower_bound: float | None) -> None:
 
 
 def test_kda_lower_bound_matters() -> None:
-    t = kda.make_inputs(B=1, nh=2, D=64, seed=12)
-    a, b = kda.reference("kda", t, lower_bound=-5.0), kda.reference("kda", t, lower_bound=None)
+    t = kda_ref.make_inputs(B=1, nh=2, D=64, seed=12)
+    a, b = kda_ref.reference("kda", t, lower_bound=-5.0), kda_ref.reference("kda", t, lower_bound=None)
     assert err(a["S"], b["S"]) > 1e-2  # spec pitfall 1: the two gate forms really differ
 
 
@@ -432,8 +438,8 @@ def test_kda_single_pass_algebra() -> None:
 
 # ---------------------------------------------------------------------------------------------- AttnRes
 def test_attn_res_reference() -> None:
-    t = attn_res.make_inputs(B=3, H=384, NC=5, seed=14)
-    ref = attn_res.reference("mix", t)["out"]
+    t = attn_res_ref.make_inputs(B=3, H=384, NC=5, seed=14)
+    ref = attn_res_ref.reference("mix", t)["out"]
     V = t["cand"].double()
     omega = t["norm_w"].double() * t["proj_w"].double()[0]
     assert torch.allclose(t["omega"].double(), omega)

@@ -263,7 +263,7 @@ def test_launch_glue_matches_compiled_signature(v: R.KernelVariant) -> None:
     import torch
 
     compiled = v.compile("sm_90a", tvm_ffi=True)
-    t = v.module.make_inputs(v.variant, **v.shapes, **v.runtime)
+    t = v.reference.make_inputs(v.variant, **v.shapes, **v.runtime)
     passed: list = []
     real = dsl.launch
 

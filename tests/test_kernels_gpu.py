@@ -99,9 +99,9 @@ def test_kernel_matches_reference(v: R.KernelVariant) -> None:
         pytest.skip(f"{v.name} does not support {arch}")
     tvm_ffi = _tvm_ffi()
     compiled = v.compile(arch, tvm_ffi=tvm_ffi)
-    t = v.module.make_inputs(v.variant, **v.shapes, **v.runtime, device="cuda", seed=v.batch)
-    ref = v.module.reference(v.variant, {k: x.clone() if isinstance(x, torch.Tensor) else x for k, x in t.items()},
-                             **v.shapes, **v.runtime)
+    t = v.reference.make_inputs(v.variant, **v.shapes, **v.runtime, device="cuda", seed=v.batch)
+    ref = v.reference.reference(v.variant, {k: x.clone() if isinstance(x, torch.Tensor) else x for k, x in t.items()},
+                                **v.shapes, **v.runtime)
     out = _run(v, compiled, t, tvm_ffi)
     _compare(v, out, ref, t)
     again = _run(v, compiled, t, tvm_ffi)  # deterministic: bitwise identical on a second launch

@@ -25,16 +25,9 @@ from kimik3.kernels.toolchain import build as B  # noqa: E402
 from kimik3.kernels.toolchain import registry as R  # noqa: E402
 
 from kimik3.megakernel import build_program  # noqa: E402
-from kimik3.megakernel.gpu import (  # noqa: E402
-    MAX_BUFS,
-    MAX_CTRS,
-    MAX_INSTR,
-    PROG_WORDS,
-    check_device_contract,
-    static_shapes,
-    variant_name,
-)
+from kimik3.megakernel.gpu import check_device_contract  # noqa: E402
 from kimik3.megakernel.instructions import Op, Operand  # noqa: E402
+from kimik3.megakernel.kernel_shapes import MAX_BUFS, MAX_CTRS, MAX_INSTR, PROG_WORDS, static_shapes, variant_name  # noqa: E402
 
 CI_SM90 = ["megakernel/tiny/b1", "megakernel/k3-shard/b8", "megakernel/tiny/b1-mxfp4"]
 CI_SM100 = ["megakernel/tiny/b1"]
@@ -163,7 +156,7 @@ def test_registered_and_buildable_through_the_cli_paths() -> None:
     assert [x.name for x in R.variants_for(["tiny"], [1], ["megakernel"])] == ["megakernel/tiny/b1"]
     from kimik3.kernels.toolchain.source import DEPENDENCIES, kernel_source_hash
 
-    assert DEPENDENCIES["megakernel"] == ("device_fns",)
+    assert DEPENDENCIES["megakernel"] == ("megakernel.device_fns",)
     from kimik3.kernels.megakernel import vm as mk
 
     assert mk.SOURCE_HASH == kernel_source_hash("megakernel")

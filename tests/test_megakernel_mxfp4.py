@@ -24,10 +24,11 @@ from kimik3.kernels.contracts import isa
 import kimik3
 import kimik3.megakernel.interpreter  # noqa: F401  (registers stage "megakernel-interp")
 from kimik3.megakernel import EXPERT_FORMATS, build_program, build_step, decode_program, encode_program
-from kimik3.megakernel.gpu import check_device_contract, static_shapes, variant_name
+from kimik3.megakernel.gpu import check_device_contract
 from kimik3.megakernel.hazards import check_program
 from kimik3.megakernel.instructions import Kind, Mode, Op, Program
 from kimik3.megakernel.interpreter import CPUInterpreter
+from kimik3.megakernel.kernel_shapes import static_shapes, variant_name
 from kimik3.model.config import get_preset
 from kimik3.model.modeling import KimiForCausalLM
 from kimik3.validation.metric import TOL, rel_error

@@ -1,9 +1,9 @@
-"""The GEMV opcodes' work items (``kimik3.kernels.contracts.addr.gemv_item``): item ``k`` of a GEMV instruction over ``n``
-weight rows in ``nbt`` batch passes is a (weight row, pass) pair; warp ``w`` takes items ``w, w + NW, ...``
-(``kernels/megakernel/gemv.py``). The mapping must cover every (row, pass) exactly once (a pair twice is a double store, a
-missing one an output never written), go pass by pass (the warps share one pass's x rows), and within a pass give
-each warp ascending rows (LM_HEAD's running arg-max keeps the first of equal scores by that order). Wrong mappings
-planted here, and one planted in a copy of ``mk_addr.py``, must be reported.
+"""The GEMV opcodes' work items (``kimik3.kernels.contracts.addr.gemv_item``): item ``k`` of a GEMV instruction over
+``n`` weight rows in ``nbt`` batch passes is a (weight row, pass) pair; warp ``w`` takes items ``w, w + NW, ...``
+(``kernels/megakernel/gemv.py``). The mapping must cover every (row, pass) exactly once (a pair twice is a double
+store, a missing one an output never written), go pass by pass (the warps share one pass's x rows), and within a pass
+give each warp ascending rows (LM_HEAD's running arg-max keeps the first of equal scores by that order). Wrong mappings
+planted here, and one planted in a copy of ``kernels/contracts/addr.py``, must be reported.
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def test_one_pass_is_the_row() -> None:
 
 @pytest.mark.parametrize("batch", [1, 3, 8, 16, 64])
 def test_tiles_cover_the_box_rows(batch: int) -> None:
-    """A pass of 8 rows takes the tensor-core path: items are 16-row tiles (``mk_mma.MMA_ROWS``; ``mk_addr`` cannot
-    import it), the tiles cover every row and none starts past the box. Other passes: one row per item."""
+    """A pass of 8 rows takes the tensor-core path: items are 16-row tiles (``megakernel.mma.MMA_ROWS``;
+    ``contracts.addr`` cannot import it), the tiles cover every row and none starts past the box. Other passes: one row
+    per item."""
     from kimik3.kernels.megakernel.mma import MMA_ROWS
 
     bt = gemv_batch_tile(batch)
@@ -102,7 +103,8 @@ def test_planted_mapping_is_caught(name: str) -> None:
 
 
 def test_planted_mapping_in_mk_addr_is_caught() -> None:
-    """The check reads the real function: the same mapping planted in a copy of ``mk_addr.py`` fails it."""
-    mutant = load_mutant("mk_addr", [("    return k % n, k // n\n", "    return k // nbt, k % nbt\n")])
+    """The check reads the real function: the same mapping planted in a copy of ``kernels/contracts/addr.py`` fails it.
+    """
+    mutant = load_mutant("contracts.addr", [("    return k % n, k // n\n", "    return k // nbt, k % nbt\n")])
     assert item_problems(mutant.gemv_item, NW + 1, 2)
     assert item_problems(gemv_item, NW + 1, 2) == []

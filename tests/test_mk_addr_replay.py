@@ -3,19 +3,18 @@ replayed on the host (``kimik3.kernels.contracts.addr``), checked against the in
 
 The arithmetic that decides which rows, columns and elements an opcode touches (``elem_offset``, ``tile_rows``,
 ``expert_row_offset``) is defined once in ``kernels/contracts/addr.py`` and called by the device opcodes
-(``kernels/megakernel/gemv.py``, ``mk_moe.py``, ``mk_operands.py``); the replay calls the same functions on Python ints, and
-one test executes them as traced DSL integers on the host. Planted mutants of those functions (loaded from a
-modified copy of the file, as ``tests/test_host_exec.py`` does) must be reported, and so must a program whose
-declarations disagree with the device code.
+(``kernels/megakernel/gemv.py``, ``moe.py``, ``operands.py``); the replay (``kernels/verify/addr_replay.py``) calls the
+same functions on Python ints, and one test executes them as traced DSL integers on the host. Planted mutants of
+those functions (loaded from a modified copy of the file, as ``tests/test_host_exec.py`` does) must be reported, and
+so must a program whose declarations disagree with the device code.
 
 Whole ``micro`` and ``tiny`` programs at batch 1, 8 and 64 under both policies; ``k3-shard`` at batch 1 with the
 write count and at batch 64 every instruction's access corners (bounds and prefetch); the other ``k3-shard`` batches
 with the write count are marked slow; programs carrying MXFP4 routed experts (codes and E8M0 scales,
-``mk_addr.fp4_row_offsets``) at ``micro`` / ``tiny`` and ``k3-shard`` batch 1. Each of them replays every weight-stage
-copy too (an instruction's own stage
-and the next-stage descriptor the device copies before the waits): only static weights, every staged element in
-the declared box, each descriptor equal to the next instruction's own stage; planted descriptors into an
-activation or a state, and rows past the box, are reported.
+``contracts.addr.fp4_row_offsets``) at ``micro`` / ``tiny`` and ``k3-shard`` batch 1. Each of them replays every
+weight-stage copy too (an instruction's own stage and the next-stage descriptor the device copies before the waits):
+only static weights, every staged element in the declared box, each descriptor equal to the next instruction's own
+stage; planted descriptors into an activation or a state, and rows past the box, are reported.
 """
 
 from __future__ import annotations
@@ -136,7 +135,7 @@ MUTANTS = {
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_planted_mutant_is_caught(name: str) -> None:
     reps, rules, (preset, batch, *fmt) = MUTANTS[name]
-    mutant = load_mutant("mk_addr", reps)
+    mutant = load_mutant("contracts.addr", reps)
     rep = addr_replay.replay(_program(preset, batch, expert_format=(fmt or ["dense"])[0]), get_preset(preset),
                          helpers=mutant)
     assert not rep.ok, f"planted mutant {name} not reported"
@@ -146,17 +145,19 @@ def test_planted_mutant_is_caught(name: str) -> None:
 def test_mutated_lines_are_the_ones_the_device_code_calls() -> None:
     """The mutants above change the functions the opcodes call: the device code must keep calling them."""
     k = ROOT / "kernels"
-    gemv, moe, operands = ((k / f"{m}.py").read_text() for m in ("mk_gemv", "mk_moe", "mk_operands"))
-    moe_import = re.search(r"from \.mk_addr import ([^\n]+)", moe).group(1)
-    assert "from .mk_addr import tile_rows" in gemv and {"expert_row_offset", "fp4_row_offsets"} <= {
-        n.strip() for n in moe_import.split(",")}
+    gemv, moe, operands = ((k / "megakernel" / f"{m}.py").read_text() for m in ("gemv", "moe", "operands"))
+    moe_import = re.search(r"from kimik3\.kernels\.contracts\.addr import ([^\n]+)", moe).group(1)
+    assert "from kimik3.kernels.contracts.addr import tile_rows\n" in gemv
+    assert "from kimik3.kernels.contracts import addr as mk_addr\n" in gemv
+    assert {"expert_row_offset", "fp4_row_offsets"} <= {n.strip() for n in moe_import.split(",")}
+    assert "from kimik3.kernels.contracts.addr import elem_offset\n" in operands
     assert len(re.findall(r"\btile_rows\(", gemv)) == 5  # NORM_PROJ, MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD
     # the tensor-core path's tiles (every opcode but FFN_OUT in op_*, FFN_OUT's in _ffn_out_mma) and its item order
     assert gemv.count("mk_addr.gemv_tiles(n, TR)") == 5 and gemv.count("mk_addr.gemv_item(k, nt, NBT)") == 5
     assert "mk_addr.gemv_tile_rows(BT)" in gemv
     # LM_HEAD's path is one switch that the device code and the replay (lm_head_tile_rows) both read
     assert "if const_expr(MMA and mk_addr.LM_HEAD_MMA):" in gemv
-    assert '"lm_head_tile_rows", lm_head_tile_rows)(s.gbt)' in (k / "mk_addr.py").read_text()
+    assert '"lm_head_tile_rows", lm_head_tile_rows)(s.gbt)' in (k / "verify" / "addr_replay.py").read_text()
     assert moe.count("expert_row_offset(") == 3  # EXPERT_GATE_UP (w1, w3), EXPERT_DOWN (w2)
     assert moe.count("fp4_row_offsets(") == 1  # fp4_row: every MXFP4 code / scale row of both expert opcodes
     assert "return elem_offset(d1, d2, b, r, c, Int64)" in operands  # _eoff: every other [b, r, c] offset
@@ -317,7 +318,8 @@ def test_bad_helpers_module_is_refused() -> None:
 _DSL_SCRIPT = r"""
 import json, sys, torch
 from kimik3.megakernel import build_program, decode_program, encode_program
-from kimik3.kernels import host_exec, mk_addr
+from kimik3.kernels.contracts import addr as mk_addr
+from kimik3.kernels.verify import host_exec
 rows = set()
 for preset, batch, sms in (("tiny", 8, 8), ("k3-shard", 64, 132)):
     p = decode_program(encode_program(build_program(preset, batch, sms)))
@@ -331,7 +333,7 @@ rows = torch.tensor(sorted(rows), dtype=torch.int32)
 want = torch.tensor([[mk_addr.elem_offset(*r[:5]), mk_addr.tile_rows(r[3], r[5]), mk_addr.expert_row_offset(*r[:4])]
                      for r in rows.tolist()], dtype=torch.int64)
 got = host_exec.run_mk_addr(rows)
-mut = host_exec.load_mutant("mk_addr", [("    return r1 - r0\n", "    return r1 - r0 + 1\n")])
+mut = host_exec.load_mutant("contracts.addr", [("    return r1 - r0\n", "    return r1 - r0 + 1\n")])
 got_mut = host_exec.run_mk_addr(rows, module=mut)
 print(json.dumps({"n": len(rows), "equal": bool(torch.equal(got, want)), "max": int(want.max()),
                   "mutant_tile_rows_differs": bool((got_mut[:, 1] != want[:, 1]).all()),

@@ -1,6 +1,6 @@
-"""The tensor-core step (``kernels/megakernel/mma.py``): the host model of ``mma.sync.m16n8k16`` follows the PTX fragment
-layout, the chunk layout's k permutation gives W·xᵀ exactly, and the device step compiles to two ``mma.sync`` per
-chunk for sm_90a."""
+"""The tensor-core step (``kernels/megakernel/mma.py``): the host model of ``mma.sync.m16n8k16`` follows the PTX
+fragment layout, the chunk layout's k permutation gives W·xᵀ exactly, and the device step compiles to two
+``mma.sync`` per chunk for sm_90a."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The MXFP4 tensor-core operand decode (``_common.fp4_bf16x2``: integer placement of each E2M1 code as the bf16
+"""The MXFP4 tensor-core operand decode (``common.device.fp4_bf16x2``: integer placement of each E2M1 code as the bf16
 E2M1 · 2^-126, one bf16x2 multiply by 2^(e - 1), a second by ``fp4_scale_hi`` for scale bytes above 128), run on
 the host as the expert opcodes run it (``fp4_group_scales``, ``fp4_decode_pair``: two groups at a time, a scale byte
 <= 128 next to one above, so the branch must rescale each by its own factor): every code 0..15 in every column of a

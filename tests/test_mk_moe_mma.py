@@ -1,8 +1,8 @@
-"""The MXFP4 expert opcodes' tensor-core operands (``_common.fp4_bf16x2``, ``_common.x_pair_bf16x2``,
-``mk_moe.fp4_column_src``): one 16-row x 8-token x 128-column k block built lane by lane on the host the way
-``mk_moe.fp4_mma_tile`` lays it out (lane (g, q): group q of rows g and g + 8, x of column g), evaluated with
-``mk_mma.mma_reference``, equals the dequantised product; and the compiled MXFP4 megakernel issues its expert dots
-as ``mma.sync``."""
+"""The MXFP4 expert opcodes' tensor-core operands (``common.device.fp4_bf16x2``, ``common.device.x_pair_bf16x2``,
+``megakernel.moe.fp4_column_src``): one 16-row x 8-token x 128-column k block built lane by lane on the host the way
+``megakernel.moe.fp4_mma_tile`` lays it out (lane (g, q): group q of rows g and g + 8, x of column g), evaluated with
+``megakernel.mma.mma_reference``, equals the dequantised product; and the compiled MXFP4 megakernel issues its expert
+dots as ``mma.sync``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kimik3.kernels.common.trace import host_trace  # noqa: E402
 from kimik3.kernels.megakernel import mma as MM  # noqa: E402
 from kimik3.kernels.megakernel import moe as MK  # noqa: E402
 from kimik3.kernels.verify.host_exec import _t  # noqa: E402
-from kimik3.kernels.verify.host_exec_router import _mma_steps  # noqa: E402
+from kimik3.kernels.verify.host_exec_mk_moe import _mma_steps  # noqa: E402
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 

@@ -84,9 +84,9 @@ def test_measured_rows_and_build_without_dsl():
 
 @pytest.fixture(scope="module")
 def tiny_step():
+    from kimik3.fused.plan import FusedStep
     from kimik3.model.config import get_preset
     from kimik3.model.random_init import build_model
-    from kimik3.stages.fused import FusedStep
 
     return FusedStep(build_model(get_preset("tiny"), "meta").cast_(torch.bfloat16), 1, 256)
 

@@ -69,7 +69,7 @@ def test_source_hash_matches_the_build_side() -> None:
     from kimik3.kernels.toolchain import dsl
 
     for name in ("gemv", "router", "kda", "mla_decode", "moe", "attn_res"):
-        mod = __import__(f"kimik3.kernels.{name}", fromlist=["x"])
+        mod = __import__(f"kimik3.kernels.fused.{name}", fromlist=["x"])
         assert dsl.source_hash(mod) == kernel_source_hash(name)
     assert kernel_source_hash("router") != kernel_source_hash("gemv")  # router inlines gemv: both files count
 
@@ -81,7 +81,7 @@ def test_load_valid_kernel(built: Path) -> None:
     if k.entry["format"] == "tvm-ffi":
         import torch
 
-        t = v.module.make_inputs(v.variant, **v.shapes)
+        t = v.reference.make_inputs(v.variant, **v.shapes)
         with pytest.raises(ValueError, match="expected device_type=cuda"):  # loads; CPU tensors are refused
             v.module.launch(k, v.variant, t, tvm_ffi=True)
         assert isinstance(t["y"], torch.Tensor)

@@ -1,5 +1,5 @@
-"""PTX lint: the compiled kernels keep the synchronisation and streaming rules (``kernels/verify/ptx_lint.py``), and each
-rule fails on a planted violation of the real PTX.
+"""PTX lint: the compiled kernels keep the synchronisation and streaming rules (``kernels/verify/ptx_lint.py``), and
+each rule fails on a planted violation of the real PTX.
 
 The kernels compiled here are the ones the compile tests build (same disk cache), so this adds seconds, not a
 second compile.
@@ -20,7 +20,7 @@ from kimik3.kernels.verify import ptx_lint as L  # noqa: E402
 
 pytestmark = pytest.mark.host
 
-MEGAKERNEL_SRC = Path(B.__file__).with_name("megakernel.py")
+MEGAKERNEL_SRC = Path(B.__file__).parents[1] / "megakernel" / "vm.py"  # the VM: its launch
 H200_SMS = 132
 # the dense variants and the one for MXFP4 routed experts (its expert opcodes decode codes and scales in registers):
 # all three are among tests/test_megakernel_compile.py's CI builds, so these are disk-cache hits there

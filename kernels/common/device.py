@@ -114,7 +114,7 @@ def warp_argmax(v: Float32, i: Int32) -> tuple[Float32, Int32]:
 # One 32-bit word holds 8 E2M1 codes (low nibble = even column). Both MXFP4 paths use the pair order (register /
 # element pair s of a word = columns s, s + 4: fp4_pair_col); the fused MoE kernel (moe.py, CUDA cores, fp32) decodes
 # with fp4_place / fp4_widen / fp4_expand / fp4_scale / x_pair_order, the megakernel's tensor-core expert opcodes
-# (mk_moe.py) with fp4_bf16x2 and its helpers below. fp32 path: each code becomes an fp16 by masking the fp16
+# (megakernel/moe.py) with fp4_bf16x2 and its helpers below. fp32 path: each code becomes an fp16 by masking the fp16
 # exponent/mantissa ((c & 7) << 9) and the sign into bit 15: fp16 value = E2M1(c) · 2^-14, exact (code 1 lands on an
 # fp16 subnormal, which cvt.f32.f16 keeps). fp4_scale folds the 2^14 back into the group's power-of-two scale.
 @cute.jit
@@ -171,9 +171,9 @@ def fp4_scale(e: Any) -> Float32:
     return ((Uint32(e) + 14) << 23).bitcast(Float32)
 
 
-# The tensor-core operand decode (mk_moe's MXFP4 expert opcodes) skips fp32: the 3 magnitude bits (e1 e0 m) of code
-# c go to bf16 bits 8..6 (exponent field e1 e0, top mantissa bit m) and its sign to bit 15, which is the bf16 value
-# E2M1(c) · 2^-126 exactly (code 1, 0.5, becomes the bf16 subnormal 2^-127; bf16x2 mul keeps subnormals), then one
+# The tensor-core operand decode (megakernel/moe.py's MXFP4 expert opcodes) skips fp32: the 3 magnitude bits (e1 e0 m)
+# of code c go to bf16 bits 8..6 (exponent field e1 e0, top mantissa bit m) and its sign to bit 15, which is the bf16
+# value E2M1(c) · 2^-126 exactly (code 1, 0.5, becomes the bf16 subnormal 2^-127; bf16x2 mul keeps subnormals), then one
 # bf16x2 multiply by 2^(e - 1) per register gives E2M1 · 2^(e - 127). 2^(e - 1) is a bf16 for e <= 128 (exponent
 # field e + 126); a larger scale byte (not produced by quantisation, legal E8M0) multiplies by 2^127 first and by
 # 2^(e - 128) second (``fp4_scale_hi``), both exact until the final rounding, which overflows where fp32 does.

@@ -41,8 +41,8 @@ def gemv_unroll(arch: str) -> int:
     return GEMV_UNROLL_BY_ARCH.get(arch, GEMV_UNROLL)
 
 
-# A batch pass of GEMV_BT = 8 rows is the N of the tensor-core step (kernels/megakernel/mma.py, mma.sync m16n8k16): its
-# work items are 16-row weight tiles (GEMV_MMA_ROWS, mk_mma.MMA_ROWS) instead of single rows, each lane streaming
+# A batch pass of GEMV_BT = 8 rows is the N of the tensor-core step (kernels/megakernel/mma.py, mma.sync m16n8k16):
+# its work items are 16-row weight tiles (GEMV_MMA_ROWS, mma.MMA_ROWS) instead of single rows, each lane streaming
 # GEMV_UNROLL / 2 k blocks of 32 elements per step (2 weight chunks each: the same 16-byte loads in flight).
 GEMV_MMA_ROWS = 16
 
@@ -60,12 +60,12 @@ def gemv_tiles(n: Any, rows: int) -> Any:
 
 
 # LM_HEAD's tiles stay on the CUDA-core path (one weight row per item, at every pass width). With all five GEMV opcodes
-# on tensor cores ptxas spills the batch-8 megakernels for sm_90a (168 registers, 12-156 B: words of the VM that live
-# across the dispatch); with one of them (NORM_PROJ, O_PROJ_RESIDUAL or LM_HEAD) on CUDA cores tiny/b8 fits in 150-152
-# and the dense variants in at most 159 registers. LM_HEAD's own pressure is not the cause: the spill stays with one k
-# block per step, without γ, without the arg-max epilogue or the stage branch, and with every other opcode's k blocks
-# per step lowered. The tensor-core LM_HEAD is kept and host-executed (kernels/verify/host_exec_mk_gemv.py) for when the spill
-# is solved.
+# on tensor cores ptxas spills the batch-8 megakernels for sm_90a at the register cap (words of the VM that live
+# across the dispatch); with one of them (NORM_PROJ, O_PROJ_RESIDUAL or LM_HEAD) on CUDA cores they fit. LM_HEAD's own
+# pressure is not the cause: the spill stays with one k block per step, without γ, without the arg-max epilogue or
+# the stage branch, and with every other opcode's k blocks per step lowered. The tensor-core LM_HEAD stays in the code
+# and is host-executed (kernels/verify/host_exec_mk_gemv.py), so LM_HEAD_MMA can be switched on once it compiles
+# within the budget.
 LM_HEAD_MMA = False
 
 
@@ -132,9 +132,10 @@ def fp4_row_offsets(d1: Any, d2: Any, sd1: Any, sd2: Any, e: Any, r: Any, wide: 
 
 
 def absorb_cw(kvl: int) -> int:
-    """MLA_Q's W_UK absorption (``mk_mla.op_mla_q``): 16-byte column chunks per warp task, the largest power of two
-    up to 8 dividing the kvl/8 chunks; task ``i`` owns columns ``[8·CW·i, 8·CW·(i + 1))`` of every nope row of the
-    head, its 32/CW lane row groups split the rows. A trace-time constant on the device (plain ints)."""
+    """MLA_Q's W_UK absorption (``op_mla_q`` in ``kernels/megakernel/mla.py``): 16-byte column chunks per warp task,
+    the largest power of two up to 8 dividing the kvl/8 chunks; task ``i`` owns columns ``[8·CW·i, 8·CW·(i + 1))`` of
+    every nope row of the head, its 32/CW lane row groups split the rows. A trace-time constant on the device (plain
+    ints)."""
     nc = kvl // VEC
     cw = 8
     while nc % cw:

@@ -1,23 +1,13 @@
-"""The megakernel's instruction encoding: the one definition the host program and the device code both read.
+"""The megakernel's int32 instruction encoding: the one definition the host program and the device code read.
 
-What lives here is the contract between ``kimik3.megakernel`` (which builds, encodes, checks and interprets the
-int32 program) and ``kernels/megakernel/vm.py`` (the persistent kernel that executes it): opcode numbers, operand
-modes, buffer kinds and dtype codes, the header / buffer / counter / instruction word offsets, the opcode
-argument flags, and the launch's error and control words. Anything that changes the int32 layout changes it here,
-and both sides follow.
-
-Why a module of its own, with nothing but the standard library: the device code must not import torch for its
-constants (a build machine compiling kernels, or a GPU machine loading prebuilt ones, should not need the host
-library), and the host program must not import the CuTe DSL (it runs on machines without it). This file imports
-nothing from the project and no third-party package, so it loads on its own too, e.g. by path with
-``importlib.util.spec_from_file_location`` (``tests/test_contracts.py`` does that with torch and cutlass
-blocked). The kernel source hash of the megakernel covers this file (``kernels/toolchain/source.py``).
-
-Layout of an encoded program (int32 words; :func:`kimik3.megakernel.instructions.encoding_table` renders it):
-header (``HEADER_WORDS``), buffer table (``BUFFER_WORDS`` per buffer), counter table (``COUNTER_WORDS`` per
-counter), instructions (``INSTR_WORDS`` per instruction), per-SM queues (``-1`` padded), UTF-8 name strings.
-Counters are monotonic across decode steps: a wait "counter ``c`` ≥ ``t``" in step ``s`` means
-``counter[c] ≥ s·total[c] + t``, where ``total[c]`` is word ``CW_TOTAL`` of the counter's table row.
+Opcode numbers, operand modes, buffer kinds, dtype codes, the header / buffer / counter / instruction word offsets,
+the opcode argument flags and the launch's error and control words, shared by ``kimik3.megakernel`` (builds,
+encodes, checks, interprets the program) and ``kernels/megakernel/vm.py`` (executes it). Standard library only, so
+neither side needs the other's dependencies and it loads by path (``tests/test_contracts.py``); the megakernel's
+source hash covers it (``kernels/toolchain/source.py``). An encoded program is, in int32 words: header, buffer
+table, counter table, instructions, per-SM queues (``-1`` padded), UTF-8 names
+(:func:`kimik3.megakernel.instructions.encoding_table` renders it). A wait "counter ``c`` ≥ ``t``" in step ``s``
+means ``counter[c] ≥ s·total[c] + t`` (``total`` = word ``CW_TOTAL``). See docs/architecture.md (map).
 """
 
 from __future__ import annotations
@@ -177,8 +167,8 @@ ERROR_WORDS = 8  # error[0] code, [1] instruction, [2] counter, [3] target, [4] 
 CTL_WORDS = 8  # ctl[0] step, [1] watchdog spins, [2] nanosleep ns per spin
 ERR_WATCHDOG, ERR_BAD_PROGRAM = 1, 2  # error[0]
 # threads per CTA (one CTA per SM): 12 warps x 32 lanes x 64 B keep ~24 KiB of weight loads in flight per SM, and
-# the 168-register cap (65536 / 384) leaves room for the widest opcode; 512 threads (cap 128) spilled. The host
+# the 168-register cap (65536 / 384) leaves room for the widest opcode; 512 threads (cap 128) spill. The host
 # refuses a program whose per-thread work assumes more (e.g. a KDA head wider than the CTA).
 CTA_THREADS = 384
-BT_MAX = 4  # batch rows per GEMV pass of the device code (cap of MKConfig.bt): keeps the widest opcode near 80
-# registers
+BT_MAX = 4  # batch rows per GEMV pass of the device code (cap of MKConfig.bt): keeps the widest opcode's registers
+# low

@@ -1,15 +1,12 @@
 """Per-kernel metadata of the fused decode kernels: the one definition the kernel modules and the host both use.
 
 The host side (``kimik3.stages.fused``: buffer sizes, plan checks, launch argument lists; the prebuilt loader on a
-GPU machine) must know a few facts about each kernel — its thread layout, the split count it was compiled with,
-its eps values, the positional order of its parameters — without importing the kernel module, which imports the
-CuTe DSL (absent on a machine that only runs prebuilt kernels). The kernel modules in ``kernels/*.py`` import the
-same facts from here, so there is nothing to keep in sync.
-
-This file imports nothing from the project and nothing outside the standard library at import time, so it loads
-on its own (``tests/test_contracts.py`` loads it by path with torch and cutlass blocked); only
-:func:`head_routing`, which builds torch tensors, imports torch when called. The source hash of every kernel that
-imports it covers it (``kernels/toolchain/source.py``).
+GPU machine) needs a few facts about each kernel — thread layout, compiled split count, eps values, parameter
+order — without importing the kernel module and with it the CuTe DSL; the kernel modules in ``kernels/fused/``
+import the same facts from here, so there is nothing to keep in sync. Standard library only at import time
+(``tests/test_contracts.py`` loads it by path with torch and cutlass blocked; :func:`head_routing` imports torch
+when called); the source hash of every kernel that imports it covers it (``kernels/toolchain/source.py``). See
+docs/architecture.md (map).
 """
 
 from __future__ import annotations
@@ -64,8 +61,8 @@ def kda_head_dim_ok(D: int) -> bool:
 def mla_head_layout(nh: int) -> tuple[int, int]:
     """(heads per warp, warps per CTA) with nh divisible by their product.
 
-    Two heads per warp keep q (2 x 18) + o (2 x 16) + a 4-token fp32 K/V tile (72) near 160
-    registers at K3 widths; four heads per warp needed all 255.
+    Two heads per warp keep q (2 x 18) + o (2 x 16) + a 4-token fp32 K/V tile (72) within the
+    register budget at K3 widths; four heads per warp exhaust the registers.
     """
     for hpw in (2, 1):
         if nh % hpw == 0:

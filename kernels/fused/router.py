@@ -24,7 +24,6 @@ shuffles, GPU only) in the shuffle order.
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import cutlass
@@ -36,7 +35,6 @@ from kimik3.kernels.contracts.meta import ARG_ORDER
 from kimik3.kernels.fused.gemv import CTAS_PER_SM as GEMV_CTAS_PER_SM
 from kimik3.kernels.fused.gemv import WARPS as GEMV_WARPS
 from kimik3.kernels.fused.gemv import gemv_kernel, resident_ctas
-from kimik3.kernels.reference import common as ref_common
 from kimik3.kernels.toolchain import dsl
 from kimik3.kernels.toolchain.source import kernel_source_hash
 
@@ -202,32 +200,6 @@ def compile_for(arch: str, *, variant: str = "router", B: int, E: int, H: int, t
         return cute.compile(router, f["W"], f["x"], f["bias"], f["scores"], f["ids"], f["weights"],
                             dsl.fake_stream(tvm_ffi), topk, n_group, topk_group, float(scale), bool(renorm),
                             options=opts)
-
-
-def make_inputs(variant: str = "router", *, B: int, E: int, H: int, topk: int, device: str = "cpu", seed: int = 0,
-                **_: Any) -> dict[str, torch.Tensor]:
-    rng = ref_common.Rng(seed, device)
-    return {
-        "W": rng.randn(E, H, scale=H**-0.5, dtype=torch.bfloat16),
-        "x": rng.randn(B, H, dtype=torch.bfloat16),
-        "bias": rng.randn(E, scale=0.05),
-        "scores": rng.poisoned((B, E), torch.float32),
-        "ids": rng.poisoned((B, topk), torch.int32),
-        "weights": rng.poisoned((B, topk), torch.float32),
-    }
-
-
-def reference(variant: str, t: dict[str, torch.Tensor], *, topk: int, n_group: int = 1, topk_group: int = 1,
-              scale: float = 1.0, renorm: bool = True, **_: Any) -> dict[str, torch.Tensor]:
-    """The model's router (kimik3.model.modeling.route) on the same tensors; ids int32 in descending choice order."""
-    from kimik3.model.modeling import route
-
-    E = t["W"].shape[0]
-    cfg = types.SimpleNamespace(n_routed_experts=E, num_experts_per_tok=topk, n_group=n_group, topk_group=topk_group,
-                                norm_topk_prob=renorm, routed_scaling_factor=scale)
-    w, idx = route(t["x"], t["W"], t["bias"], cfg)
-    scores = torch.sigmoid(t["x"].float() @ t["W"].float().T)
-    return {"weights": w, "ids": idx.to(torch.int32), "scores": scores}
 
 
 def launch(compiled: Any, variant: str, t: dict[str, torch.Tensor], tvm_ffi: bool = False) -> None:

@@ -3,9 +3,9 @@
 Why a separate module: the megakernel's opcodes are the fused kernels' math re-expressed over *runtime* boxes
 (the instruction says which rows, heads and batch rows to touch), so they cannot take the fused kernels' statically
 laid-out ``cute.Tensor`` arguments. What they share with the fused kernels is the per-lane arithmetic, taken from
-``_common`` (``warp_sum``, ``warp_max``, ``warp_argmax``, ``exp_fast``, ``sigmoid``, ``bf16_round``) and re-exported
-here; what is new is address arithmetic on raw device pointers read from the buffer table, which lives here so
-that any later fused kernel that walks a buffer table can reuse it.
+``common/device.py`` (``warp_sum``, ``warp_max``, ``warp_argmax``, ``exp_fast``, ``sigmoid``, ``bf16_round``) and
+re-exported here; what is new is address arithmetic on raw device pointers read from the buffer table, which lives
+here so that any later fused kernel that walks a buffer table can reuse it.
 
 Conventions (all static, all checked on the host by :mod:`kimik3.megakernel.gpu` before a launch):
 
@@ -23,9 +23,9 @@ The CTA is ``NT`` threads (``NW`` warps). GEMV work items go one per warp, two w
 * CUDA cores (:func:`weight_row_dot`, batch passes of 1 to 7 rows, and the MLA opcodes' rows): one weight row per
   item, lanes owning chunks ``l, l+32, ...`` (guide §2), FMAs in fp32, γ folded into the weight, a warp sum after;
 * tensor cores (:func:`weight_tile_mma`, the GEMV opcodes' passes of 8 rows): a 16-row weight tile per item,
-  ``mma.sync.m16n8k16`` bf16 in the chunk layout of ``kernels/megakernel/mma.py`` (lane (g, q) loads chunk ``4·kb + q`` of
-  weight rows g, g + 8 and of x row g per 32-element k block ``kb``), x normalised per lane as it is loaded
-  (``bf16(γ·bf16(x·rstd))``, the reference's rounding), results in the C fragment layout, no warp sum.
+  ``mma.sync.m16n8k16`` bf16 in the chunk layout of ``kernels/megakernel/mma.py`` (lane (g, q) loads chunk
+  ``4·kb + q`` of weight rows g, g + 8 and of x row g per 32-element k block ``kb``), x normalised per lane as it
+  is loaded (``bf16(γ·bf16(x·rstd))``, the reference's rounding), results in the C fragment layout, no warp sum.
 """
 
 from __future__ import annotations

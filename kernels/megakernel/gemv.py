@@ -1,30 +1,14 @@
 """The megakernel's tiled-GEMV opcodes: NORM_PROJ, MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD (device code;
-see ``OPCODE_NOTES`` in ``megakernel.py``).
+what each computes: its ``op_*`` docstring).
 
 The batch goes in passes of ``mk_addr.gemv_batch_tile(B)`` rows (up to 8): each weight chunk a lane loads serves
 every row of the pass, so up to batch 8 each weight row streams from memory once. Work items are (weight rows,
 pass) pairs dealt round-robin over the warps (``mk_addr.gemv_item``: pass by pass, so the warps share one pass's x
-rows, and within a pass a warp's rows ascend). One flat item loop rather than a pass loop inside the row loop: the
-nested loops' state did not fit next to the dot step at batch 64 (ptxas spilled the megakernel).
-
-Two paths, chosen at trace time by the pass width:
-
-* a pass of 8 rows (B % 8 == 0: B = 8, 64): tensor cores. A work item is a 16-row weight tile
-  (``mk_addr.gemv_tile_rows``) x the pass's 8 rows, one ``mma.sync.m16n8k16`` bf16 product per 16 k
-  (``device_fns.weight_tile_mma``, the chunk layout of ``kernels/megakernel/mma.py``): lane (g, q) loads chunk q of weight
-  rows g and g + 8 and of x row g per 32-element k block, ``mk_addr.gemv_mma_unroll`` (4) k blocks per step: 8
-  weight + 4 x 16-byte loads in flight per lane, 48 KiB of weights per SM as before. Each x chunk is loaded once per
-  16 weight rows. Normalised inputs (NORM_PROJ, MLP_GATE_UP, LM_HEAD, FFN_OUT's latent norm) are normalised as
-  loaded, ``bf16(γ·bf16(x·rstd))`` as ``kimik3.model.modeling.rms_norm`` (the mma's B operand is bf16), so no rstd is
-  applied afterwards. The accumulators come out in the C fragment layout: lane l's register i is (tile row
-  ``mk_mma.acc_row(l, i)``, pass row ``mk_mma.acc_col(l, i)``), stored by that lane with no warp sum; rows past
-  the box (the last tile's) are never stored.
-* other passes (1 to 7 rows), and LM_HEAD at every pass width (``mk_addr.LM_HEAD_MMA``: its tensor-core tiles
-  make ptxas spill the batch-8 megakernels): CUDA cores, one weight row per item through ``device_fns.weight_row_dot``
-  (``mk_addr.GEMV_UNROLL`` (8) 16-byte weight loads in flight per lane per step: 384 threads x 8 x 16 B = 48 KiB
-  per SM), the warp sum, then the epilogue; gamma is folded into the weight in fp32 and rstd applied to the dot.
-
-The RMSNorm prologue (``device_fns.rstd_rows``) issues 8 loads per lane per round trip."""
+rows, and within a pass a warp's rows ascend). Two paths, chosen at trace time by the pass width (:func:`_mma`,
+whose docstring has the details): a pass of 8 rows on tensor cores (16-row weight tiles through
+``device_fns.weight_tile_mma``), other passes and LM_HEAD on CUDA cores (one weight row per item through
+``device_fns.weight_row_dot``). The RMSNorm prologue (``device_fns.rstd_rows``) issues 8 loads per lane per round
+trip."""
 
 from __future__ import annotations
 
@@ -75,8 +59,26 @@ def _tiling(cfg: Any) -> tuple[int, int, int]:
 
 
 def _mma(cfg: Any, normed: bool = False) -> tuple[bool, int, int]:
-    """Whether the GEMV opcodes take the tensor-core path (a pass of 8 rows), its weight rows per work item and its
-    k blocks in flight per lane (``normed``: for an x normalised as loaded)."""
+    """Whether the GEMV opcodes take the tensor-core path (a pass of 8 rows), its weight rows per work item and its k
+    blocks in flight per lane (``normed``: for an x normalised as loaded). The two paths:
+
+    * a pass of 8 rows (B % 8 == 0: B = 8, 64): tensor cores. A work item is a 16-row weight tile
+      (``mk_addr.gemv_tile_rows``) x the pass's 8 rows, one ``mma.sync.m16n8k16`` bf16 product per 16 k
+      (``device_fns.weight_tile_mma``, the chunk layout of ``kernels/megakernel/mma.py``): lane (g, q) loads chunk q of
+      weight rows g and g + 8 and of x row g per 32-element k block, ``mk_addr.gemv_mma_unroll`` (4) k blocks per step:
+      8 weight + 4 x 16-byte loads in flight per lane, 48 KiB of weights per SM as before. Each x chunk is loaded once
+      per 16 weight rows. Normalised inputs (NORM_PROJ, MLP_GATE_UP, LM_HEAD, FFN_OUT's latent norm) are normalised as
+      loaded, ``bf16(γ·bf16(x·rstd))`` as ``kimik3.model.modeling.rms_norm`` (the mma's B operand is bf16), so no rstd
+      is applied afterwards. The accumulators come out in the C fragment layout: lane l's register i is (tile row
+      ``mk_mma.acc_row(l, i)``, pass row ``mk_mma.acc_col(l, i)``), stored by that lane with no warp sum; rows past the
+      box (the last tile's) are never stored.
+    * other passes (1 to 7 rows), and LM_HEAD at every pass width (``mk_addr.LM_HEAD_MMA``: its tensor-core tiles make
+      ptxas spill the batch-8 megakernels): CUDA cores, one weight row per item through ``device_fns.weight_row_dot``
+      (``mk_addr.GEMV_UNROLL`` (8) 16-byte weight loads in flight per lane per step: 384 threads x 8 x 16 B = 48 KiB per
+      SM), the warp sum, then the epilogue; gamma is folded into the weight in fp32 and rstd applied to the dot.
+
+    One flat item loop rather than a pass loop inside the row loop: the nested loops' state did not fit next to the dot
+    step at batch 64 (ptxas spilled the megakernel)."""
     BT = mk_addr.gemv_batch_tile(cfg.B)
     return BT == MMA_COLS, mk_addr.gemv_tile_rows(BT), mk_addr.gemv_mma_unroll(cfg.arch, normed)
 
@@ -92,6 +94,14 @@ def _gemv_prologue(ctx: _Ctx, xop: Int32, eps: cutlass.Constexpr) -> tuple[Any, 
 
 @cute.jit
 def op_norm_proj(ctx: _Ctx) -> None:
+    """NORM_PROJ: y = rms_norm(x)·γ · Wᵀ for the instruction's weight rows (its output columns), fp32 or bf16 out
+    (``W_ARGS``): the rstd of every batch row first, then the work items; on CUDA cores γ is folded into the weight and
+    rstd applied after the dot (guide §3.1), on tensor cores x is normalised as loaded. Known limits: CUDA-core FMAs,
+    one CTA per SM: 12 warps keep 48 KiB of weights in flight per SM; the smem stage, copied while the previous
+    instruction ran, covers the first 48 KiB of rows; up to batch 8 each weight row is read once, at B = 64 once per
+    pass of 8 (L1) and x comes from L1/L2 for every row (FMA/L1-bound on that path). At batch passes of 8 rows (B = 8,
+    64) the tensor-core path instead, with 3 k blocks in flight per lane (36 KiB of weights per SM: the γ chunks take
+    the registers)."""
     cfg = ctx.cfg
     BT, U, NBT = _tiling(cfg)
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
@@ -140,6 +150,8 @@ def op_norm_proj(ctx: _Ctx) -> None:
 
 @cute.jit
 def op_mlp_gate_up(ctx: _Ctx) -> None:
+    """MLP_GATE_UP: as NORM_PROJ for the gate and the up row of each channel, then SiTU-GLU (or SwiGLU) in fp32. Known
+    limits: as NORM_PROJ; x is read twice per channel (once per weight)."""
     cfg = ctx.cfg
     BT, U, NBT = _tiling(cfg)
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
@@ -188,6 +200,8 @@ def op_mlp_gate_up(ctx: _Ctx) -> None:
 
 @cute.jit
 def op_o_proj_residual(ctx: _Ctx) -> None:
+    """O_PROJ_RESIDUAL: one o_proj row (a column of the stream) per work item: its dot over the mixer output, rounded to
+    bf16, added into (or, per ``W_ARGS``, starting) the block's partial sum. Known limits: as NORM_PROJ."""
     cfg = ctx.cfg
     BT, U, NBT = _tiling(cfg)
     accumulate = ctx.s_ins[W_ARGS]
@@ -234,8 +248,10 @@ def op_o_proj_residual(ctx: _Ctx) -> None:
 
 @cute.jit
 def op_ffn_out(ctx: _Ctx) -> None:
-    """Operand order (scheduler ``out_cols``): [latent sum, (latent norm), up rows] if routed, [mlp hidden,
-    down rows] if mlp, stream column tile last."""
+    """FFN_OUT: per hidden column, the routed part (latent RMSNorm applied after the dot) and / or the shared or dense
+    down row, each rounded to bf16 as the reference does, added into the stream. Operand order (scheduler ``out_cols``):
+    [latent sum, (latent norm), up rows] if routed, [mlp hidden, down rows] if mlp, stream column tile last. Known
+    limits: as NORM_PROJ."""
     cfg = ctx.cfg
     BT, U, NBT = _tiling(cfg)
     flags = ctx.s_ins[W_ARGS]
@@ -341,6 +357,9 @@ def _ffn_out_mma(ctx: _Ctx, routed: Any, mlp: Any, av: Any, xas: Int32, gv: Any,
 
 @cute.jit
 def op_lm_head(ctx: _Ctx) -> None:
+    """LM_HEAD: the final RMSNorm and one vocabulary row per work item: bf16-rounded fp32 logits and a per-warp running
+    arg-max per token, merged across the warps through shared memory (ties to the lowest id); CUDA cores at every batch
+    (``mk_addr.LM_HEAD_MMA``). Known limits: as NORM_PROJ's CUDA-core path."""
     cfg = ctx.cfg
     BT, U, NBT = _tiling(cfg)
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)

@@ -1,4 +1,4 @@
-"""The megakernel's KDA opcode: KDA_STEP (device code; see ``OPCODE_NOTES`` in ``megakernel.py``).
+"""The megakernel's KDA opcode: KDA_STEP (device code; what it does: ``op_kda_step``).
 
 ``op_kda_step`` is the GPU-only layer (the instruction's operands, the thread index, shared memory, the CTA
 reductions and barriers); what a thread reads, computes and writes for one (head, sequence) pair is in the
@@ -189,6 +189,12 @@ def kda_out_value(o: Float32, ssq: Float32, eps: cutlass.Constexpr, onorm: Any, 
 # ---------------------------------------------------------------------------------------------- the opcode
 @cute.jit
 def op_kda_step(ctx: _Ctx) -> None:
+    """KDA_STEP: per (head, sequence) pair, the width-4 short convolution + SiLU of q / k / v (shifting the conv history
+    in place), the decay gate and the output gate, ‖q‖ and ‖k‖ by one CTA reduction, then the dk x dk state split
+    column-per-thread in row groups: pass 1 reads and decays the state for Sᵀk, pass 2 re-reads it, applies the
+    delta-rule update, stores it and accumulates Sᵀq; gated RMSNorm with a second CTA reduction. Known limits: (head,
+    sequence) pairs run one after another with ~8 barriers each; the state is read twice (the second time from L1) to
+    keep it out of registers; the f_a·f_b dot is a serial dk-long loop per thread."""
     cfg = ctx.cfg
     dk, W = cfg.dk, cfg.conv
     KP = _kda_groups(dk)  # row groups of the state (threads per state column)

@@ -1,10 +1,10 @@
-"""Megakernel opcodes that are not tiled GEMVs: EMBED, ATTN_RES_MIX, ARGMAX (device code; see ``OPCODE_NOTES``
-in ``megakernel.py``).
+"""Megakernel opcodes that are not tiled GEMVs: EMBED, ATTN_RES_MIX, ARGMAX (device code; each opcode's docstring
+says what it does).
 
-As in ``mk_moe``, each ``op_*`` is a thin GPU-only layer (thread indices, the 16-byte copies' stores, the CTA
-reduction and the approximate softmax) around ``@cute.jit`` helpers that take the token and thread as plain integers
-(``embed_row``, ``mix_row``, ``mix_partials``, ``mix_chunk``, ``mix_out``, ``argmax_pick``), which
-``kernels/verify/host_exec_router.py`` runs on the host."""
+As in ``megakernel/moe.py``, each ``op_*`` is a thin GPU-only layer (thread indices, the 16-byte copies' stores, the
+CTA reduction and the approximate softmax) around ``@cute.jit`` helpers that take the token and thread as plain
+integers (``embed_row``, ``mix_row``, ``mix_partials``, ``mix_chunk``, ``mix_out``, ``argmax_pick``), which
+``kernels/verify/host_exec_mk.py`` runs on the host."""
 
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ def embed_row(ctx: _Ctx, b: Int32) -> tuple[Int64, Int64]:
 
 @cute.jit
 def op_embed(ctx: _Ctx) -> None:
+    """EMBED: per batch row of the tile, the token's embedding row (``embed_row``) copied with 16-byte loads and stores
+    into the stream. Known limits: none worth noting (B·H·2 bytes)."""
     nch = ctx.s_d2[1] // VEC
     ld = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
     st = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
@@ -114,6 +116,10 @@ def mix_out(ctx: _Ctx, b: Int32) -> Int64:
 
 @cute.jit
 def op_attn_res_mix(ctx: _Ctx) -> None:
+    """ATTN_RES_MIX: per batch row, one pass accumulates Σv² and Σv·ω for every depth candidate (``mix_partials``), one
+    CTA reduction, the softmax over depth in every thread, then a second pass mixes the raw candidates in fp32 and
+    stores bf16 (``mix_chunk``). Known limits: the rows of a tile run one after another (2 barriers each); the second
+    pass re-reads the candidates from L1/L2."""
     cfg = ctx.cfg
     KM = cfg.kmax
     K = ctx.s_ins[W_ARGS + 1]
@@ -172,6 +178,8 @@ def argmax_pick(ctx: _Ctx, b: Int32) -> tuple[Int64, Int64]:
 
 @cute.jit
 def op_argmax(ctx: _Ctx) -> None:
+    """ARGMAX: one thread per token walks the tiles' (max, arg-max) pairs, the first maximum winning (``argmax_pick``).
+    Known limits: serial over tiles (a few hundred at most)."""
     bi = gflat(Int64, ctx.s_addr[1])
     nxt = gflat(Int64, ctx.s_addr[2])
     if ctx.tidx < ctx.cfg.B:

@@ -1,29 +1,13 @@
-"""The megakernel's MLA opcodes: MLA_Q, MLA_KV_APPEND, MLA_PARTIAL, MLA_REDUCE (device code; see ``OPCODE_NOTES``
-in ``megakernel.py``).
+"""The megakernel's MLA opcodes: MLA_Q, MLA_KV_APPEND, MLA_PARTIAL, MLA_REDUCE (device code; what each does, and
+why its loops look the way they do, all of it about keeping loads in flight: its ``op_*`` docstring).
 
 Each opcode is a thin GPU layer (thread / warp / lane indices, warp shuffles, shared memory, barriers, the
 approximate ``ex2`` / ``rsqrt`` / ``rcp``) around ``@cute.jit`` helpers that take the warp and lane as plain integers:
 which W_UK chunk column and row group a lane owns (:func:`absorb_coords`), what it loads and accumulates
 (:func:`absorb_lane`, :func:`kv_append_load`, :func:`partial_load_q` / :func:`partial_load_rows` /
-:func:`partial_dots` / :func:`partial_out_block`, :func:`merge_stats_lane` / :func:`merge_lane`). The host driver
-``host_exec_mk_mla.py`` runs the same helpers over every warp and lane of an instruction on CPU tensors and does the
-cross-lane reductions in the kernel's order.
-
-Why the loops look the way they do (all of it is about keeping loads in flight instead of waiting on one):
-
-* MLA_Q's W_UK absorption ``q_lat[b, c] = Σ_n q_nope[b, n] · W_UK[h·nope + n, c]`` is a GEMV over the *rows* of
-  W_UK: a warp task owns CW = ``mk_addr.absorb_cw(kvl)`` 16-byte column chunks, its lanes split the nope rows in
-  32 / CW groups, each lane issues ``absorb_unroll`` 16-byte W_UK loads before its first FMA and keeps 8 columns x
-  BT batch rows of fp32 accumulators; the row groups are summed with a partial butterfly (offsets 16 .. CW).
-* MLA_PARTIAL: a warp takes ``PART_HB`` heads at once (their queries in fp32 registers, the lane owning 16-byte
-  latent chunks ``lane + 32 m`` and rope elements ``lane + 32 m``) and walks the cache ``PART_PU`` rows per step, all
-  rows' loads issued together; each row is loaded once for the warp's heads (and from L1 for the other warps); one
-  shuffle chain sums both partial scores (``_score_sum``); the online softmax rescales once per step, and only when
-  the running max grows; heads are spread over the 12 warps.
-* MLA_REDUCE: one warp per batch row computes the splits' common max and denominator (lanes over splits), then
-  every thread merges two latent columns with all splits' loads of an unrolled step in flight.
-* MLA_KV_APPEND: one warp per sequence, each lane loading all its latent / rope elements at once (one round trip).
-"""
+:func:`partial_dots` / :func:`partial_out_block`, :func:`merge_max_lane` / :func:`merge_den_lane` /
+:func:`merge_lane`). The host driver ``kernels/verify/host_exec_mk_mla.py`` runs the same helpers over every warp and
+lane of an instruction on CPU tensors and does the cross-lane reductions in the kernel's order."""
 
 from __future__ import annotations
 
@@ -138,6 +122,13 @@ def _butterfly_from(acc: cute.Tensor, n: cutlass.Constexpr, steps: cutlass.Const
 
 @cute.jit
 def op_mla_q(ctx: _Ctx) -> None:
+    """MLA_Q: per batch tile, the q_a rows staged in shared memory and RMS-normalised in place, one warp per q_b row
+    (the rope part straight to mla_q), then the absorption. The W_UK absorption ``q_lat[b, c] = Σ_n q_nope[b, n] ·
+    W_UK[h·nope + n, c]`` is a GEMV over the *rows* of W_UK: a warp task owns CW = ``contracts.addr.absorb_cw(kvl)``
+    16-byte column chunks, its lanes split the nope rows in 32 / CW groups, each lane issues ``absorb_unroll`` 16-byte
+    W_UK loads before its first FMA and keeps 8 columns x BT batch rows of fp32 accumulators; the row groups are summed
+    with a partial butterfly (offsets 16 .. CW). Known limits: kvl/(8·CW) absorption tasks per head (8 at k3-shard)
+    leave 4 of 12 warps idle during the absorption; the q_b rows and W_UK are re-read per batch tile (B > 4)."""
     cfg = ctx.cfg
     BT = cfg.bt
     ql, kvl, nope, rope = cfg.ql, cfg.kvl, cfg.nope, cfg.rope
@@ -245,6 +236,9 @@ def kv_append_load(mp: cute.Tensor, row: Int64, kvn: cute.Tensor, lane: Int32, x
 
 @cute.jit
 def op_mla_kv_append(ctx: _Ctx) -> None:
+    """MLA_KV_APPEND: one warp per sequence, each lane loading all its latent / rope elements at once (one round trip).
+    The latent RMSNorm as the reference, latent and shared key written at the sequence's position. Known limits: none
+    worth noting (scalar 2-byte loads, but all of a lane's in one round trip)."""
     cfg = ctx.cfg
     kvl, rope = cfg.kvl, cfg.rope
     LPL, RPL = -(-kvl // 32), -(-rope // 32)
@@ -395,6 +389,13 @@ def _score_sum(sl: Float32, sr: Float32, lane: Int32) -> Float32:
 
 @cute.jit
 def op_mla_partial(ctx: _Ctx) -> None:
+    """MLA_PARTIAL: a warp takes ``PART_HB`` heads at once (their queries in fp32 registers, the lane owning 16-byte
+    latent chunks ``lane + 32 m`` and rope elements ``lane + 32 m``) and walks the cache ``PART_PU`` rows per step, all
+    rows' loads issued together; each row is loaded once for the warp's heads (and from L1 for the other warps); one
+    shuffle chain sums both partial scores (``_score_sum``); the online softmax rescales once per step, and only when
+    the running max grows; heads are spread over the 12 warps. Writes the split's (o, max, sum). Known limits: CUDA-core
+    FMAs: per (head, row) and lane 34 FMAs, 6 shuffles, ~9 converts, issue-bound at about twice the FMA floor; a
+    tensor-core (mma) version, or fewer heads per instruction, is what would cut it."""
     cfg = ctx.cfg
     kvl, rope = cfg.kvl, cfg.rope
     HB, PU = PART_HB, PART_PU
@@ -521,6 +522,10 @@ def merge_lane(part: cute.Tensor, prow: Int64, ns: Int32, col: Int32, mx: Float3
 
 @cute.jit
 def op_mla_reduce(ctx: _Ctx) -> None:
+    """MLA_REDUCE: one warp per batch row computes the splits' common max and denominator (lanes over splits), then
+    every thread merges two latent columns with all splits' loads of an unrolled step in flight. The merged latent goes
+    to shared memory (bf16), then one warp per W_UV row, the output gate applied. Known limits: each merging thread
+    re-reads the splits' max (L1 hits) and evaluates its own exp per split."""
     cfg = ctx.cfg
     BT = cfg.bt
     kvl, dv = cfg.kvl, cfg.dv

@@ -1,37 +1,14 @@
-"""The megakernel's MoE opcodes: ROUTER, EXPERT_GATE_UP, EXPERT_DOWN (device code; see ``OPCODE_NOTES`` in
-``megakernel.py``).
+"""The megakernel's routed-expert opcodes: EXPERT_GATE_UP and EXPERT_DOWN (device code), dense (bf16) or MXFP4.
 
 Each ``op_*`` is a thin GPU-only layer (thread / warp / lane indices, shuffles, the ballot, barriers, the global
-stores) around ``@cute.jit`` helpers that take the token, slot, expert, row and lane as plain integers: which
-token's candidates a lane holds and the top-k's comparisons (``router_choices``, ``router_lane_best``,
-``router_take``, ``router_retire``, ``router_weight``, ``router_record``, ``router_scale``), the compaction of the
-chosen experts into slots and the slot weights / use flags (``router_slot_of``, ``router_round_end``,
-``router_slot``), the expert opcodes' slot lists built once per instruction (``slot_expert``, ``slot_take``,
-``slot_put``, ``slot_end``, ``slot_token``; the ballot compaction reuses ``router_slot_of`` / ``router_round_end``),
-the weighted fp32 combine (``down_weighted``, ``down_combine``) and the element offsets of every store.
-
-Dense experts (bf16 weights): a warp takes one weight row at a time and each lane dots its 16-byte chunks with every
-token of a pass on CUDA cores (``gate_up_rows``, ``gate_up_tile``, ``down_row``, ``down_tile``), warp sums, lane 0
-stores.
-
-MXFP4 experts (``MKConfig.fp4``): tensor cores, ``mma.sync.m16n8k16`` bf16 x bf16 -> fp32 through ``mk_mma``. A
-warp's work item is 16 weight rows (EXPERT_GATE_UP: the same rows of w1 and w3) x up to 8 tokens of a slot as the
-mma's columns (``fp4_tile_rows``, ``fp4_mma_tile``): per 128-column k block lane (g, q) decodes group q of its rows
-g and g + 8 (``fp4_row`` code / scale views; ``_common.fp4_bf16x2``: integer placement of each E2M1 code as the bf16
-E2M1 · 2^-126 and one bf16x2 multiply by 2^(e - 1) per register, exact, in pair order; scale bytes above 128, which
-quantisation never writes, take a branch with a second multiply) and puts the same 32 x values of its token column
-g in the same order (``_common.x_pair_bf16x2``: one prmt per register), so a lane's physical k depends on q only, as
-the mma's fragment layout requires; 8 mma.sync per block and weight. The epilogues work on the accumulator
-fragments (lane holds rows ``acc_row``, tokens ``acc_col``): EXPERT_GATE_UP applies SiTU-GLU per (row, token)
-(``fp4_gate_up_out``). EXPERT_DOWN spreads over every warp (``fp4_down_split``): the G warps of a 16-row tile split
-the used slots, each shuffles every token column to the lanes that keep that token (``fp4_column_src``,
-``fp4_down_item``) and combines it, router-weighted, in fp32 in its registers (``fp4_down_combine``); the members'
-combines meet in the fp32 scratch after a barrier, summed in member order (``fp4_down_part_put``,
-``fp4_down_part_sum``), and member 0 stores (``fp4_down_out``).
-
-``kernels/verify/host_exec_router.py`` runs the same helpers on the host over every warp and lane of each instruction of a
-program and replays the thin layer in the kernel's order; the one device-only step it cannot run, the mma, it
-records (the operands ``mma_chunk`` assembles, through its host sink) and evaluates with ``mk_mma.mma_reference``."""
+stores) around ``@cute.jit`` helpers that take the slot, expert, row, token and lane as plain integers: the slot
+lists built once per instruction (``slot_expert``, ``slot_take``, ``slot_put``, ``slot_end``, ``slot_token``; the
+ballot compaction is the ROUTER's, ``megakernel/router.py``), the lanes' dots (dense: ``gate_up_tile``,
+``down_tile``; MXFP4 on tensor cores: ``fp4_mma_tile``), the weighted fp32 combine (``down_weighted``,
+``down_combine``) and the element offsets of every store. How each opcode works: its ``op_*`` docstring.
+``kernels/verify/host_exec_mk_moe.py`` runs the same helpers on the host over every warp and lane and replays the thin
+layer in the kernel's order; the one device-only step it cannot run, the mma, it records (the operands
+``mma_chunk`` assembles, through its host sink) and evaluates with ``megakernel.mma.mma_reference``."""
 
 from __future__ import annotations
 
@@ -48,7 +25,6 @@ from kimik3.kernels.contracts.isa import (
 )
 from kimik3.kernels.megakernel.device_fns import (
     BIG,
-    NT,
     NW,
     VEC,
     bf16_round,
@@ -59,174 +35,13 @@ from kimik3.kernels.megakernel.device_fns import (
 )
 from kimik3.kernels.megakernel.mma import MMA_COLS, MMA_ROWS, acc_col, acc_row, lane_group, lane_quad, mma_chunk
 from kimik3.kernels.megakernel.operands import (
-    F32_VEC,
     F32_WORDS,
     I32_WORDS,
     _Ctx,
     _eoff,
     _pad32,
 )
-
-
-@cute.jit
-def _precise_sigmoid(x: Float32) -> Float32:
-    """Full-precision σ for the router: approximate scores could reorder near-ties and pick another expert."""
-    return 1.0 / (1.0 + cute.math.exp(-x))
-
-
-@cute.jit
-def router_take(ov: Float32, oi: Int32, v: Float32, i: Int32) -> Any:
-    """Whether the partner's candidate (ov, oi) beats the lane's (v, i) in the butterfly: a larger choice score,
-    or an equal one with a lower expert id (torch.topk's order on ties)."""
-    return (ov > v) | ((ov == v) & (oi < i))
-
-
-@cute.jit
-def _warp_best(v: Float32, i: Int32) -> tuple[Float32, Int32]:
-    """Butterfly arg-max over the warp (GPU only: shuffles); the host execution replays the same exchanges."""
-    for off in cutlass.range_constexpr(5):
-        ov = cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
-        oi = cute.arch.shuffle_sync_bfly(i, offset=16 >> off)
-        take = router_take(ov, oi, v, i)
-        v, i = (ov, oi) if take else (v, i)
-    return v, i
-
-
-@cute.jit
-def router_choices(ctx: _Ctx, lg: Any, bias: Any, b: Int32, lane: Int32, ch: cute.Tensor, ix: cute.Tensor) -> None:
-    """Token b's candidates of a lane: experts lane, lane + 32, ... with choice scores σ(logit) + bias (-inf past
-    E). The logits row of token b starts at element ``_eoff(d1, d2, b, 0, 0)`` of operand 0."""
-    E = ctx.cfg.E
-    row = _eoff(ctx.s_d1[0], ctx.s_d2[0], b, Int32(0), Int32(0))
-    for m in cutlass.range_constexpr(cute.size(ch)):
-        e = lane + 32 * m
-        ix[m] = e
-        ch[m] = -Float32.inf
-        if e < E:
-            ch[m] = _precise_sigmoid(lg[row + e]) + bias[e]
-
-
-@cute.jit
-def router_lane_best(ch: cute.Tensor, ix: cute.Tensor) -> tuple[Float32, Int32]:
-    """The lane's best candidate; its ids ascend, so a strict > keeps the lower id on ties."""
-    v, i = ch[0], ix[0]
-    for m in cutlass.range_constexpr(1, cute.size(ch)):
-        take = ch[m] > v
-        v, i = (ch[m], ix[m]) if take else (v, i)
-    return v, i
-
-
-@cute.jit
-def router_retire(ch: cute.Tensor, ix: cute.Tensor, i: Int32) -> None:
-    for m in cutlass.range_constexpr(cute.size(ch)):
-        ch[m] = -Float32.inf if ix[m] == i else ch[m]
-
-
-@cute.jit
-def router_weight(ctx: _Ctx, lg: Any, b: Int32, i: Int32) -> Float32:
-    """The weight of expert i for token b: its UNBIASED sigmoid score."""
-    return _precise_sigmoid(lg[_eoff(ctx.s_d1[0], ctx.s_d2[0], b, Int32(0), Int32(0)) + i])
-
-
-@cute.jit
-def router_record(ctx: _Ctx, b: Int32, r: Int32, i: Int32, w: Float32) -> None:
-    """Lane 0: the r-th choice of token b and its weight into the CTA's scratch, expert i marked used."""
-    K, EP = ctx.cfg.topk, _pad32(ctx.cfg.E)
-    ctx.s_i32[2 * EP + b * K + r] = i
-    ctx.s_f32[F32_VEC + b * K + r] = w
-    ctx.s_i32[i] = 1
-
-
-@cute.jit
-def router_scale(ctx: _Ctx, b: Int32, wsum: Float32) -> None:
-    """Lane 0: token b's weights renormalised (+1e-20) and times the route scale."""
-    cfg = ctx.cfg
-    K = cfg.topk
-    scale = Float32(cfg.route_scale)
-    if const_expr(cfg.renorm and K > 1):
-        scale = scale / (wsum + 1e-20)
-    for r in cutlass.range_constexpr(K):
-        ctx.s_f32[F32_VEC + b * K + r] = ctx.s_f32[F32_VEC + b * K + r] * scale
-
-
-@cute.jit
-def router_slot_of(base: Int32, bal: Any, below: Any) -> Int32:
-    """The slot of a used expert in one ballot round of the compaction: ``base`` (the slots earlier rounds took)
-    plus the used experts of the lower lanes (``below``: the lane's mask of lower lanes), so used experts get
-    consecutive slots in ascending id."""
-    return base + cute.arch.popc(bal & below)
-
-
-@cute.jit
-def router_round_end(base: Int32, bal: Any) -> Int32:
-    """The slots taken after a ballot round."""
-    return base + cute.arch.popc(bal)
-
-
-@cute.jit
-def router_slot(ctx: _Ctx, b: Int32, j: Int32) -> tuple[Float32, Int32, Int64, Int64]:
-    """Slot j of token b: the summed weight of its choices compacted into slot j, whether any is, and the element
-    offsets of (b, 0, j) in the weights (operand 3) and use flags (operand 4)."""
-    K, EP = ctx.cfg.topk, _pad32(ctx.cfg.E)
-    w = Float32(0.0)
-    u = Int32(0)
-    for r in cutlass.range_constexpr(K):
-        hit = ctx.s_i32[EP + ctx.s_i32[2 * EP + b * K + r]] == j
-        w = w + (ctx.s_f32[F32_VEC + b * K + r] if hit else Float32(0.0))
-        u = Int32(1) if hit else u
-    return (w, u, _eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), j),
-            _eoff(ctx.s_d1[4], ctx.s_d2[4], b, Int32(0), j))
-
-
-@cute.jit
-def op_router(ctx: _Ctx) -> None:
-    cfg = ctx.cfg
-    E, K, B = cfg.E, cfg.topk, cfg.B
-    EPL = -(-E // 32)
-    EP = _pad32(E)
-    lg = gflat(Float32, ctx.s_addr[0])
-    bias = gflat(Float32, ctx.s_addr[1])
-    sel = gflat(Int64, ctx.s_addr[2])
-    mw = gflat(Float32, ctx.s_addr[3])
-    use = gflat(Uint8, ctx.s_addr[4])
-    s_used, s_slot = ctx.s_i32, ctx.s_i32  # [0, EP) used, [EP, 2EP) slot, [2EP, ..) choices; s_f32: weights
-    for e in cutlass.range(ctx.tidx, EP, NT, unroll=1):
-        s_used[e] = 0
-    cute.arch.sync_threads()
-    ch = cute.make_rmem_tensor((EPL,), Float32)
-    ix = cute.make_rmem_tensor((EPL,), Int32)
-    for b in cutlass.range(ctx.warp, B, NW, unroll=1):
-        router_choices(ctx, lg, bias, b, ctx.lane, ch, ix)
-        wsum = Float32(0.0)
-        for r in cutlass.range_constexpr(K):
-            v, i = _warp_best(*router_lane_best(ch, ix))
-            router_retire(ch, ix, i)
-            w = router_weight(ctx, lg, b, i)
-            wsum = wsum + w
-            if ctx.lane == 0:
-                router_record(ctx, b, r, i, w)
-        if ctx.lane == 0:
-            router_scale(ctx, b, wsum)
-    cute.arch.sync_threads()
-    if ctx.warp == 0:  # compact the chosen experts, ascending, into slots
-        base = Int32(0)
-        for m in cutlass.range_constexpr(EPL):
-            e = ctx.lane + 32 * m
-            u = s_used[e] != 0  # [E, EP) was zeroed too
-            bal = cute.arch.vote_ballot_sync(u)
-            slot = router_slot_of(base, bal, cute.arch.lanemask_lt())
-            if u:
-                s_slot[EP + e] = slot
-                sel[slot] = Int64(e)
-            base = router_round_end(base, bal)
-        for j in cutlass.range(base + ctx.lane, cfg.dmax, 32, unroll=1):
-            sel[j] = Int64(-1)
-    cute.arch.sync_threads()
-    for idx in cutlass.range(ctx.tidx, B * cfg.dmax, NT, unroll=1):
-        w, u, ow, ou = router_slot(ctx, idx // cfg.dmax, idx % cfg.dmax)
-        mw[ow] = w
-        use[ou] = Uint8(u)
-
+from kimik3.kernels.megakernel.router import router_round_end, router_slot_of
 
 # The expert opcodes stream: a prologue reads every slot's expert id and use flags ONCE per instruction into the
 # CTA's scratch (the slot's tokens as a list, EXPERT_DOWN also their router weights), one barrier, then each warp
@@ -577,6 +392,27 @@ def fp4_gate_up_out(ctx: _Ctx, s0: Int32, jj: Int32, t0: Int32, n: Int32, rt: An
 
 @cute.jit
 def op_expert_gate_up(ctx: _Ctx) -> None:
+    """EXPERT_GATE_UP: the hidden activations h = SiTU-GLU(x·w1ᵀ, x·w3ᵀ) of rows [r0, r1) of slots [s0, s1) for the
+    tokens routed to each slot; a prologue lists every slot's expert and tokens once per instruction
+    (``_build_slot_lists``).
+
+    Dense experts (bf16 weights): a warp takes one weight row at a time (the same row of w1 and w3) and each lane dots
+    its 16-byte chunks with every token of a pass on CUDA cores (``gate_up_rows``, ``gate_up_tile``); warp sums, lane 0
+    applies SiTU-GLU and stores.
+
+    MXFP4 experts (``MKConfig.fp4``): tensor cores, ``mma.sync.m16n8k16`` bf16 x bf16 -> fp32 through
+    ``megakernel/mma.py``. A warp's work item is 16 rows of w1 and of w3 x up to 8 tokens of a slot as the mma's columns
+    (``fp4_tile_rows``, ``fp4_mma_tile``): per 128-column k block lane (g, q) decodes group q of its rows g and g + 8
+    (``fp4_row`` code / scale views; ``common.device.fp4_bf16x2``: integer placement of each E2M1 code as the bf16 E2M1
+    · 2^-126 and one bf16x2 multiply by 2^(e - 1) per register, exact, in pair order; scale bytes above 128, which
+    quantisation never writes, take a branch with a second multiply) and puts the same 32 x values of its token column g
+    in the same order (``common.device.x_pair_bf16x2``: one prmt per register), so a lane's physical k depends on q
+    only, as the mma's fragment layout requires; 8 mma.sync per block and weight. The epilogue applies SiTU-GLU per
+    (row, token) on the accumulator fragments (lane holds rows ``acc_row``, tokens ``acc_col``; ``fp4_gate_up_out``).
+    Known limits: the expert is data-dependent, so the host cannot name its rows: no stage; a slot with more tokens than
+    a pass re-reads its rows (L1/L2); dense experts stay on CUDA cores (the 8 FMAs per weight at batch 8 are hidden by
+    the stream there); MXFP4 pays its decode, a few PTX instructions per weight and pass (bounded by
+    tests/test_mk_moe_fp4_ptx.py), whatever the tokens."""
     if const_expr(ctx.cfg.fp4):
         _op_expert_gate_up_fp4(ctx)
     else:
@@ -747,6 +583,20 @@ def fp4_down_out(ctx: _Ctx, rt: Any, lane: Any, h: cutlass.Constexpr, m: cutlass
 
 @cute.jit
 def op_expert_down(ctx: _Ctx) -> None:
+    """EXPERT_DOWN: the combined expert output y[b, r] = Σ_slots w_slot · (h_slot · w2ᵀ)[r] of rows [r0, r1) for every
+    token, the router weights listed next to the tokens by the prologue (``_build_slot_lists``).
+
+    Dense experts: a warp takes one w2 row at a time and dots it with the hidden rows of each used slot's tokens per
+    pass on CUDA cores (``down_row``, ``down_tile``); each warp sum, rounded to bf16 and times the router weight
+    (``down_weighted``), is accumulated in fp32 by the lane that keeps the token (``down_combine``); one bf16 store.
+
+    MXFP4 experts: 16-row mma work items as EXPERT_GATE_UP's (``fp4_mma_tile``), spread over every warp
+    (``fp4_down_split``): the G warps of a 16-row tile split the used slots, each shuffles every token column to the
+    lanes that keep that token (``fp4_column_src``, ``fp4_down_item``) and combines it, router-weighted, in fp32 in its
+    registers (``fp4_down_combine``); the members' combines meet in the fp32 scratch after a barrier, summed in member
+    order (``fp4_down_part_put``, ``fp4_down_part_sum``), and member 0 stores (``fp4_down_out``). Known limits: no stage
+    (data-dependent expert); rows re-read per extra pass of an expert's tokens; MXFP4 at B = 64: the fp32 scratch holds
+    the slot lists' weights, so G = 1 (2 warps stream)."""
     if const_expr(ctx.cfg.fp4):
         _op_expert_down_fp4(ctx)
     else:

@@ -1,70 +1,14 @@
-"""The persistent decode megakernel: one CTA per SM walks its queue of the int32 program, once per decode step.
+"""The persistent decode megakernel's VM: one CTA per SM walks its queue of the int32 program, once per decode step.
 
-Why one launch per step: a K3 decode step is thousands of small operations (a few µs each at batch 1). As separate
-kernels each pays a launch, a drain of the GPU and a ramp-up; as one persistent kernel the only synchronisation is
-what the data needs — counters in global memory — and an SM that waits for its inputs can already stream the
-weights of its next instruction. The program (``kimik3.megakernel.instructions``: opcodes, operand boxes, waits,
-signals, per-SM queues) is built once on the host by the scheduler; this kernel is its interpreter.
-
-The loop, per CTA (``block_idx.x`` = queue number), per queue position ``q`` holding instruction ``v`` (design v2:
-the weight stage is chosen on the host and streamed one instruction ahead, ``isa.W_STAGE_*`` / ``isa.W_NEXT_*``):
-
-1. **fetch**: warp 0 moves ``v``'s 128-word row into ``s_ins``; the previous position already copied it into smem
-   with ``cp.async`` (its wait is warp 0's ``cp.async.wait_group 0``: warp 0's groups hold only rows), so the row
-   costs no global round trip here (the first position, or one after a gap in the queue, copies its own). Then
-   ``bar.sync``, and warp 1 caches per operand (one lane each, all in flight) the buffer's base address (from the
-   buffer table ``bufs``) and its dims (from the program's buffer section) in smem;
-2. **stage** (warps 1..11, ``cp.async.cg`` 16-byte copies, which also leave the lines in L2): two stage buffers
-   of ``STAGE_BYTES``, used by queue position parity. Position ``q`` reads ``stage[q % 2]``, filled while ``q-1``
-   ran; it now copies the NEXT position's rows (``W_NEXT_BUF`` / ``_ELEM`` / ``_CHUNKS``: a buffer of the table,
-   an element offset and a chunk count the host wrote) into ``stage[(q+1) % 2]`` — the buffer ``q-1`` finished
-   reading before its end barrier — and commits the group (an empty one when nothing is staged, so every
-   position commits exactly one). The first position (or one after a gap) also copies its own rows from
-   ``W_STAGE_OP`` / ``_ROWS`` / ``_CHUNKS`` first. All this precedes the waits: it is legal only because the host
-   stages nothing but static WEIGHT rows (the hazard checker and the address replay prove it);
-3. **wait**: lane ``w`` of warp 0 spins on wait ``w`` (all waits at once: one round trip for the counter total
-   and the ``ld.acquire.gpu`` counter load together) until ``counter[c] ≥ step·total[c] + target``, with
-   ``nanosleep`` back-off; a bounded-spin **watchdog** (``ctl[1]`` spins) then sets the error word (CAS 0 → 1,
-   first thread of the launch wins) with the instruction, counter, target and value seen, and the CTA leaves; a
-   CTA that sees the error word set while spinning leaves too, so a broken program ends the launch instead of
-   hanging it. Each waiting lane stamps ``%globaltimer`` when its wait holds; warp 0 then reads the next queue
-   entry and copies its row (``cp.async``, one 16-byte chunk per lane) for step 1 of the next position;
-4. **execute**: ``cp.async.wait_group 1`` (this position's stage has landed, the next one's copy stays in
-   flight), ``bar.sync`` (broadcasts the acquires, the operand table and the stage), dispatch on the opcode to
-   its device function; the opcodes read ``ctx.s_stage`` = ``stage[q % 2]`` through ``_staged_rows``;
-5. **signal**: ``bar.sync`` (every thread's writes done), then thread 0 ``red.release.gpu.add`` on the
-   instruction's counter (release is cumulative over the barrier), end stamp, and the row
-   ``timings[v] = (start ns, end ns, %smid)`` that ``kimik3.megakernel.timeline.from_timings`` reads (start: the
-   latest of the waits' stamps, i.e. when the instruction could start).
-
-Three CTA barriers per instruction; global round trips on the critical path: the operand table (one, in parallel
-over operands and overlapping the waits) and the waits (one, in parallel over waits, plus the spin).
-
-Counters are monotonic across launches (the host zeroes them once and passes the step number in ``ctl[0]``).
-Every parameter is a statically laid-out tensor, i.e. one 8-byte pointer (guide §1.3), so the op can be exported
-as a prebuilt kernel: program ``[PROG_WORDS] i32``, buffer table ``[MAX_BUFS] i64`` (device address per program
-buffer), counters ``[MAX_CTRS] i32``, timings ``[MAX_INSTR, 3] i64``, error ``[8] i32``, control ``[8] i32``
-(step, watchdog spins, sleep ns). Capacities are static shapes; the host pads.
-
-The CTA is 384 threads (12 warps): 512 threads cap ptxas at 128 registers and the widest opcodes spilled there;
-at 384 the cap is 168 and every preset x batch (micro, tiny, k3-shard x 1, 8, 64) compiles with 126-160 registers,
-0 spills, 0 stack, ~129-142 KiB of dynamic shared memory (96 KiB of it the two weight stage buffers). Every opcode is
-one branch of ``_dispatch``; values live across the dispatch are kept in shared memory (``s_run``, the waits'
-``s_wok`` / ``s_tw``) because ptxas allocates registers for the widest branch and anything live across all of them
-counts against every one.
-
-Opcodes (first version: simple, correct-by-construction device code; see ``OPCODE_NOTES`` for each one's
-performance limits). Compiled for sm_90a / sm_100a without a GPU (``tests/test_megakernel_compile.py``); the launch
-is checked on a GPU by ``tests/test_megakernel_gpu.py``.
-
-This file is the VM (fetch, the stage pipeline, wait with its watchdog, dispatch, signal, timing) and the
-compile-time config; the opcodes live in one module per family, on the operand access of ``mk_operands.py``:
-``mk_gemv.py`` (the tiled GEMV opcodes: ``device_fns.weight_row_dot`` on CUDA cores, ``device_fns.weight_tile_mma``
-on tensor cores at batch passes of 8), ``mk_mma.py`` (the ``mma.sync`` step and its fragment layout), ``mk_kda.py``,
-``mk_mla.py``,
-``mk_moe.py`` and ``mk_misc.py`` (EMBED, ATTN_RES_MIX, ARGMAX). Which elements an opcode touches comes from
-``mk_addr.py``, the arithmetic the host's address replay runs too. The source hash covers every one of them
-(``_source.OPCODE_MODULES``).
+The program (``kimik3.megakernel.instructions``: opcodes, operand boxes, waits, signals, per-SM queues) is built once
+on the host by the scheduler; this kernel is its interpreter. Per queue position it fetches the instruction's row,
+streams the next position's weight stage, waits on its counters (with a watchdog), dispatches on the opcode to its
+family's device function (``megakernel/gemv.py``, ``kda.py``, ``mla.py``, ``router.py``, ``moe.py``, ``misc.py``, on
+the operand access of ``operands.py``; which elements an opcode touches: ``kernels/contracts/addr.py``), and signals.
+This file is that loop and the compile-time config (``MKConfig``); ``OPCODE_NOTES`` tabulates what each opcode does.
+Design (the loop step by step, barriers, counters, the CTA size): ``docs/architecture.md`` (map; appendix: the
+megakernel VM). Compiled for sm_90a / sm_100a without a GPU (``tests/test_megakernel_compile.py``); the launch is
+checked on a GPU by ``tests/test_megakernel_gpu.py``.
 """
 
 from __future__ import annotations
@@ -134,8 +78,9 @@ from kimik3.kernels.megakernel.gemv import op_ffn_out, op_lm_head, op_mlp_gate_u
 from kimik3.kernels.megakernel.kda import op_kda_step
 from kimik3.kernels.megakernel.misc import op_argmax, op_attn_res_mix, op_embed
 from kimik3.kernels.megakernel.mla import op_mla_kv_append, op_mla_partial, op_mla_q, op_mla_reduce
-from kimik3.kernels.megakernel.moe import op_expert_down, op_expert_gate_up, op_router
+from kimik3.kernels.megakernel.moe import op_expert_down, op_expert_gate_up
 from kimik3.kernels.megakernel.operands import F32_RED, F32_VEC, F32_WORDS, I32_WORDS, _Ctx, _kda_groups, _pad32, _row0  # noqa: F401
+from kimik3.kernels.megakernel.router import op_router
 from kimik3.kernels.toolchain import dsl
 from kimik3.kernels.toolchain.source import kernel_source_hash
 
@@ -145,8 +90,9 @@ __all__ = ["MKConfig", "OPCODE_NOTES", "STAGE_BYTES", "STAGE_BUFFERS", "ERROR_WO
            "ERR_BAD_PROGRAM", "megakernel", "compile_for", "launch", "SOURCE_HASH", "VARIANTS"]
 
 VARIANTS = ("megakernel",)
-# The int32 program layout, the opcode numbers and the launch's error / control words come from kernels/contracts/isa.py,
-# the one definition the host program (kimik3.megakernel.instructions) encodes with; it imports no torch.
+# The int32 program layout, the opcode numbers and the launch's error / control words come from
+# kernels/contracts/isa.py, the one definition the host program (kimik3.megakernel.instructions) encodes with; it
+# imports no torch.
 # The weight stage: STAGE_BUFFERS buffers of STAGE_BYTES (isa.py: the host sizes the staged rows with them)
 STAGE_CHUNKS = STAGE_BYTES // CHUNK_BYTES
 WORDS_PER_CHUNK = CHUNK_BYTES // 4
@@ -302,7 +248,7 @@ class MKConfig:
     max_ctrs: int
     fp4: bool  # the routed experts are MXFP4 (codes + E8M0 scales, isa.MXFP4_OPERANDS); the program must say so
     # the compile target (compile_for sets it): ptxas allocates registers per architecture, so some loop widths
-    # depend on it (mk_addr.gemv_unroll, mk_moe.gate_up_pass / down_pass); the host execution runs the default
+    # depend on it (addr.gemv_unroll, moe.gate_up_pass / down_pass); the host execution runs the default
     # unless a case names another
     arch: str = "sm_90a"
 
@@ -586,7 +532,7 @@ def megakernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor, mTime:
     _check_static(cfg)
     megakernel_kernel(mProg, mBufs, mCtr, mTime, mErr, mCtl, cfg).launch(
         grid=[num_ctas, 1, 1], block=[NT, 1, 1], stream=stream, cooperative=True,
-        min_blocks_per_mp=1)  # .minnctapersm 1: without it ptxas may aim at 2 CTAs/SM and spill at 64 registers
+        min_blocks_per_mp=1)  # .minnctapersm 1: without it ptxas may aim at 2 CTAs/SM and spill
 
 
 # ---------------------------------------------------------------------------------------------- host side

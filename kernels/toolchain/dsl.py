@@ -147,8 +147,9 @@ def dsl_version() -> str:
 
 
 def source_hash(module: ModuleType) -> str:
-    """sha256 of the kernel module's source, the kernel modules it inlines, the device helpers and this file (see toolchain/source.py),
-    as captured when the module was (re)imported, i.e. of the code that actually gets compiled."""
+    """sha256 of the kernel module's source, the kernel modules it inlines, the device helpers and this file (see
+    ``kernels/toolchain/source.py``), as captured when the module was (re)imported, i.e. of the code that actually
+    gets compiled."""
     from kimik3.kernels.toolchain.source import kernel_source_hash
 
     return getattr(module, "SOURCE_HASH", None) or kernel_source_hash(module.__name__.rsplit(".", 1)[-1])

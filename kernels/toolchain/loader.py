@@ -1,16 +1,12 @@
 """Where a GPU stage's compiled CuTe DSL kernels come from: the DSL's JIT, or verified prebuilt artefacts.
 
-Both stages that launch CuTe DSL kernels load them here, by the same rules: stage ``fused`` (a few dozen small
-kernels, :func:`kimik3.stages.fused.load_kernels`) and stage ``megakernel`` (one persistent kernel,
-:mod:`kimik3.megakernel.gpu`).
-
-* JIT: with the DSL compiler installed (``nvidia-cutlass-dsl``), a kernel is compiled in-process to a TVM-FFI
-  function, once per process for each (arch, module, variant, static shapes) — :func:`jit_compiled`.
-* Prebuilt: a GPU machine usually has no DSL compiler; it loads the ``.so`` files a machine with the DSL exported
-  (``kimik3.kernels.toolchain.prebuilt``), from an explicit directory, ``$KIMIK3_PREBUILT`` or ``<repo>/prebuilt``
-  (:func:`default_prebuilt_dir`). Every load goes through the prebuilt module's checks (manifest entry, source
-  hash of the current kernel sources, arch, static shapes, file sha256), and a mismatch is a ``ValueError``
-  naming it: a stale or foreign kernel never runs.
+Stage ``fused`` (:func:`kimik3.fused.loading.load_kernels`) and stage ``megakernel`` (:mod:`kimik3.megakernel.gpu`)
+load their kernels here, by the same rules. JIT (``nvidia-cutlass-dsl`` installed): compiled in-process to a
+TVM-FFI function, once per process per (arch, module, variant, static shapes) — :func:`jit_compiled`. Prebuilt (a
+GPU machine without the DSL compiler): the ``.so`` files ``kimik3.kernels.toolchain.prebuilt`` exported, from an
+explicit directory, ``$KIMIK3_PREBUILT`` or ``<repo>/prebuilt`` (:func:`default_prebuilt_dir`); every load passes
+the prebuilt module's checks (manifest entry, source hash, arch, static shapes, file sha256) and a mismatch is a
+``ValueError`` naming it: a stale or foreign kernel never runs. See docs/architecture.md (map).
 """
 
 from __future__ import annotations

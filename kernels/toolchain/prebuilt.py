@@ -1,31 +1,13 @@
 """Ahead-of-time kernels (guide §7): build on a CPU machine, ship a directory, load on the GPU machine.
 
-``build_prebuilt(arch, out_dir, variants)`` compiles each registry variant and writes, per kernel:
-
-* ``<name>.so`` (format ``tvm-ffi``, when ``apache-tvm-ffi`` is installed): the op compiled with
-  ``--enable-tvm-ffi``, exported with ``export_to_c(obj, function_name=...)`` and linked with g++
-  against ``libcute_dsl_runtime`` (``python -m cutlass.cute.export.aot_config --ldflags --libs``;
-  rpath ``$ORIGIN`` first, so a runtime shipped next to it wins). It takes torch CUDA tensors and
-  uses the current torch stream;
-* ``<name>.cubin`` + ``<name>.ptx`` (always): the device code alone. Every tensor of these ops has a
-  static layout, so each ``.entry`` parameter is a plain 8-byte device pointer (or a scalar): the
-  manifest lists, per entry, its parameter sizes, block shape (``.reqntid``) and dynamic shared memory
-  for a cuda-python ``cuLaunchKernel`` launcher (guide §7.3). The launch grid is the host logic of
-  the op's ``@cute.jit`` function and is not recorded; such a launcher is not provided here.
-
-``manifest.json`` records for each kernel: family, preset, batch, static shapes, the sha256 of the
-kernel source (module + inlined modules + _common), the DSL version, the architecture, file names
-with their sha256, and the ptxas resource report. The DSL runtime library path is recorded; with
-``ship_runtime=True`` the library is copied into the directory xz-compressed (~43 MB raw).
-
-``load_prebuilt(dir, name, arch=..., shapes=...)`` refuses, with a ``ValueError`` naming the mismatch,
-a kernel whose source hash differs from the current source, whose architecture differs from the
-requested one (or from the GPU's), whose static shapes differ from the requested ones, or whose
-files do not match their recorded hashes: a stale kernel is never run.
-
+:func:`build_prebuilt` compiles each registry variant into ``<name>.so`` (``tvm-ffi`` format, when
+``apache-tvm-ffi`` is installed: torch CUDA tensors on the current stream) and always ``<name>.cubin`` +
+``<name>.ptx`` (the device code alone, with what a ``cuLaunchKernel`` launcher needs per entry, guide §7.3), and
+records each kernel in ``manifest.json``. :func:`load_prebuilt` refuses, with a ``ValueError`` naming the mismatch,
+a kernel whose source hash, architecture, static shapes or file hashes differ: a stale kernel is never run.
 CLI: ``python -m kimik3 kernels build --arch sm_90a --out DIR [--preset k3-shard] [--batch 1,8]
-[--expert-format mxfp4]`` (``kimik3/__main__.py`` forwards to :func:`main`; ``--expert-format`` adds the megakernel
-variants for those routed-expert formats, ``megakernel/<preset>/b<batch>-mxfp4``).
+[--expert-format mxfp4]`` (``kimik3/__main__.py`` forwards to :func:`main`). The artefacts and the manifest:
+docs/architecture.md#appendix-design-notes-by-room.
 """
 
 from __future__ import annotations

@@ -134,7 +134,8 @@ FAMILIES: dict[str, Family] = {
 
 
 def _megakernel_shapes(cfg: ModelConfig, batch: int, expert_format: str = "dense") -> dict[str, Any]:
-    from kimik3.megakernel.gpu import static_shapes  # DSL-free; imported lazily (kimik3.megakernel imports torch)
+    # DSL-free; imported lazily (kimik3.megakernel imports torch)
+    from kimik3.megakernel.kernel_shapes import static_shapes
 
     return static_shapes(cfg, batch, expert_format=expert_format)
 
@@ -193,6 +194,15 @@ class KernelVariant:
         return importlib.import_module(f"kimik3.kernels.{OPS[self.spec.module]}")
 
     @property
+    def reference(self) -> ModuleType:
+        """The fused op's host-side test material, ``kernels/reference/<op>.py`` (``make_inputs``, ``reference``);
+        no kernel hash covers it. The persistent megakernel has none (its reference is the CPU interpreter)."""
+        if self.family not in FAMILIES:
+            raise ValueError(f"kernel family {self.family!r} has no reference module (only the fused kernels of "
+                             f"FAMILIES have one; the megakernel is checked against the CPU interpreter)")
+        return importlib.import_module(f"kimik3.kernels.reference.{self.spec.module}")
+
+    @property
     def variant(self) -> str:
         return self.spec.variant
 
@@ -244,8 +254,9 @@ def ci_variants() -> list[KernelVariant]:
 def variants_for(presets: tuple[str, ...] | list[str], batches: tuple[int, ...] | list[int],
                  families: tuple[str, ...] | list[str] | None = None,
                  expert_formats: tuple[str, ...] | list[str] = ("dense",)) -> list[KernelVariant]:
-    """Variants of the given presets / batches (any preset of kimik3.model.config works, not only PRESETS), each family in
-    those of ``expert_formats`` it is built for (the fused MoE kernel's formats are families of their own)."""
+    """Variants of the given presets / batches (any preset of kimik3.model.config works, not only PRESETS), each
+    family in those of ``expert_formats`` it is built for (the fused MoE kernel's formats are families of their
+    own)."""
     fams = list(families) if families else [*FAMILIES, *PERSISTENT]
     unknown = [f for f in fams if f not in FAMILIES and f not in PERSISTENT]
     if unknown:

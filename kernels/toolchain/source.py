@@ -27,7 +27,7 @@ DEPENDENCIES: dict[str, tuple[str, ...]] = {
     **{m: ("common.trace",) for m in ("gemv", "moe", "mla_decode", "kda", "attn_res")}}
 # The megakernel's opcode families, one module each (the VM in megakernel/vm.py dispatches to them)
 OPCODE_MODULES: tuple[str, ...] = ("megakernel.operands", "megakernel.mma", "megakernel.gemv", "megakernel.kda",
-                                   "megakernel.mla", "megakernel.moe", "megakernel.misc")
+                                   "megakernel.mla", "megakernel.router", "megakernel.moe", "megakernel.misc")
 # DSL-free contracts a kernel module imports (the megakernel's instruction encoding and address arithmetic; the fused
 # kernels' layouts, eps values and parameter order): they decide what the kernel compiles to
 CONTRACTS: dict[str, tuple[str, ...]] = {

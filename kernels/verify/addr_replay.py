@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kimik3.kernels.contracts import addr as device_addr  # the address functions the opcodes call
 from kimik3.kernels.contracts.addr import (
     FP4_GROUP,
     FP4_GROUP_BYTES,
@@ -370,18 +371,16 @@ def _staged_in_box(start: int, n: int, dims: tuple[int, int, int], box: tuple[in
 def replay(program: Any, cfg: Any, *, instructions: list[int] | None = None, helpers: Any = None,
            check_writes: bool = True, declared_from_all: bool = False, max_findings: int = 50) -> ReplayReport:
     """Replay the address arithmetic of every instruction (or those listed) of a decoded ``program`` for the model
-    config ``cfg``; ``helpers`` is the module whose :func:`elem_offset` / :func:`tile_rows` /
-    :func:`expert_row_offset` (and :func:`gemv_item`) run (a mutated copy in the tests). Returns the findings
-    (empty when clean).
+    config ``cfg``; ``helpers`` is the module whose ``elem_offset`` / ``tile_rows`` / ``expert_row_offset`` (and
+    ``gemv_item``, ...) run: the device's own, ``kernels/contracts/addr.py``, unless given (a mutated copy in the
+    tests). Returns the findings (empty when clean).
 
     ``check_writes`` counts every stored element of the activation / state / output buffers against the declared
     writes of the replayed instructions (of every instruction with ``declared_from_all``: then a subset of
     instructions shows what the others leave unwritten)."""
-    import sys
-
     import torch
 
-    helpers = helpers if helpers is not None else sys.modules[__name__]
+    helpers = helpers if helpers is not None else device_addr
     missing = [n for n in ("elem_offset", "tile_rows", "expert_row_offset") if not callable(getattr(helpers, n, None))]
     if missing:
         raise ValueError(f"replay: helpers module lacks {', '.join(missing)}")

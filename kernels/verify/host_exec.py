@@ -37,6 +37,8 @@ from kimik3.kernels.common.trace import host_trace
 from kimik3.kernels.fused import gemv as _gemv
 from kimik3.kernels.fused import moe as _moe
 from kimik3.kernels.reference import common as ref_common
+from kimik3.kernels.reference import gemv as _gemv_ref
+from kimik3.kernels.reference import moe as _moe_ref
 from kimik3.kernels.toolchain import dsl
 
 __all__ = ["HostRun", "warp_sum", "run_gemv", "run_lm_head", "run_moe", "corner_indices"]
@@ -54,8 +56,9 @@ class HostRun:
 
 
 def warp_sum(p: torch.Tensor, dim: int) -> torch.Tensor:
-    """``_common.warp_sum`` over the lane axis ``dim``: five ``shfl.sync.bfly`` steps, offsets 16, 8, 4, 2, 1; each
-    lane adds its partner's value to its own, in fp32, so every lane ends with the same bits. Returns lane 0's."""
+    """``common.device.warp_sum`` over the lane axis ``dim``: five ``shfl.sync.bfly`` steps, offsets 16, 8, 4, 2,
+    1; each lane adds its partner's value to its own, in fp32, so every lane ends with the same bits. Returns lane
+    0's."""
     p = p.movedim(dim, -1)
     if p.shape[-1] != LANES:
         raise ValueError(f"warp_sum: axis {dim} must be the {LANES} lanes, got shape {list(p.shape)}")
@@ -574,15 +577,27 @@ def run_mk_addr(rows: torch.Tensor, *, module: ModuleType | None = None) -> torc
 
 
 # ---------------------------------------------------------------------------------------------- cases, mutants, CLI
+KERNELS = __package__.rsplit(".", 1)[0]  # kimik3.kernels (also under -m): kernel modules named by their path in it
+
+
 def _kernel_source(name: str, caller: str) -> str:
-    """The source text of kernel module ``name`` (``caller`` names the function in the error)."""
+    """The source text of kernel module ``name`` (its dotted path under ``kernels/``, e.g. ``"fused.gemv"``,
+    ``"megakernel.moe"``; ``caller`` names the function in the error)."""
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.find_spec(f"{__package__}.{name}")
+    spec = importlib.util.find_spec(f"{KERNELS}.{name}") if "." in name else None
     if spec is None or spec.origin is None:
-        raise ValueError(f"{caller}: no kernel module {name!r}")
+        raise ValueError(f"{caller}: no kernel module {name!r} (a dotted path under kernels/, e.g. 'fused.gemv')")
     return Path(spec.origin).read_text()
+
+
+def _mutant_name(name: str) -> str:
+    """The module name of kernel module ``name``'s mutated copy: ``_mutant_<leaf>`` in the original's package, so
+    that an absolute import of it resolves as the original's does (``from kimik3.kernels.common import
+    _mutant_device``)."""
+    pkg, leaf = name.rsplit(".", 1)
+    return f"{KERNELS}.{pkg}._mutant_{leaf}"
 
 
 def mutated_modules(mutant: list | None, modules: dict[str, ModuleType], owner: str) -> dict[str, ModuleType]:
@@ -598,55 +613,59 @@ def mutated_modules(mutant: list | None, modules: dict[str, ModuleType], owner: 
 
 
 def load_mutant(name: str, replacements: list[tuple[str, str]]) -> ModuleType:
-    """A copy of kernel module ``name`` with each (old, new) replacement applied exactly once: a planted bug.
+    """A copy of kernel module ``name`` (``"fused.gemv"``, ``"megakernel.device_fns"``, ...) with each (old, new)
+    replacement applied exactly once: a planted bug.
 
     The mutated source is written to a file and imported from there (the DSL reads a function's source to trace
-    it, so an in-memory copy would trace the original); its relative imports resolve in ``kimik3.kernels``."""
+    it, so an in-memory copy would trace the original) as ``_mutant_<leaf>`` of the original's package; its
+    absolute imports resolve as the original's."""
     import importlib.util
+    import re
+    import sys
     import tempfile
     from pathlib import Path
 
     src = _kernel_source(name, "load_mutant")
     for old, new in replacements:
         if src.count(old) != 1:
-            raise ValueError(f"load_mutant: {old!r} occurs {src.count(old)} times in {name}.py, expected once")
+            raise ValueError(f"load_mutant: {old!r} occurs {src.count(old)} times in {name}, expected once")
         src = src.replace(old, new)
-    # the source hash names the module's own file; the copy is never built, so any string does
-    src = src.replace('kernel_source_hash(__name__.rsplit(".", 1)[-1])', '"mutant"')
-    path = Path(tempfile.mkdtemp(prefix="kimik3-mutant-")) / f"_mutant_{name}.py"
+    # the source hash names the module's own files (a fused op: kernel_source_hash(__name__.rsplit(...)), the VM:
+    # kernel_source_hash("megakernel")); the copy is never built, so any string does
+    src = re.sub(r'kernel_source_hash\((?:__name__\.rsplit\("\.", 1\)\[-1\]|"\w+")\)', '"mutant"', src)
+    mname = _mutant_name(name)
+    path = Path(tempfile.mkdtemp(prefix="kimik3-mutant-")) / f"{mname.rsplit('.', 1)[1]}.py"
     path.write_text(src)
-    mname = f"{__package__}._mutant_{name}"
     mspec = importlib.util.spec_from_file_location(mname, path)
     assert mspec is not None and mspec.loader is not None
     mod = importlib.util.module_from_spec(mspec)
-    import sys
-
     sys.modules[mname] = mod
     mspec.loader.exec_module(mod)
     return mod
 
 
 # a module whose helpers several kernel modules import: a planted bug in it reaches the device code through them
-SHARED_MODULES = ("_common",)
+SHARED_MODULES = ("common.device",)
 
 
 def load_case_mutant(mutant: list, user: str) -> tuple[str, ModuleType]:
     """A case's ``mutant`` ([module, [[old, new], ...]]) loaded: (kernel module name, mutated module). A mutated
-    shared module (``SHARED_MODULES``, e.g. ``_common``'s MXFP4 decode) comes back as a copy of ``user``, the kernel
-    module the case runs, that imports the mutated copy in place of the original, so the device code it traces calls
-    the mutated helpers."""
+    shared module (``SHARED_MODULES``, e.g. ``common.device``'s MXFP4 decode) comes back as a copy of ``user``, the
+    kernel module the case runs, that imports the mutated copy in place of the original, so the device code it traces
+    calls the mutated helpers."""
     mname, reps = mutant
     mod = load_mutant(mname, [tuple(r) for r in reps])
     if mname not in SHARED_MODULES:
         return mname, mod
-    mutated = mod.__name__.rsplit(".", 1)[1]
+    pkg, leaf = mname.rsplit(".", 1)
     src = _kernel_source(user, "load_case_mutant")
-    # the two import forms of the kernel modules: `from . import _common as C`, `from ._common import a, b`
-    forms = [(f"from . import {mname} as", f"from . import {mutated} as"),
-             (f"from .{mname} import", f"from .{mutated} import")]
+    # the two import forms of the kernel modules: `from kimik3.kernels.common import device as C`,
+    # `from kimik3.kernels.common.device import a, b`
+    forms = [(f"from {KERNELS}.{pkg} import {leaf} as", f"from {KERNELS}.{pkg} import _mutant_{leaf} as"),
+             (f"from {KERNELS}.{mname} import", f"from {mod.__name__} import")]
     imports = [f for f in forms if src.count(f[0]) == 1]
     if not imports:
-        raise ValueError(f"load_case_mutant: {user}.py does not import {mname} once (as {forms[0][0]!r} or "
+        raise ValueError(f"load_case_mutant: {user} does not import {mname} once (as {forms[0][0]!r} or "
                          f"{forms[1][0]!r}), so a mutant of {mname} would not reach its device code")
     return user, load_mutant(user, imports)
 
@@ -654,8 +673,8 @@ def load_case_mutant(mutant: list, user: str) -> tuple[str, ModuleType]:
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """One host execution: ``family`` (gemv.<variant> or moe.<variant>), ``preset``, ``batch``; optional
     ``shapes`` overrides (e.g. fewer experts at k3-shard widths), ``row_blocks`` (GEMV: sampled grid-y CTAs,
-    ``"corners"`` for the first and last two) and ``mutant`` ([module, [[old, new], ...]]; module ``_common``: the
-    case's kernel module runs with the mutated shared helpers, ``load_case_mutant``). Returns the problems,
+    ``"corners"`` for the first and last two) and ``mutant`` ([module, [[old, new], ...]]; module ``common.device``:
+    the case's kernel module runs with the mutated shared helpers, ``load_case_mutant``). Returns the problems,
     the relative errors against the reference, the tolerance, and ``ok``."""
     import time
 
@@ -666,7 +685,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     if case["family"] == "megakernel.tile_gemv":
-        mod = load_mutant("device_fns", [tuple(r) for r in case["mutant"][1]]) if case.get("mutant") else None
+        own = {"megakernel.device_fns": None}  # the tile GEMV's module (None: the original)
+        mod = mutated_modules(case.get("mutant"), own, "run_case")["megakernel.device_fns"]
         run, ref = run_mk_tile_gemv(**case["shapes"], module=mod)
         err = rel_error(run.outputs["y"], ref)
         bound = TOL["kernel_state_fp32"]  # fp32 out of bf16 operands: only the summation order differs
@@ -677,16 +697,19 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     kind, variant = family.split(".", 1) if "." in family else (family, family)
     shapes = registry.FAMILIES[family].shapes(get_preset(preset), B)
     shapes.update(case.get("shapes", {}))
-    mods: dict[str, ModuleType] = {"gemv": _gemv, "moe": _moe}
-    if case.get("mutant"):  # a mutated _common reaches the case's kernel module (moe or gemv) through its import
-        mname, mod = load_case_mutant(case["mutant"], "moe" if kind == "moe" else "gemv")
+    mods: dict[str, Any] = {"fused.gemv": _gemv, "fused.moe": _moe, "fused.attn_res": None}
+    if case.get("mutant"):  # a mutated common.device reaches the case's kernel module through its import
+        user = {"moe": "fused.moe", "attn_res": "fused.attn_res"}.get(kind, "fused.gemv")
+        mname, mod = load_case_mutant(case["mutant"], user)
+        if mname not in mods:
+            raise ValueError(f"run_case: mutants of {', '.join(mods)} or common.device only, got {mname!r}")
         mods[mname] = mod
     errors: dict[str, float] = {}
     if kind == "gemv":
-        t = _gemv.make_inputs(variant, **shapes, seed=int(case.get("seed", 0)))
+        t = _gemv_ref.make_inputs(variant, **shapes, seed=int(case.get("seed", 0)))
         if variant == "lm_head":
-            run = run_lm_head(t, module=mods["gemv"])
-            ref = _gemv.reference(variant, t)
+            run = run_lm_head(t, module=mods["fused.gemv"])
+            ref = _gemv_ref.reference(variant, t)
             errors["logits"] = rel_error(run.outputs["logits"], ref["logits"])
             tok, lg = run.outputs["token"].long(), run.outputs["logits"]
             if not torch.equal(tok, lg.argmax(-1)):  # exact: the kernels' arg-max of the logits they wrote
@@ -699,32 +722,31 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
             rb = case.get("row_blocks")
             if rb == "corners":
                 rb = corner_indices(C.ceil_div(shapes["N"], _gemv.WARPS))
-            run = run_gemv(variant, t, module=mods["gemv"], row_blocks=rb)
-            ref = _gemv.reference(variant, t)
+            run = run_gemv(variant, t, module=mods["fused.gemv"], row_blocks=rb)
+            ref = _gemv_ref.reference(variant, t)
             rows = run.outputs["y"].isnan().all(0) if rb is not None else None
             keep = slice(None) if rows is None else ~rows
             errors["y"] = rel_error(run.outputs["y"][:, keep].float(), ref["y"][:, keep])
         tol = "kernel_bf16" if variant != "f32out" else "kernel_state_fp32"  # fp32 output
     elif kind == "router":  # the scores GEMV (router launches gemv.gemv_kernel, sigmoid epilogue, fp32 out)
-        from kimik3.kernels.fused import router
+        from kimik3.kernels.reference import router as router_ref
 
-        t = router.make_inputs(variant, **shapes, seed=int(case.get("seed", 0)))
-        run = run_gemv("f32out", {"W": t["W"], "x": t["x"], "y": t["scores"]}, module=mods["gemv"], act="sigmoid")
-        ref = router.reference(variant, t, **shapes)
+        t = router_ref.make_inputs(variant, **shapes, seed=int(case.get("seed", 0)))
+        run = run_gemv("f32out", {"W": t["W"], "x": t["x"], "y": t["scores"]}, module=mods["fused.gemv"], act="sigmoid")
+        ref = router_ref.reference(variant, t, **shapes)
         errors["scores"] = rel_error(run.outputs["y"], ref["scores"])
         tol = "kernel_state_fp32"  # fp32 output: only the summation order differs
     elif kind == "attn_res":
-        from kimik3.kernels.fused import attn_res
+        from kimik3.kernels.reference import attn_res as attn_res_ref
 
-        t = attn_res.make_inputs(variant, **shapes, seed=int(case.get("seed", 0)))
-        mod = load_mutant("attn_res", [tuple(r) for r in case["mutant"][1]]) if case.get("mutant") else None
-        run = run_attn_res(t, module=mod)
-        errors["out"] = rel_error(run.outputs["out"].float(), attn_res.reference(variant, t)["out"])
+        t = attn_res_ref.make_inputs(variant, **shapes, seed=int(case.get("seed", 0)))
+        run = run_attn_res(t, module=mods["fused.attn_res"])
+        errors["out"] = rel_error(run.outputs["out"].float(), attn_res_ref.reference(variant, t)["out"])
         tol = "kernel_bf16"
     elif kind == "moe":
-        t = _moe.make_inputs(variant, **shapes, seed=int(case.get("seed", 0)))
-        run = run_moe(variant, t, module=mods["moe"])
-        ref = _moe.reference(variant, t)
+        t = _moe_ref.make_inputs(variant, **shapes, seed=int(case.get("seed", 0)))
+        run = run_moe(variant, t, module=mods["fused.moe"])
+        ref = _moe_ref.reference(variant, t)
         errors["out"] = rel_error(run.outputs["out"].float(), ref["out"])
         tol = "kernel_bf16"
     else:

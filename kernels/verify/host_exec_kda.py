@@ -10,8 +10,8 @@ Python side does what the thin layer does at a barrier: the warp sums in the but
 read from the inputs and written into separate copies poisoned with NaN, with guard zones around them; every
 store of the state and of the output is counted at the offset the helper computes, so that an element written
 twice or never, or a store outside the buffer, is reported. Finally the outputs are compared with the model's KDA
-math (``kda.reference`` / :func:`mk_kda_reference`, the same ``kimik3.model.modeling`` functions the interpreter's KDA_STEP
-calls) under the kernel tolerance.
+math (``kda.reference`` / :func:`mk_kda_reference`, the same ``kimik3.model.modeling`` functions the interpreter's
+KDA_STEP calls) under the kernel tolerance.
 
 What the thin layer does with approximate instructions (``ex2.approx``, ``rcp.approx``: exp and σ) is evaluated on
 the host in exact fp32: the helpers choose at trace time (``_trace.tracing_for_host``), the device code is
@@ -30,6 +30,7 @@ import torch
 from cutlass import Float32, Int32, Int64
 from kimik3.kernels.common.trace import host_trace
 from kimik3.kernels.fused import kda as _kda
+from kimik3.kernels.reference import kda as _kda_ref
 from kimik3.kernels.verify.host_exec import LANES, HostRun, _t, cases_main, warp_sum
 
 __all__ = ["run_kda", "run_mk_kda", "mk_kda_reference", "GUARD"]
@@ -468,19 +469,20 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     import time
 
     from kimik3.kernels.toolchain import registry
-    from kimik3.kernels.verify.host_exec import load_mutant
+    from kimik3.kernels.verify.host_exec import mutated_modules
 
     from kimik3.model.config import get_preset
     from kimik3.validation.metric import TOL, rel_error
 
     t0 = time.perf_counter()
     family, preset, B = case["family"], case["preset"], int(case["batch"])
-    mod = load_mutant(case["mutant"][0], [tuple(r) for r in case["mutant"][1]]) if case.get("mutant") else None
+    own = {"kda": "fused.kda", "mk_kda": "megakernel.kda"}.get(family, "")  # the module the family executes
+    mod = mutated_modules(case.get("mutant"), {own: None}, "host_exec_kda")[own]  # None: the original
     if family == "kda":
         shapes = registry.FAMILIES["kda"].shapes(get_preset(preset), B)
-        t = _kda.make_inputs(**shapes, seed=int(case.get("seed", 0)))
+        t = _kda_ref.make_inputs(**shapes, seed=int(case.get("seed", 0)))
         run = run_kda(t, lower_bound=shapes["lower_bound"], module=mod)
-        ref = _kda.reference("kda", t, lower_bound=shapes["lower_bound"])
+        ref = _kda_ref.reference("kda", t, lower_bound=shapes["lower_bound"])
         keep: Any = slice(None)
     elif family == "mk_kda":
         run, ref = run_mk_kda(preset, B, pairs=case.get("pairs", "all"), seed=int(case.get("seed", 0)), module=mod)

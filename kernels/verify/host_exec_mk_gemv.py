@@ -54,8 +54,8 @@ def _modules(mutant: list | None) -> tuple[ModuleType, ModuleType]:
     from kimik3.kernels.contracts import addr as mk_addr
     from kimik3.kernels.megakernel import device_fns
 
-    m = mutated_modules(mutant, {"device_fns": device_fns, "mk_addr": mk_addr}, "host_exec_mk_gemv")
-    return m["device_fns"], m["mk_addr"]
+    m = mutated_modules(mutant, {"megakernel.device_fns": device_fns, "contracts.addr": mk_addr}, "host_exec_mk_gemv")
+    return m["megakernel.device_fns"], m["contracts.addr"]
 
 
 def _tile_driver(F: ModuleType) -> Any:

@@ -54,7 +54,7 @@ def _butterfly(p: torch.Tensor, dim: int, offsets: tuple[int, ...]) -> torch.Ten
 
 
 def _wsum(p: torch.Tensor, dim: int) -> torch.Tensor:
-    """``_common.warp_sum``: the full butterfly (16, 8, 4, 2, 1); lane 0's value."""
+    """``common.device.warp_sum``: the full butterfly (16, 8, 4, 2, 1); lane 0's value."""
     return _butterfly(p, dim, (16, 8, 4, 2, 1)).select(dim, 0)
 
 
@@ -82,8 +82,8 @@ def _modules(mutant: list | None) -> tuple[ModuleType, ModuleType]:
     from kimik3.kernels.megakernel import device_fns
     from kimik3.kernels.megakernel import mla as mk_mla
 
-    m = mutated_modules(mutant, {"mk_mla": mk_mla, "device_fns": device_fns}, "host_exec_mk_mla")
-    return m["mk_mla"], m["device_fns"]
+    m = mutated_modules(mutant, {"megakernel.mla": mk_mla, "megakernel.device_fns": device_fns}, "host_exec_mk_mla")
+    return m["megakernel.mla"], m["megakernel.device_fns"]
 
 
 # ---------------------------------------------------------------------------------------------- shared GEMV rows

@@ -40,6 +40,7 @@ from cutlass import BFloat16, Float32, Int32
 from kimik3.kernels.common import device as C
 from kimik3.kernels.common.trace import host_trace
 from kimik3.kernels.fused import mla_decode as _mla
+from kimik3.kernels.reference import mla_decode as _mla_ref
 from kimik3.kernels.verify.host_exec import (
     LANES,
     HostRun,
@@ -47,7 +48,7 @@ from kimik3.kernels.verify.host_exec import (
     _Writes,
     cases_main,
     corner_indices,
-    load_mutant,
+    mutated_modules,
     warp_sum,
 )
 
@@ -372,9 +373,9 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     shapes.update(case.get("shapes", {}))
     _check_shapes(shapes["nh"], shapes["DL"], shapes["DR"])
     nsplit = shapes.pop("nsplit", None) or _mla.default_splits(shapes["B"], shapes["nh"], shapes["S"])
-    mod = load_mutant("mla_decode", [tuple(r) for r in case["mutant"][1]]) if case.get("mutant") else _mla
+    mod = mutated_modules(case.get("mutant"), {"fused.mla_decode": _mla}, "host_exec_mla")["fused.mla_decode"]
     scale = registry.FAMILIES["mla"].runtime(get_preset(case["preset"]))["scale"]
-    t = _mla.make_inputs(**shapes, nsplit=nsplit, scale=scale, seed=int(case.get("seed", 0)))
+    t = _mla_ref.make_inputs(**shapes, nsplit=nsplit, scale=scale, seed=int(case.get("seed", 0)))
     if case.get("lens") is not None:
         lens = torch.tensor(case["lens"], dtype=torch.int32)
         if lens.shape != (shapes["B"],):
@@ -382,7 +383,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         t["lens"] = lens
     run, want, stats = run_mla(t, nsplit=nsplit, module=mod, blocks=case.get("blocks", "all"),
                         lanes=case.get("lanes", "all"))
-    errors = _compare(run, want, t, nsplit, _mla)
+    errors = _compare(run, want, t, nsplit, _mla_ref)
     tols = {k: TOL["kernel_bf16"] if k == "o" else TOL["kernel_state_fp32"] for k in errors}
     ok = not run.problems and all(e <= tols[k] for k, e in errors.items()) and bool(want) and bool(want["o"].any())
     return {"case": case, "problems": run.problems, "errors": errors, "tol": tols, "ok": ok,

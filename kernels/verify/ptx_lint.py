@@ -351,8 +351,9 @@ def _source_lines(ptx: str) -> dict[int, str]:
 # Kernels whose loops are exempt from no-scalar-load-loop, matched as a substring of the PTX entry name: only
 # kernels that provably read no weight (the rule is about the weight stream's bytes in flight), each with why.
 SCALAR_LOOP_ALLOW = {
-    "moe_align_kernel": "the MoE align step (kernels/fused/moe.py) reads the B*k routed expert ids, one int32 per lane per "
-                        "trip counted with match.any.sync; its only global inputs are ids and counts, no weight",
+    "moe_align_kernel": "the MoE align step (kernels/fused/moe.py) reads the B*k routed expert ids, one int32 per "
+                        "lane per trip counted with match.any.sync; its only global inputs are ids and counts, no "
+                        "weight",
 }
 
 

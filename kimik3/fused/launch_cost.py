@@ -1,38 +1,47 @@
 """Bytes and FLOPs of one kernel launch of the fused step, from the launch's own tensor shapes.
 
 The per-launch half of the cost model: :mod:`kimik3.perf.cost` counts a decode step per layer and block from the
-model's parameters; this module counts what one launch of stage ``fused`` (a
-:class:`kimik3.stages.fused.Launch`) must move through device memory and compute, from the tensors it is handed.
-Used for the stage's description, the performance model and the measured-bandwidth figures of the device check.
-Counting rules follow spec §8, as :mod:`kimik3.perf.cost` does: routed experts count only when selected.
+model's parameters; this module counts what one launch of the fused step (a :class:`kimik3.fused.plan.Launch`)
+must move through device memory and compute, from the tensors it is handed. Used for the plan's description, the
+performance model and the measured-bandwidth figures of the device check. Counting rules follow spec §8, as
+:mod:`kimik3.perf.cost` does: routed experts count only when selected.
+
+Design: docs/architecture.md §8.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from kimik3.perf.cost import expected_distinct_experts
 
-if TYPE_CHECKING:
-    from kimik3.stages.fused import Launch
-
 __all__ = ["launch_bytes", "launch_flops"]
+
+
+class CountedLaunch(Protocol):
+    """What is counted of a :class:`kimik3.fused.plan.Launch`. Structural, because the plan imports this module
+    (its description counts every launch) and this module must not import the plan back."""
+
+    kind: str
+    op: Any
+    args: dict[str, Any]
 
 
 def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def launch_bytes(ln: Launch, context: int | None = None, distinct_experts: float | None = None) -> float:
+def launch_bytes(ln: CountedLaunch, context: int | None = None, distinct_experts: float | None = None) -> float:
     """Fewest bytes one launch must move through device memory, from its own tensor shapes.
 
     Every tensor argument is read or written once, with these exceptions: in-place state (KDA ``S`` and
     ``conv``, the in-place residual of o-proj) is read and written; MLA reads ``context`` cache rows per sequence
-    (default: the whole static cache); the routed-expert op reads only the experts actually selected (
-    ``distinct_experts``, default the expected number for uniform routing, ``kimik3.perf.cost.expected_distinct_experts``)
-    and writes and re-reads its per-pair scratch; split-softmax partials and router scores are written and read.
+    (default: the whole static cache); the routed-expert op reads only the experts actually selected
+    (``distinct_experts``, default the expected number for uniform routing,
+    ``kimik3.perf.cost.expected_distinct_experts``) and writes and re-reads its per-pair scratch; split-softmax
+    partials and router scores are written and read.
     """
     if ln.kind == "glue":
         return float(sum(_nbytes(t) for t in ln.args.values()))
@@ -65,7 +74,7 @@ def launch_bytes(ln: Launch, context: int | None = None, distinct_experts: float
     return total
 
 
-def launch_flops(ln: Launch, context: int | None = None) -> float:
+def launch_flops(ln: CountedLaunch, context: int | None = None) -> float:
     """Multiply-adds ×2 of the main loops (analytic; elementwise epilogues ignored)."""
     if ln.kind == "glue" or ln.op is None:
         return 0.0

@@ -1,18 +1,13 @@
-"""One decode step as a persistent-megakernel program: instruction set, scheduler, hazard checker, CPU
-interpreter and timelines.
+"""One decode step as a persistent-megakernel program, from instructions to executors (docs/architecture.md, map).
 
 * :mod:`~kimik3.megakernel.instructions` — opcodes, operand declarations, the int32 program encoding;
-* :mod:`~kimik3.megakernel.layout` — buffer names, the packed weight layout and the routed experts' formats
-  (:data:`EXPERT_FORMATS`: dense, or MXFP4 codes + scales as the K3 release ships them);
-* :mod:`~kimik3.megakernel.step` — one decode step of the model as instructions in sequential order (tiling,
-  operand declarations, groups);
-* :mod:`~kimik3.megakernel.scheduler` — the generic rest: hazards, costs, SM queues, waits, the program for a
-  config, batch size and SM count;
+* :mod:`~kimik3.megakernel.layout` — buffer names, packed weights, routed-expert formats (dense or MXFP4);
+* :mod:`~kimik3.megakernel.step` — one decode step of the model as instructions in sequential order;
+* :mod:`~kimik3.megakernel.scheduler` — hazards, costs, SM queues and waits: the program for a config;
 * :mod:`~kimik3.megakernel.hazards` — proves a program race- and deadlock-free from its declarations;
-* :mod:`~kimik3.megakernel.interpreter` — runs the int32 program on the CPU under random interleavings
-  (stage ``"megakernel-interp"``, imported lazily by :func:`kimik3.stages.get_stage`);
-* :mod:`~kimik3.megakernel.cpu` — the same program executed by native worker threads, one per core (stage
-  ``"megakernel-cpu"``), with measured per-instruction timings;
+* :mod:`~kimik3.megakernel.interpreter`, :mod:`~kimik3.megakernel.cpu`, :mod:`~kimik3.megakernel.gpu` — the program
+  run by a Python interpreter under random interleavings, by native worker threads and by the GPU kernel (stages
+  ``"megakernel-interp"``, ``"megakernel-cpu"``, ``"megakernel"``, imported lazily by :func:`kimik3.stages.get_stage`);
 * :mod:`~kimik3.megakernel.timeline` — cost-model or measured timelines, Gantt chart, summaries.
 """
 

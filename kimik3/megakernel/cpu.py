@@ -1,33 +1,18 @@
 """Stage ``"megakernel-cpu"``: the megakernel's int32 program executed by native worker threads, one per core.
 
-Why a native executor as well as the interpreter (stage ``"megakernel-interp"``): the interpreter proves the
-program's logic one instruction at a time under random interleavings; this runs the same program — built by the
-same scheduler, for ``num_sms`` = worker threads — under real concurrency and at memory speed. Each worker walks
-its own queue once per decode step, waits on ``std::atomic`` counters (acquire loads, release adds, monotonic
-targets ``step·total + t`` exactly as the GPU kernel's), and a bounded spin turns a hang into
-:class:`MegakernelCPUError` with a per-worker dump. One call per decode step; per-instruction start/end stamps land
-in the GPU kernel's timing-buffer format (``[N, 3]`` int64: start ns, end ns, worker), so
-:func:`kimik3.megakernel.timeline.from_timings` draws a measured Gantt chart.
-
-The executor is C++ (``cpu_executor.cpp`` beside this file), compiled at first use with the C++ compiler PyTorch's
-CPU backend (Inductor) already requires — ``$CXX`` or ``g++`` — into a cache directory (``$KIMIK3_CACHE`` or
-``~/.cache/kimik3``), keyed by the source, the generated encoding header, the flags, the compiler and the host
-CPU. It has a plain C ABI loaded with :mod:`ctypes` (no PyTorch headers: the build takes seconds, and the same
-source compiles unchanged into the standalone ThreadSanitizer driver of :mod:`kimik3.megakernel.cpu_tsan`). With
-no compiler on the machine the stage refuses with a ``ValueError`` that says so. Built with ``-march=native`` on a
-CPU with AVX-512 its hot loops (GEMVs register-blocked over the batch rows, attention, activations) are
-intrinsics; on any other CPU, and in the ThreadSanitizer build, portable loops compile instead (the same results
-within the stage tolerance); the cache key holds the host CPU's flags, so no binary runs on a CPU it was not built
-for.
-
-One definition of the encoding: opcodes, word offsets, dtype codes and FFN flags are not written in C++ — the
-header ``mk_encoding.h`` is generated here from :mod:`kimik3.megakernel.instructions` at build time, and the C++
-side's reading of a program header is tested against :func:`~kimik3.megakernel.instructions.decode_program`.
+Where the interpreter (stage ``"megakernel-interp"``) proves the program's logic under random interleavings, this
+runs the same program, scheduled for ``num_sms`` = worker threads, under real concurrency: each worker walks its
+queue once per step, waiting on ``std::atomic`` counters with the GPU kernel's targets (``step·total + t``); a
+bounded spin turns a hang into :class:`MegakernelCPUError` with a per-worker dump, and per-instruction stamps come
+back in the GPU kernel's timing format (:func:`kimik3.megakernel.timeline.from_timings`). The executor,
+``cpu_executor.cpp``, is compiled at first use (``$CXX`` or ``g++``; no compiler: a ``ValueError``) into
+``$KIMIK3_CACHE`` or ``~/.cache/kimik3`` and loaded through a plain C ABI with :mod:`ctypes`; its encoding header
+``mk_encoding.h`` is generated from :mod:`kimik3.megakernel.instructions`. Build and design notes:
+docs/architecture.md#appendix-design-notes-by-room.
 """
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import hashlib
 import os
@@ -53,11 +38,12 @@ from kimik3.megakernel.instructions import (
 )
 from kimik3.megakernel.layout import check_supported, expert_weight_names, program_tensors, state_views
 from kimik3.megakernel.scheduler import POLICIES, build_program
+from kimik3.megakernel.stage_base import ProgramStage
 from kimik3.megakernel.step import Tiling
 from kimik3.megakernel.timeline import from_timings
 from kimik3.model.modeling import DecodeState, KDAState, KimiForCausalLM
 from kimik3.stages import register_stage
-from kimik3.stages.base import Stage, StageSupport
+from kimik3.stages.base import StageSupport
 from kimik3.stages.naive import NaiveStage
 from kimik3.validation.metric import poison
 
@@ -79,9 +65,9 @@ SOURCE = Path(__file__).with_name("cpu_executor.cpp")
 MAX_BATCH = 64  # the executor's capacity (cpu_executor.cpp MAX_BATCH)
 ABI_VERSION = 2
 DEFAULT_TIMEOUT_S = 10.0  # a wait that spins this long is a hang: the step fails with a per-worker dump
-# EXPERT_FORMATS (the program's, kernels/contracts/isa.py): option experts="dense" streams the routed experts in the model's
-# dtype; "mxfp4" as MXFP4 (E2M1 codes + an E8M0 scale per 32 weights, 4.25 bits per weight, the K3 release's expert
-# format): the model's held bytes, or packed once by kimik3.model.quant.mxfp4_quantize from dense experts
+# EXPERT_FORMATS (the program's, kernels/contracts/isa.py): option experts="dense" streams the routed experts in the
+# model's dtype; "mxfp4" as MXFP4 (E2M1 codes + an E8M0 scale per 32 weights, 4.25 bits per weight, the K3 release's
+# expert format): the model's held bytes, or packed once by kimik3.model.quant.mxfp4_quantize from dense experts
 _EXPERT_SUFFIXES = ("experts.w1", "experts.w2", "experts.w3")
 
 # The program header, word by word, in the order encode_program writes it.
@@ -519,7 +505,7 @@ class CPUMegakernel:
 
 
 @register_stage
-class MegakernelCPUStage(Stage):
+class MegakernelCPUStage(ProgramStage):
     """Stage "megakernel-cpu": every decode step is one call into the native executor.
 
     Options (``Decoder(..., stage="megakernel-cpu", **options)``): ``num_sms`` (worker threads = queues; default
@@ -546,29 +532,5 @@ class MegakernelCPUStage(Stage):
         self.naive = NaiveStage(model, batch_size, max_seq_len)
         self.poison = poison
 
-    def reset(self) -> None:
-        self.naive.reset()
-        self.runner.bind_state(self.naive.state)
-        self.runner.reset_counters()
-
-    @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        logits = self.naive.prefill(input_ids, lengths)  # token by token through the reference path
-        self.runner.bind_state(self.naive.state)  # prefill re-allocates the state: new addresses
-        self.runner.reset_counters()
-        return logits
-
-    def snapshot(self) -> DecodeState:
-        return copy.deepcopy(self.naive.state)
-
-    @torch.no_grad()
-    def step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.runner.run_step(ids, positions, poison_scratch=self.poison).clone()
-
-    @property
-    def timings(self) -> torch.Tensor:
-        """The last step's ``[N, 3]`` timing buffer (start ns, end ns, worker id)."""
-        return self.runner.timings()
-
-    def timeline(self) -> pd.DataFrame:
-        return self.runner.timeline()
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.runner.run_step(ids, positions, poison_scratch=self.poison)

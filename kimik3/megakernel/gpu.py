@@ -1,37 +1,18 @@
 """Stage ``"megakernel"``: one decode step = one launch of the persistent CuTe DSL megakernel
 (``kernels/megakernel/vm.py``).
 
-Why a runner around the kernel: the kernel is an interpreter, so everything that is not arithmetic happens here,
-once, on the host — build the program for this GPU's SM count (:func:`kimik3.megakernel.build_program`), prove it
-race-free (:func:`kimik3.megakernel.check_program`), check it against what the device code assumes
-(:func:`check_device_contract`: dtypes per operand, 16-byte alignment of every row read with vector loads,
-capacities), pack the weights (:func:`kimik3.megakernel.layout.pack_weights`), allocate every activation buffer,
-and write the table of device addresses the kernel reads its operands through. A step then is: write the token
-ids and positions, set ``ctl[0] = step``, launch ``num_sms`` persistent CTAs (a cooperative launch: all
-co-resident), read the error word. Counters are never reset between steps (waits target ``step·total + t``).
-
-Refusals are ``ValueError`` with the reason, never a fallback: not on a CUDA device, not bf16, batch outside
-1..64, an architecture the kernel is not built for (sm_90a, sm_100a), grouped routing, a program that breaks the
-device contract, a program whose expert format (dense / MXFP4) is not the kernel's or the model's. A tripped
-watchdog raises :class:`MegakernelError` naming the instruction and the counter it waited on; the stage then refuses
-further steps until ``reset()``.
-
-Routed experts: the program carries them as the model holds them (``model.expert_storage``): dense bf16 stacks, or
-MXFP4 (uint8 codes + E8M0 scales, ``model.quantize_experts()`` or a load with ``quantized_experts="keep"``), which
-the kernel compiled with ``fp4=True`` (variant ``megakernel/{preset}/b{B}-mxfp4``) reads as they are.
-
-The host side (program, contract check, static shapes) is tested on a CPU; the launch itself is checked by
-``tests/test_megakernel_gpu.py``, which needs a GPU (what is still to be measured on one is listed in
-``data/measurements/gpu_outstanding.json``).
-
-Registering the stage (the lazy table in ``kimik3/stages/__init__.py``)::
-
-    _LAZY_STAGES = {..., "megakernel": "kimik3.megakernel.gpu"}
+The kernel is an interpreter, so everything that is not arithmetic happens here, once, on the host: build the
+program for this GPU's SM count, prove it race-free, check it against what the device code assumes
+(:func:`check_device_contract`), pack the weights, allocate the buffers and write the device address table. A step
+writes the token ids and positions, sets ``ctl[0] = step``, launches ``num_sms`` co-resident CTAs and reads the
+error word. Refusals are ``ValueError`` with the reason, never a fallback; a tripped watchdog raises
+:class:`MegakernelError` naming the instruction and counter, and the stage refuses further steps until ``reset()``.
+Routed experts run as the model holds them (dense bf16 or MXFP4, variant ``megakernel/{preset}/b{B}-mxfp4``).
+Details: docs/architecture.md#appendix-design-notes-by-room.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +34,6 @@ from kimik3.megakernel.instructions import (
     ERR_BAD_PROGRAM,
     ERR_WATCHDOG,
     ERROR_WORDS,
-    EXPERT_FORMATS,
     FFN_LATENT_NORM,
     FFN_MLP,
     FFN_ROUTED,
@@ -62,14 +42,23 @@ from kimik3.megakernel.instructions import (
     Program,
     encode_program,
 )
+from kimik3.megakernel.kernel_shapes import (
+    MAX_BUFS,
+    MAX_CTRS,
+    MAX_INSTR,
+    PROG_WORDS,
+    static_shapes,
+    variant_name,
+)
 from kimik3.megakernel.layout import check_supported, program_tensors, state_views
 from kimik3.megakernel.scheduler import POLICIES, build_program
+from kimik3.megakernel.stage_base import ProgramStage
 from kimik3.megakernel.step import Tiling
 from kimik3.megakernel.timeline import from_timings
-from kimik3.model.config import ModelConfig, get_preset
+from kimik3.model.config import ModelConfig
 from kimik3.model.modeling import DecodeState, KDAState, KimiForCausalLM
 from kimik3.stages import register_stage
-from kimik3.stages.base import Stage, StageSupport
+from kimik3.stages.base import StageSupport
 from kimik3.stages.naive import NaiveStage
 
 __all__ = [
@@ -88,57 +77,9 @@ __all__ = [
     "ERR_BAD_PROGRAM",
 ]
 
-# Static capacities of the kernel's parameters (every tensor parameter has a static shape, so it is a single
-# pointer and the kernel can be exported as a prebuilt artefact; the host pads). A program beyond them is
-# compiled with larger capacities in-process (never silently truncated).
-PROG_WORDS = 1 << 22  # 16 MiB of int32 program (tiny at B = 64 on 132 SMs: 0.9 M words)
-MAX_INSTR = 1 << 15  # timing rows
-MAX_BUFS = 1 << 12  # buffer-table entries
-MAX_CTRS = 1 << 12
 _ARCH_OF_CC = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
-DEFAULT_SPINS = 1 << 22  # watchdog: spins before a wait gives up (x ~sleep_ns each: about 0.5 s at 64 ns)
+DEFAULT_SPINS = 1 << 22  # watchdog: spins before a wait gives up (each spin sleeps ~sleep_ns)
 DEFAULT_SLEEP_NS = 64
-# ERROR_WORDS, CTL_WORDS, ERR_WATCHDOG, ERR_BAD_PROGRAM: the launch's error / control words, defined with the
-# program encoding in kernels/contracts/isa.py (the device code reads the same definitions)
-
-
-def _check_format(expert_format: str) -> None:
-    if expert_format not in EXPERT_FORMATS:
-        raise ValueError(f"unknown expert_format {expert_format!r}; known: {', '.join(EXPERT_FORMATS)}")
-
-
-def static_shapes(cfg: ModelConfig | str, batch: int, prog_words: int = PROG_WORDS, max_instr: int = MAX_INSTR,
-                  max_bufs: int = MAX_BUFS, max_ctrs: int = MAX_CTRS, expert_format: str = "dense") -> dict[str, Any]:
-    """The megakernel's compile-time shapes for a config and batch size (the fields of ``MKConfig`` but ``arch``,
-    which ``compile_for`` sets from its target): widths and
-    constants of the model, the batch, the parameter capacities and whether the routed experts are MXFP4
-    (``fp4``). JSON-serialisable; the registry's ``megakernel`` family and the prebuilt manifest use it as the
-    variant's shapes."""
-    _check_format(expert_format)
-    cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
-    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    return dict(
-        B=int(batch), H=cfg.hidden_size, eps=float(cfg.rms_norm_eps), lora_eps=1e-6, situ=cfg.hidden_act == "situ",
-        situ_beta=float(cfg.situ_beta),
-        situ_lin=None if cfg.situ_linear_beta is None else float(cfg.situ_linear_beta),
-        dk=cfg.kda_head_dim if cfg.kda_layers else 0, nh_kda=cfg.kda_num_heads if cfg.kda_layers else 0,
-        conv=cfg.kda_conv_size,
-        kda_lb=None if cfg.kda_gate_lower_bound is None else float(cfg.kda_gate_lower_bound),
-        nh=cfg.num_attention_heads if cfg.mla_layers else 0, ql=int(cfg.q_lora_rank or 0), kvl=cfg.kv_lora_rank,
-        rope=cfg.qk_rope_head_dim, nope=cfg.qk_nope_head_dim, dv=cfg.v_head_dim,
-        mla_scale=float(cfg.mla_softmax_scale) if cfg.mla_layers else 1.0,
-        E=E, topk=k, dmax=min(E, batch * k) if E else 0, renorm=bool(cfg.norm_topk_prob),
-        route_scale=float(cfg.routed_scaling_factor), latent_norm=bool(cfg.moe_latent_norm),
-        kmax=cfg.attn_res_slots + 1, prog_words=int(prog_words), max_instr=int(max_instr), max_bufs=int(max_bufs),
-        max_ctrs=int(max_ctrs), fp4=expert_format == "mxfp4")
-
-
-def variant_name(cfg: ModelConfig | str, batch: int, expert_format: str = "dense") -> str:
-    """The registry / prebuilt name of the megakernel for a preset, batch and expert format
-    (``megakernel/tiny/b8``, ``megakernel/tiny/b8-mxfp4``)."""
-    _check_format(expert_format)
-    name = cfg if isinstance(cfg, str) else cfg.name
-    return f"megakernel/{name}/b{batch}" + ("" if expert_format == "dense" else f"-{expert_format}")
 
 
 # ================================================================================================ device contract
@@ -457,7 +398,7 @@ class MegakernelRunner:
 
 
 @register_stage
-class MegakernelStage(Stage):
+class MegakernelStage(ProgramStage):
     """Stage "megakernel": every decode step is one launch of the persistent CuTe DSL megakernel.
 
     Options (``Decoder(..., stage="megakernel", **options)``): ``policy`` ("critical_path" or "round_robin"),
@@ -482,29 +423,3 @@ class MegakernelStage(Stage):
         # cost a naive step per token, only decode steps run on the kernel
         self.naive = NaiveStage(model, batch_size, max_seq_len, prefill="chunked")
 
-    def reset(self) -> None:
-        self.naive.reset()
-        self.runner.bind_state(self.naive.state)
-        self.runner.reset_counters()
-
-    @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        logits = self.naive.prefill(input_ids, lengths)  # the reference path, chunked
-        self.runner.bind_state(self.naive.state)  # prefill re-allocates the state: new addresses
-        self.runner.reset_counters()
-        return logits
-
-    def snapshot(self) -> DecodeState:
-        return copy.deepcopy(self.naive.state)
-
-    @torch.no_grad()
-    def step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.runner.run_step(ids, positions).clone()
-
-    @property
-    def timings(self) -> torch.Tensor:
-        """The last step's ``[N, 3]`` timing buffer (start ns, end ns, SM id)."""
-        return self.runner.timings()
-
-    def timeline(self) -> pd.DataFrame:
-        return self.runner.timeline()

@@ -1,30 +1,13 @@
 """Prove a megakernel program race-free and deadlock-free from its declarations alone.
 
-A program is correct if running it on any interleaving the counters allow gives the same result as running its
-instructions one by one in sequential order. That holds when every pair of *conflicting* accesses (same element,
-at least one a write) is ordered by *happens-before* the same way as in sequential order:
-
-* happens-before on one SM is program order (an instruction starts after its predecessor in the queue ended);
-* across SMs it comes from counters: a wait "counter ``c`` ≥ ``t``" orders after it every signaller of ``c``
-  without which ``t`` could not be reached (total signalled − its own amount < ``t``), and, transitively,
-  everything ordered before those;
-* a *prefetch* read is issued before the instruction's waits, so it is ordered only by program order — which is
-  why only static weights (never written during a step) may be prefetched;
-* a *staged* read runs earlier still: the device copies instruction ``v``'s stage (the ``W_NEXT_*`` descriptor of
-  its predecessor ``u`` in the queue) while ``u`` starts, before ``u``'s waits, so it is ordered only by what
-  happens before ``u`` through program order. A static weight may be streamed across that boundary; activations,
-  caches and states never before their waits. The checker therefore verifies every descriptor — it names a
-  WEIGHT buffer, lies inside a PREFETCH operand box of the instruction it feeds, and equals that instruction's own
-  stage (``W_STAGE_*``, itself a bf16 row-contiguous PREFETCH weight within the stage size) — and, for a broken
-  one, also runs the read through the conflict analysis at that early point, so what it races with is named;
-* an MXFP4 expert weight is two operands, the codes and their scales (``MXFP4_OPERANDS``): reading a code reads
-  the scale of its 32 columns, so the scales box must cover every group of the codes box (same experts and rows),
-  both uint8 static weights — otherwise the device reads scales nobody declared.
-
-The checker never looks at the scheduler's dependency analysis: it decodes the program, recomputes conflicts from
-the operand boxes, simulates the counters to find deadlocks (counters only grow and waits are ``≥``, so every
-maximal execution completes the same set of instructions — one simulation decides), builds happens-before as
-ancestor sets along that execution, and reports each violation by instruction with a readable message.
+A program is correct if every interleaving the counters allow gives the result of running its instructions one by
+one in sequential order: every pair of conflicting accesses (same element, at least one a write) must be ordered by
+happens-before as in sequential order. Happens-before is program order on one SM and, across SMs, what counter
+waits imply; prefetched and staged reads are issued before their waits, so only static weights may be read that
+way, and every staged-read descriptor and MXFP4 codes/scales pair is checked too. The checker never looks at the
+scheduler's dependency analysis: it decodes the program, recomputes conflicts from the operand boxes, simulates
+the counters to find deadlocks, and reports each violation by instruction (:func:`check_program`). The rules in
+full: docs/architecture.md#appendix-design-notes-by-room.
 """
 
 from __future__ import annotations

@@ -1,39 +1,13 @@
 """The megakernel's instruction set, its operand declarations and the int32 encoding both interpreters read.
 
-Why an instruction set at all: a persistent megakernel launches one CTA per SM, once, and every CTA walks its own
-queue of *instructions* — coarse units of work such as "RMSNorm + rows 256..511 of a projection" — instead of the
-host launching one kernel per operation. Dependencies between instructions are not kernel boundaries any more but
-*counters* in global memory: a producer adds to a counter when its writes are complete, a consumer spins until
-the counter reaches a target. This module defines
-
-* the opcodes (:class:`Op`) — 16 coarse instruction types that together compute one K3 decode step;
-* the declarations every instruction carries (:class:`Operand`): which buffer, which element box, read or write,
-  and whether it may be *prefetched* before the instruction's waits (only static weights may);
-* the program container (:class:`Program`) and its fixed-width int32 encoding (:func:`encode_program`,
-  :func:`decode_program`), which is what the CPU interpreter executes and what the CuTe DSL kernel reads;
-* the weight stage of every instruction and the cross-instruction prefetch descriptor (:func:`assign_stages`):
-  which leading rows of which static weight sit in shared memory, and what the device copies for the *next*
-  instruction of the queue while the current one starts.
-
-The numbers of that encoding — opcodes, modes, buffer kinds, dtype codes, word offsets, argument flags — are
-defined once, in ``kernels/contracts/isa.py`` (standard library only), and re-exported here; the device code
-(``kernels/megakernel/vm.py``) imports the same module, so host and kernel cannot disagree on the layout.
-
-Everything the hazard checker proves is proved from these declarations alone, so they must be complete: an
-instruction touches nothing it does not declare (the CPU interpreter enforces this by handing each instruction
-only the views of its declared boxes).
-
-Regions. Every buffer is seen as a 3-D array ``[D0, D1, D2]`` — for activations, states and caches ``D0`` is the
-batch; for 2-D weights ``[1, out, in]``; for stacked experts ``[E, rows, cols]``. An operand declares a box
-``[b0:b1, r0:r1, c0:c1]`` of that view. Data-dependent accesses are declared as a superset (the MLA cache row a
-new token lands in depends on its position, so the append declares every row; an expert tile reads "whichever
-experts the router chose", declared as all experts). Routed-expert scratch buffers are declared in a *logical*
-index space ``[batch, slot, ...]`` (slot = the s-th distinct expert chosen this step); a GPU kernel stores only the
-used (row, slot) pairs, which is an injective packing, so boxes disjoint in the logical space stay disjoint in memory.
-
-Counters are monotonic across decode steps and never reset: counter ``c`` receives ``total[c]`` per step, and a
-wait "``c`` ≥ ``t``" in step ``s`` (0-based) means ``counter[c] ≥ s·total[c] + t``. One launch is one decode step,
-so the launch boundary orders a step's accesses after the previous step's.
+A persistent megakernel runs one CTA per SM, each walking its own queue of coarse *instructions* ("RMSNorm + rows
+256..511 of a projection"); dependencies are counters in global memory, not kernel boundaries. This module holds
+the opcodes (:class:`Op`), the operand declarations every instruction carries (:class:`Operand`: buffer, element
+box, read or write, may it be prefetched), the program (:class:`Program`) and its encoding (:func:`encode_program`,
+:func:`decode_program`), and the weight stages and next-stage prefetch descriptors (:func:`assign_stages`). The
+encoding's numbers are defined once in ``kernels/contracts/isa.py`` and re-exported here. The hazard checker proves
+everything from these declarations, so an instruction touches nothing it does not declare. Regions, boxes and
+counters: docs/architecture.md#appendix-design-notes-by-room.
 """
 
 from __future__ import annotations
@@ -172,8 +146,8 @@ __all__ = [
     "CHUNK_BYTES",
 ]
 
-# The opcodes, modes, kinds, word offsets and dtype codes are defined once, in ``kernels/contracts/isa.py`` (imported above
-# and re-exported): the persistent kernel reads the same file, so the two sides cannot drift apart.
+# The opcodes, modes, kinds, word offsets and dtype codes are defined once, in ``kernels/contracts/isa.py`` (imported
+# above and re-exported): the persistent kernel reads the same file, so the two sides cannot drift apart.
 _DTYPES = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
 _DTYPE_OF = {v: k for k, v in _DTYPES.items()}
 
@@ -626,7 +600,8 @@ def instruction_set_table() -> pd.DataFrame:
 
 
 def encoding_table() -> pd.DataFrame:
-    """The int32 layout, section by section and word by word (rendered from the constants of ``kernels/contracts/isa.py``)."""
+    """The int32 layout, section by section and word by word (rendered from the constants of
+    ``kernels/contracts/isa.py``)."""
     kinds = ", ".join(f"{int(k)} {k.name.lower()}" for k in Kind)
     dtypes = ", ".join(f"{c} {n}" for n, c in DTYPE_CODES.items())
     ops_end = W_OPS + MAX_OPERANDS * OPERAND_WORDS

@@ -1,35 +1,14 @@
 """Run the megakernel's int32 program on the CPU with torch, under random interleavings of the SM queues.
 
-Why a CPU interpreter before the GPU kernel: it checks the *program* — the instruction decomposition, the operand
-declarations and the waits — against the reference model with nothing else in the way. It executes exactly what
-the persistent kernel will: it decodes the int32 tensor, gives every SM a cursor into its queue, and at each tick
-picks a random SM whose head instruction's waits are satisfied (``counter[c] ≥ step·total[c] + target``) and runs
-that instruction to completion, then adds to the instruction's counter. Only the declared waits constrain the
-order, so a missing wait shows up as a wrong answer under some seed.
-
-Honesty aids:
-
-* every instruction is handed views of its *declared* boxes only, so it cannot touch anything it did not declare;
-* activation and output buffers are poisoned (NaN / max int) before each step, so reading something nobody wrote
-  in this step gives NaN instead of last step's value;
-* a prefetched operand is read when the SM *arrives* at the instruction, before its waits — for a static weight
-  that is a view, for anything else (only a broken program does that) a snapshot, i.e. a stale read;
-* the weight stage runs as on the device: every SM has ``STAGE_BUFFERS`` byte buffers of ``STAGE_BYTES``
-  (poisoned each step); when an SM starts queue position ``q`` — before its waits — it copies the bytes the
-  instruction's next-stage descriptor (``W_NEXT_*``) names into buffer ``(q+1) % 2`` (the head of a queue first
-  copies its own stage into buffer 0), and the instruction's staged operand (``W_STAGE_*``) is then read from
-  buffer ``q % 2`` for its leading rows, whatever those bytes are. A descriptor pointing at an activation is
-  thus read at the moment the device would issue it (stale or poison), and one that disagrees with the next
-  instruction's own stage hands it other rows — a wrong result either way;
-* a deadlock raises :class:`DeadlockError` with a per-SM dump instead of spinning.
-
-Routed experts held as MXFP4 (a program built with ``expert_format="mxfp4"``, a model after
-``model.quantize_experts()`` or loaded with ``quantized_experts="keep"``): the expert opcodes dequantise exactly the
-code and scale boxes they are handed (value × scale in fp32, cast once to the activation dtype — the numbers
-:meth:`kimik3.model.quant.QuantizedExperts.expert` gives the naive path) and then compute as for dense experts.
-
-``MegakernelInterpStage`` (stage ``"megakernel-interp"``) puts this behind the :class:`kimik3.Decoder` API: prefill runs
-through the naive path token by token and the decode state is then shared; every decode step runs the program.
+It checks the *program* — instruction decomposition, operand declarations, waits — against the reference model
+with nothing else in the way: it decodes the int32 tensor, gives every SM a cursor into its queue and, at each
+tick, runs to completion the head instruction of a random SM whose waits are met (``counter[c] ≥ step·total[c] +
+target``), then adds to its counter. Only the declared waits constrain the order, so a missing wait shows up as a
+wrong answer under some seed; instructions see only their declared boxes, buffers are poisoned each step, and a
+deadlock raises :class:`DeadlockError` with a per-SM dump. MXFP4 expert opcodes dequantise exactly the boxes they
+are handed. ``MegakernelInterpStage`` (stage ``"megakernel-interp"``) puts this behind :class:`kimik3.Decoder`:
+prefill runs the naive path, every decode step runs the program. Its honesty aids:
+docs/architecture.md#appendix-design-notes-by-room.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """How the megakernel lays out weights and scratch buffers: names, 3-D views and the packed weights.
 
-Why packing: a tile instruction should read one contiguous block of weight rows and produce one contiguous block
-of outputs that the *next* instruction consumes as one box. The checkpoint layout does not give that — a KDA head
-needs rows of five separate projections (q, k, v, output gate, β) and MLA's ``kv_b_proj`` interleaves the key and
-value halves of every head — so, like any fused decode kernel, the megakernel re-packs a few weights once at load
-time. The scheduler only needs the names and shapes (it works from a config, on no weights at all); the CPU
-interpreter and the GPU kernel call :func:`pack_weights` on a real model.
-
-Packed weights (per layer ``ℓ``):
-
-* ``packed.L{ℓ}.kda_in`` ``[nh·(4·dk+1) + dk, H]``: per head ``h`` the rows ``q_h, k_h, v_h, g_h, b_h`` (``4·dk+1``
-  rows), then the ``dk`` rows of ``f_a``. One NORM_PROJ group computes all KDA input projections; a KDA_STEP
-  tile reads one contiguous column range of the result plus the ``f_a`` columns.
-* ``packed.L{ℓ}.kda_conv`` ``[3, P·W]``: the q, k, v depthwise conv kernels, channel-major.
-* ``packed.L{ℓ}.mla_in`` ``[q_lora + kv_lora + rope + nh·dv, H]``: ``q_a_proj``, ``kv_a_proj_with_mqa``, ``g_proj``.
-* ``packed.L{ℓ}.mla_wuk`` / ``mla_wuv`` ``[nh·128, kv_lora]``: the key / value halves of ``kv_b_proj`` (§4.4).
-
-Every other weight is the model's own parameter under its checkpoint name, viewed as 3-D: ``[n] → [1, 1, n]``,
-``[r, c] → [1, r, c]``, stacked experts ``[E, r, c]`` as they are.
-
-Routed experts come in one of two formats (the program's ``expert_format``, :data:`EXPERT_FORMATS`): ``"dense"`` —
-``experts.w1`` / ``w3`` ``[E, Ie, Dl]`` and ``w2`` ``[E, Dl, Ie]`` in the activation dtype — or ``"mxfp4"`` — the
-uint8 buffers of :class:`kimik3.model.quant.QuantizedExperts` under their own names (``experts.w1_packed`` ``[E, Ie,
-Dl/2]`` codes + ``experts.w1_scale`` ``[E, Ie, Dl/32]`` E8M0 scales, the same for ``w3``, ``w2`` over ``Ie``), the
-bytes of the release's checkpoint. MXFP4 needs both widths to be multiples of 32 (one scale per 32 columns).
+A tile instruction should read one contiguous block of weight rows and write one contiguous block of outputs that
+the next instruction reads as one box; the checkpoint layout does not give that (a KDA head needs rows of five
+projections, MLA's ``kv_b_proj`` interleaves key and value halves, §4.4), so a few weights are re-packed once at
+load (:func:`pack_weights`: ``packed.L{ℓ}.kda_in``, ``kda_conv``, ``mla_in``, ``mla_wuk``, ``mla_wuv``). Every
+other weight is the model's parameter under its checkpoint name, viewed as 3-D (``[n] → [1, 1, n]``, ``[r, c] →
+[1, r, c]``, stacked experts ``[E, r, c]``). Routed experts are ``"dense"`` or ``"mxfp4"``
+(:data:`EXPERT_FORMATS`; §5.5). The scheduler needs only names and shapes, from a config; the executors pack a
+real model. The packed rows: docs/architecture.md#appendix-design-notes-by-room.
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """Build the megakernel program for a model config: instructions, dependencies, costs, per-SM queues, waits.
 
-The pipeline, each step its own function so a notebook can show it:
-
-1. :func:`~kimik3.megakernel.step.build_step` lists the instructions of one decode step in *sequential* order
-   (running them one after the other is the reference computation) with their operand declarations and a *group*
-   name — the counter the instruction will signal ("L3.kda": every KDA_STEP tile of layer 3). That is the only
-   model-specific step and it lives in :mod:`kimik3.megakernel.step`; everything below works on any list of
-   declared instructions.
-2. :func:`hazard_predecessors` derives, from the declarations alone, what must precede what: the nearest earlier
-   writer of everything an instruction reads (RAW), and the earlier readers and writer of everything it overwrites
-   (WAR, WAW). These edges imply every other conflict by transitivity.
-3. :func:`instruction_costs` estimates bytes and FLOPs per instruction: the per-block totals come from
-   :func:`kimik3.perf.cost.decode_cost` (which reads the model's own parameter shapes), split between a block's
-   instructions in proportion to their tile shapes.
-4. A policy assigns instructions to per-SM queues: ``"round_robin"`` (sequential order, instruction ``i`` on SM
-   ``i mod S``, blind to cost) or ``"critical_path"`` (list scheduling: whenever an SM is free it takes the ready
-   instruction with the longest cost-weighted path to the end of the step, or — if nothing is ready — commits to
-   the one that will be ready first and streams its weights meanwhile).
-5. :func:`compute_waits` turns the dependency edges into counter waits and keeps a wait only if nothing else
-   — program order on the SM, or the transitive effect of its other waits — already implies it (a transitive
-   reduction), so the GPU spins as little as possible.
-6. :func:`~kimik3.megakernel.instructions.assign_stages` writes each instruction's weight stage and, per queue
-   position, the next instruction's stage (what the device streams in while the current instruction starts).
-
-Waits are on whole groups: a consumer waits until a group's counter reaches the number of its members (in step
-``s`` of a run, ``s·total + total``). Within a step every edge points forward in dispatch order, so no schedule
-built here can deadlock (the hazard checker verifies it independently anyway).
+The pipeline, one function per step so a notebook can show it: :func:`~kimik3.megakernel.step.build_step` (the
+instructions in sequential order, the only model-specific step), :func:`hazard_predecessors` (RAW, WAR and WAW
+edges from the declarations alone), :func:`instruction_costs` (bytes and FLOPs per instruction, split from
+:func:`kimik3.perf.cost.decode_cost`, §8), a queue policy (``"round_robin"`` or ``"critical_path"``),
+:func:`compute_waits` (counter waits, transitively reduced) and
+:func:`~kimik3.megakernel.instructions.assign_stages` (weight stages). Waits are on whole groups: a consumer waits
+until a group's counter reaches its member count (``s·total + total`` in step ``s``). Every edge points forward in
+dispatch order, so no schedule built here can deadlock (the hazard checker verifies it independently). The steps
+in full: docs/architecture.md#appendix-design-notes-by-room.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
-"""One Kimi K3 decode step as megakernel instructions: the model-specific half of building a program.
+"""One Kimi K3 decode step as megakernel instructions: the model-specific half of building a program (§1.2).
 
 :func:`build_step` lists the instructions of one decode step in *sequential* order — running them one after the
 other is the reference computation — with their operand declarations, a *group* name (the counter the instruction
-will signal: "L3.kda" is every KDA_STEP tile of layer 3) and shape-based cost contributions. :class:`Tiling` says
-how finely each phase is cut. Everything after that — hazards, costs, SM queues, waits — knows nothing of the
-model and lives in :mod:`kimik3.megakernel.scheduler`.
-
-The builder has one method per block of the model, called in the model's order: the embedding, per layer the
-attention-site mix, the KDA or MLA mixer, its output projection, the MLP-site mix and the dense MLP or MoE, and
-finally the output head. Buffer ids are handed out in declaration order, so the order of the ``buf`` / ``weight``
-calls is part of the program as much as the order of the instructions.
+signals: "L3.kda" is every KDA_STEP tile of layer 3) and shape-based cost contributions; :class:`Tiling` says how
+finely each phase is cut. Everything after that knows nothing of the model (:mod:`kimik3.megakernel.scheduler`).
+The builder has one method per block, called in the model's order (embedding; per layer the attention-site mix,
+KDA or MLA mixer, output projection, MLP-site mix, dense MLP or MoE; the output head). Buffer ids are handed out
+in declaration order, so the order of the ``buf`` / ``weight`` calls is part of the program.
 """
 
 from __future__ import annotations

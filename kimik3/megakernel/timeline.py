@@ -1,25 +1,12 @@
 """Where the time goes in a megakernel step: per-SM timelines, a Gantt chart, per-instruction-type summaries.
 
-Two sources, one table format:
-
-* :func:`simulate` — the cost model's timeline: every SM walks its queue, an instruction starts once the SM is
-  free *and* its waits are satisfied, runs for ``busy_ns`` plus whatever of its weight streaming
-  (``prefetch_ns``) was not already hidden behind the wait, then signals its counter. This is the same execution
-  model the CPU interpreter runs, with durations instead of arithmetic.
-* :func:`from_timings` — a timing buffer as the GPU kernel records it: ``[N, 2]`` int64 (start, end) in
-  nanoseconds of ``%globaltimer`` (one clock for the whole GPU), row = instruction id; optionally a third column
-  with the SM id the kernel observed (``%smid``), which then overrides the planned SM.
-
-The scheduler's cost model behind :func:`simulate` is deliberately simple (every SM at its full bandwidth share,
-all weights hidden behind a wait). The calibrated model of what the device code actually does — bytes in flight,
-the shared-memory stage actually allocated, counted round trips, serial loops — is
-:func:`kimik3.perfmodel.megakernel_model`, which returns a timeline in this same format (so :func:`gantt` and
-:func:`summary` draw and sum it).
-
-Both return one row per instruction with ``sm, qpos, op, layer, label, arrive_ns, start_ns, end_ns``:
-``arrive`` is when the SM reached the instruction (its previous one ended), so ``start - arrive`` is time spent
-waiting on counters and ``end - start`` is busy time. :func:`summary` aggregates busy / waiting per opcode and
-adds the SMs' idle time (after their queue ran dry, until the step ended).
+Two sources, one table format: :func:`simulate` (the scheduler's cost model: an instruction starts once its SM is
+free and its waits are met, runs ``busy_ns`` plus the weight streaming not hidden behind the wait, then signals)
+and :func:`from_timings` (the GPU kernel's timing buffer: ``[N, 2]`` int64 ``%globaltimer`` start and end, row =
+instruction id, an optional third column the observed ``%smid``). The calibrated model of the device code,
+:func:`kimik3.perfmodel.megakernel_model`, returns the same format. One row per instruction with ``sm, qpos, op,
+layer, label, arrive_ns, start_ns, end_ns``: ``start - arrive`` is time waiting on counters, ``end - start`` busy
+time; :func:`summary` sums busy / waiting per opcode plus the SMs' idle time, :func:`gantt` draws it.
 """
 
 from __future__ import annotations

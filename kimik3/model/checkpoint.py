@@ -42,10 +42,11 @@ from kimik3.model.quant import (
 )
 from kimik3.model.random_init import build_model
 from kimik3.model.safetensors_reader import read_header, read_index, read_json_file, require_regular_file
+from kimik3.model.subset import k3_shard_selection, select
 from kimik3.util.files import staged_directory
 
-__all__ = ["from_pretrained", "save_pretrained", "mxfp4_quantize", "mxfp4_dequantize", "E2M1_VALUES", "MXFP4_GROUP",
-           "e8m0_to_float"]
+__all__ = ["from_pretrained", "save_pretrained", "load_k3_shard", "mxfp4_quantize", "mxfp4_dequantize", "E2M1_VALUES",
+           "MXFP4_GROUP", "e8m0_to_float"]
 
 _log = logging.getLogger(__name__)
 QUANTIZED_EXPERTS = ("dequantize", "keep")
@@ -187,8 +188,6 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device
                          "FP8 or INT4 weights): load with quantized_experts='dequantize'")
     sel = None
     if layers is not None or experts is not None or preset is not None:
-        from kimik3.model.subset import select
-
         sel = select(cfg, layers, experts, preset)
         cfg = sel.config
 
@@ -459,3 +458,10 @@ def _write_checkpoint(model: KimiForCausalLM, path: Path, expert_format: str, ma
 
 def fp32_parameter_names(model: KimiForCausalLM) -> list[str]:
     return [n for n, _ in model.named_parameters() if keeps_fp32(n)]
+
+
+def load_k3_shard(path: str | Path, rank: int, first_layer: int | None = None, **kwargs) -> torch.nn.Module:
+    """The ``k3-shard`` benchmark model cut from a K3-layout checkpoint (the real release: real weights) for
+    expert-parallel ``rank``; ``kwargs`` go to :func:`kimik3.from_pretrained` (``dtype``, ``device``, ...)."""
+    layers, experts = k3_shard_selection(load_config(path), rank, first_layer)
+    return from_pretrained(path, layers=layers, experts=experts, preset="k3-shard", **kwargs)

@@ -1,8 +1,7 @@
-"""transformers' in-memory (internal) tensor layouts, mapped back to the release layouts the loader reads.
+"""transformers' in-memory (internal) tensor layouts, mapped back to the release layouts the loader reads (§7).
 
-transformers 5 keeps some weights fused or renamed in memory and converts them back on ``save_pretrained``
-(so the files it writes today are in the release layout); a state dict saved as it is in memory — or a file a
-newer version writes that way — uses the internal names:
+transformers 5 keeps some weights fused or renamed in memory and converts them back on ``save_pretrained``; a
+state dict saved as it is in memory — or a file a newer version writes that way — uses the internal names:
 
 * routed experts stacked per layer: ``mlp.experts.gate_up_proj`` [E, 2I, D] (gate rows first, then up) and
   ``mlp.experts.down_proj`` [E, D, I] (DeepSeek-V3 and Kimi-Linear);

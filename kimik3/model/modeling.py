@@ -1,18 +1,13 @@
-"""The Kimi K3 decode path as one readable PyTorch model (the reference every stage is checked against).
+"""The Kimi K3 decode path as one readable PyTorch model (the reference every stage is checked against; §1–§5).
 
-Read top to bottom: numerics helpers, feed-forward (SiTU/SwiGLU MLP, router, LatentMoE), the two token
-mixers (KDA linear attention, MLA), Attention Residuals, the decoder layer and the model. Section numbers
-(§) refer to ``docs/architecture.md``.
-
-One code path serves three model families, selected by config fields rather than subclasses:
-
-* Kimi K3: KDA + gated NoPE MLA, AttnRes, LatentMoE with SiTU-GLU experts;
-* Kimi-Linear: KDA (softplus decay gate, low-rank output gate) + NoPE MLA, additive residual, plain MoE;
-* DeepSeek-V3 / Kimi K2: RoPE MLA with YaRN, additive residual, plain MoE with (grouped) sigmoid routing.
-
-Every mixer processes a chunk of ``T`` new tokens for ``B`` sequences against per-layer state
-(:class:`KDAState`, :class:`MLACache`): ``T = 1`` is a decode step, ``T = prompt length`` is a
-full-sequence forward. Tokens whose ``active`` flag is False (padding) never touch a cache or state.
+Read top to bottom: numerics helpers, feed-forward (SiTU/SwiGLU MLP, router, LatentMoE, §5), the two token mixers
+(KDA linear attention §3, MLA §4), Attention Residuals (§2), the decoder layer and the model (§1.2). One code path
+serves three families, selected by config fields rather than subclasses (§6): Kimi K3 (KDA + gated NoPE MLA,
+AttnRes, LatentMoE with SiTU-GLU experts); Kimi-Linear (KDA with softplus decay and low-rank output gate + NoPE
+MLA, additive residual, plain MoE); DeepSeek-V3 / Kimi K2 (RoPE MLA with YaRN, additive residual, plain MoE with
+(grouped) sigmoid routing). Every mixer processes ``T`` new tokens for ``B`` sequences against per-layer state
+(:class:`KDAState`, :class:`MLACache`): ``T = 1`` is a decode step, ``T = prompt length`` a full-sequence forward.
+Tokens whose ``active`` flag is False (padding) never touch a cache or state.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Quantized weight formats, each defined once: what the releases ship, read exactly and written back.
 
-* **MXFP4** (compressed-tensors ``mxfp4-pack-quantized``, the K3 release's routed experts, spec §5.5): U8 codes,
-  two E2M1 values per byte (low nibble = even column), one E8M0 scale byte per 32 input columns.
-* **FP8 block-scaled** (``quant_method: "fp8"``, DeepSeek-V3 / Kimi-K2 Instruct): ``weight`` in F8_E4M3 and
-  ``weight_scale_inv`` holding one fp32 multiplier per 128×128 block (the edge blocks are partial).
-* **INT pack-quantized** (compressed-tensors ``pack-quantized``, Kimi-K2-Thinking's INT4 experts): signed integers
-  offset by 2^(bits-1) and packed densely into int32 words along the input dimension (``weight_packed``), one
-  scale per ``group_size`` input columns (``weight_scale``), the logical shape in ``weight_shape`` and, for
-  asymmetric schemes, zero points packed along the output dimension (``weight_zero_point``).
+* **MXFP4** (compressed-tensors ``mxfp4-pack-quantized``, the K3 release's routed experts, spec §5.5);
+* **FP8 block-scaled** (``quant_method: "fp8"``, DeepSeek-V3 / Kimi-K2 Instruct: one fp32 scale per 128×128 block);
+* **INT pack-quantized** (compressed-tensors ``pack-quantized``, Kimi-K2-Thinking's INT4 experts).
 
-Every decoder returns fp32 computed as stored value × scale (exact for these formats), so the caller casts once
-to the model dtype. Which tensors are quantized is decided by the checkpoint's ``quantization_config``
-(:func:`parse_quantization_config`) and its ``ignore`` list; every inconsistency is a ``ValueError`` naming the
-tensor. Bitwise agreement with compressed-tensors' own decoders is proven in ``tests/test_checkpoint_formats.py``.
-
-MXFP4 routed experts can also stay quantized in memory: :class:`QuantizedExperts` holds a layer's experts as the
-checkpoint's bytes (``from_pretrained(..., quantized_experts="keep")``), which the fused stage's MXFP4 kernel reads
-as they are; :func:`expert_memory` states what each form costs. FP8 and INT4 weights are always dequantised at
-load: no kernel here reads them.
+Every decoder returns fp32 stored value × scale (exact), so the caller casts once. The checkpoint's
+``quantization_config`` (:func:`parse_quantization_config`) decides which tensors are quantized; an inconsistency
+is a ``ValueError`` naming the tensor. :class:`QuantizedExperts` keeps MXFP4 experts as the checkpoint's bytes
+(``quantized_experts="keep"``); :func:`expert_memory` states what each form costs. Format details:
+docs/architecture.md#appendix-design-notes-by-room.
 """
 
 from __future__ import annotations
@@ -420,7 +411,8 @@ def mxfp4_nbytes(rows: int, cols: int) -> int:
 
 
 def _expert_shapes(n_experts: int, inner: int, width: int) -> dict[str, tuple[int, int, int]]:
-    """w1 (gate) / w3 (up) [E, I, D], w2 (down) [E, D, I]: the stacked layout of :class:`kimik3.model.modeling.Experts`."""
+    """w1 (gate) / w3 (up) [E, I, D], w2 (down) [E, D, I]: the stacked layout of
+    :class:`kimik3.model.modeling.Experts`."""
     return {"w1": (n_experts, inner, width), "w3": (n_experts, inner, width), "w2": (n_experts, width, inner)}
 
 

@@ -1,17 +1,11 @@
 """Deterministic random weights with sane scales, for presets (tests, notebooks, benchmarks).
 
 Scales keep the logits neither NaN/inf nor saturated: projections ~ N(0, 1/fan_in), norm weights 1 ± 0.1 (so a
-missing weight multiply fails a test), KDA decay parameters in the ranges the FLA initialisation uses, a small
-non-zero router bias (so the selection-only bias is exercised). Two choices keep a *random* model as well
-conditioned as a trained one, which matters for the bf16-vs-fp32 tolerance of validation.md:
-
-* residual-branch outputs (o_proj, down_proj, the latent up-projection, expert down-projections) are scaled by
-  ``(2L)^-3/4`` — GPT-2/Megatron scale residual branches by ``(2L)^-1/2``; with every block a random map that
-  amplifies rounding, a slightly stronger scaling keeps L layers of bf16 rounding inside 3e-2;
-* routed experts are *upcycled*: one random expert plus 10% independent noise per expert (sparse upcycling).
-  bf16 rounding flips near-tied top-k choices of a random router every few hundred decisions; trained routers
-  are decisive, random ones are not, and with independent random experts one flip moves a row's logits by
-  O(10%). Each expert still differs, so fp32 tests (1e-4) see any wrong expert choice.
+missing weight multiply fails a test), KDA decay parameters in the ranges the FLA initialisation uses (§3.2), a
+small non-zero router bias (so the selection-only bias is exercised, §5.2). Two choices keep a *random* model as well
+conditioned as a trained one, for the bf16 tolerance of docs/validation.md: residual-branch outputs are scaled by
+``(2L)^-3/4``, and routed experts are *upcycled* (one random expert plus 10% independent noise each). Why:
+docs/architecture.md#appendix-design-notes-by-room.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Subsets of a checkpoint: chosen layers and experts of a full model, read without the rest.
 
-``kimik3.from_pretrained(path, layers=..., experts=...)`` builds a smaller model of the same family from the
-kept layers (renumbered 0, 1, ... in their original order, everything else in the config unchanged) and, in every
-kept MoE layer, the kept routed experts (renumbered in the order given). The router is restricted to the kept
-experts: its gate rows and correction bias are sliced and the top-k is taken among them. That is exactly how
-the ``k3-shard`` benchmark preset is defined (validation.md): the 56 experts that one of 16 expert-parallel GPUs
-holds, the router choosing the top 16 of those 56. :func:`k3_shard_selection` finds the layers and experts of a
-k3-shard in a K3-layout checkpoint (four consecutive MoE layers whose kinds are KDA, KDA, KDA, MLA — K3's first
-layer is dense — and experts ``r·56 … r·56+55`` of rank ``r``); ``preset="k3-shard"`` makes a contradicting
-subset an error. The preset fixes the structure (layer kinds, experts per layer, top-k); the widths are those of
-the checkpoint, which for the K3 release are the preset's.
-
-The loader reads only the tensors a subset keeps (safetensors are memory-mapped; a tensor's bytes are read when
-it is fetched), shard by shard.
+``kimik3.from_pretrained(path, layers=..., experts=...)`` builds a smaller model of the same family from the kept
+layers (renumbered 0, 1, ... in their original order, the rest of the config unchanged) and, in every kept MoE
+layer, the kept routed experts (renumbered in the order given); the router's gate rows and correction bias are
+sliced, so its top-k is taken among the kept experts (§5.2). That defines the ``k3-shard`` preset
+(docs/validation.md); :func:`k3_shard_selection` finds its layers and experts in a K3-layout checkpoint, and
+``preset="k3-shard"`` makes a contradicting subset an error. Only the kept tensors are read (safetensors are
+memory-mapped), shard by shard. The k3-shard rule: docs/architecture.md#appendix-design-notes-by-room.
 """
 
 from __future__ import annotations
@@ -21,13 +15,12 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 
 import torch
 
 from kimik3.model.config import ModelConfig, get_preset
 
-__all__ = ["Selection", "select", "k3_shard_selection", "load_k3_shard", "slice_model"]
+__all__ = ["Selection", "select", "k3_shard_selection", "slice_model"]
 
 _LAYER_KEY = re.compile(r"^((?:language_model\.)?model\.layers\.)(\d+)\.(.*)$")
 _EXPERT_REST = re.compile(r"^((?:block_sparse_moe|mlp)\.experts\.)(\d+)(\..*)$")
@@ -221,13 +214,3 @@ def slice_model(model: torch.nn.Module, sel: Selection) -> torch.nn.Module:
                 t = t[torch.tensor(ids, dtype=torch.long)]
             p.data = t.clone()
     return sub.eval()
-
-
-def load_k3_shard(path: str | Path, rank: int, first_layer: int | None = None, **kwargs) -> torch.nn.Module:
-    """The ``k3-shard`` benchmark model cut from a K3-layout checkpoint (the real release: real weights) for
-    expert-parallel ``rank``; ``kwargs`` go to :func:`kimik3.from_pretrained` (``dtype``, ``device``, ...)."""
-    from kimik3.model.checkpoint import from_pretrained
-    from kimik3.model.config import load_config
-
-    layers, experts = k3_shard_selection(load_config(path), rank, first_layer)
-    return from_pretrained(path, layers=layers, experts=experts, preset="k3-shard", **kwargs)

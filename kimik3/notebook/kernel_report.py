@@ -24,8 +24,8 @@ import pandas as pd
 from kimik3.fused.launch_cost import launch_bytes, launch_flops
 
 if TYPE_CHECKING:
+    from kimik3.fused.plan import FusedStep, Launch
     from kimik3.perf.hardware import HardwareSpec
-    from kimik3.stages.fused import FusedStep, Launch
 
 __all__ = ["PTX_FEATURES", "BANDWIDTH_JUDGED_BYTES", "KernelReport", "git_date", "cached_build", "get_build",
            "show_source", "ptx_highlights", "hot_loop_excerpt", "measured_rows"]

@@ -1,19 +1,14 @@
 """Workshop mode: exercises in notebooks 01–05 where the learner writes the key idea, checked right or wrong.
 
 Each :class:`Exercise` has a task, a hint, a reference solution, a checker that runs an answer on fresh inputs and
-says *why* it is wrong (the common mistakes are recognised by name), and known wrong answers that the test suite
-proves the checker catches. In a notebook::
+says *why* it is wrong (common mistakes recognised by name), and known wrong answers the tests prove it catches::
 
-    def absorbed_scores(q_nope, w_uk, latent):
-        raise NotImplementedError  # the learner's code goes here
-
-    workshop.check("absorbed_mla_score", absorbed_scores, solutions=solutions)
-    # workshop.reveal("absorbed_mla_score")   # the solution, on request
+    workshop.check("absorbed_mla_score", absorbed_scores, solutions=solutions)  # reveal(...): the solution
 
 ``solutions=True`` (what ``make run`` and CI pass) checks the reference solution instead of the learner's cell,
-so an executed notebook shows every exercise passing; a learner runs with ``solutions=False`` (the notebooks'
-default). A check never raises: a learner's exception is reported as the answer being wrong, and an unattempted
-exercise says so, so a notebook still runs top to bottom.
+so an executed notebook shows every exercise passing; learners run with ``solutions=False`` (the default). A check
+never raises — an exception is reported as a wrong answer, an unattempted exercise says so — so a notebook still
+runs top to bottom. See docs/architecture.md (map).
 """
 
 from __future__ import annotations
@@ -213,7 +208,8 @@ def _check_absorbed(fn: Callable) -> str:
 
 # ====================================================================== 04: a GEMV tile's index arithmetic
 
-GEMV_VEC, GEMV_LANES = 8, 32  # bf16 per 16-byte chunk, lanes per warp (GEMV_WARPS / GEMV_UNROLL: kernels/contracts/meta.py)
+# bf16 per 16-byte chunk, lanes per warp (GEMV_WARPS / GEMV_UNROLL: kernels/contracts/meta.py)
+GEMV_VEC, GEMV_LANES = 8, 32
 
 
 def _gemv_solution(cta: int, warp: int, lane: int, step: int, u: int, v: int) -> tuple[int, int]:

@@ -1,16 +1,12 @@
-"""What one decode step costs: bytes moved and FLOPs, per layer and block, from the model's own shapes.
+"""What one decode step costs: bytes moved and FLOPs, per layer and block, from the model's own shapes (§8).
 
-Why this exists: a decode step of a large MoE model reads far more bytes than it does arithmetic per byte, so
-its speed limit is set by memory bandwidth, not by tensor-core FLOP/s. Every later optimisation stage is judged
-against this bound, so the bound must be right and must follow the model: weight byte counts are read from the
-parameters of ``kimik3.build_model(cfg, "meta")`` (module names = checkpoint names), never from a hand-written
-table, and every other size (state, cache, FLOPs) comes from the same :class:`~kimik3.model.config.ModelConfig`.
-
-Counting rules (spec §8): a weight is read once per step however many sequences use it; routed experts count
-only when touched (``D(B)`` distinct experts per MoE layer, :func:`expected_distinct_experts`, or exact counts
-from a routing); KDA state and MLA cache traffic are per sequence; FLOPs are 2 per multiply-add. Activations
-are the input/output vectors of each block (what an unfused implementation moves; small next to weights).
-Section numbers (§) refer to ``docs/architecture.md``.
+Decode reads far more bytes than it does arithmetic per byte, so its speed limit is memory bandwidth; every later
+stage is judged against this bound, so it must follow the model: weight byte counts are read from the parameters
+of ``kimik3.build_model(cfg, "meta")`` (module names = checkpoint names), never from a hand-written table, and
+every other size (state, cache, FLOPs) comes from the same :class:`~kimik3.model.config.ModelConfig`. Counting
+rules (§8): a weight is read once per step however many sequences use it; routed experts count only when touched
+(``D(B)`` per MoE layer, :func:`expected_distinct_experts`, or exact counts from a routing); KDA state and MLA
+cache traffic are per sequence; FLOPs are 2 per multiply-add; activations are each block's input/output vectors.
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def _device_name(dev: torch.device) -> str:
 
 def _timer(dev: torch.device) -> Callable[[Callable[[], object], int], float]:
     """Seconds per call of ``fn`` averaged over ``inner`` back-to-back calls. On a GPU, CUDA events around the
-    batch: one launch is microseconds and a host clock plus a synchronize would swamp a 100 µs kernel."""
+    batch: a host clock plus a synchronize would swamp a launch-sized kernel."""
     if dev.type == "cuda":
         def gpu(fn: Callable[[], object], inner: int) -> float:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -190,7 +190,7 @@ def measure_bandwidth(device: str | torch.device = "auto", nbytes: int | None = 
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     n = nbytes // 4
-    # several calls per sample on a GPU: one call is ~100 µs there and the events' resolution is ~1 µs
+    # several calls per sample on a GPU: one call there is short next to the events' resolution
     inner = 10 if gpu else 1
     old_threads = torch.get_num_threads()
     if threads is not None and not gpu:

@@ -1,18 +1,12 @@
 """Where, when and with what a result was produced: the one provenance record of benchmarks, validation reports
-and the GPU device check.
+and the GPU device check (docs/architecture.md, map).
 
 A figure without its provenance cannot be compared with another one, so every result file carries this record:
-the commit and whether the working tree had uncommitted changes, the date (UTC), the device (and, on a GPU, its
-name, capability and clocks), the versions of what computed it, and the machine's load when it started.
-
-The commit is looked up in a fixed order, and ``commit_source`` says which one answered:
-
-1. ``$KIMIK3_COMMIT`` (set by whoever copies the tree somewhere without ``.git``);
-2. ``BUILD_INFO.json`` of a prebuilt kernel directory (written when the kernels were exported, from the tree the
-   GPU machine's copy came from);
-3. ``git`` in the repository.
-
-Nothing here needs a GPU, the CuTe DSL or the network; every probe that can fail records ``None`` instead.
+the commit and whether the working tree had uncommitted changes, the date (UTC), the device (on a GPU also its
+name, capability and clocks), the versions of what computed it, and the machine's load when it started. The
+commit comes from ``$KIMIK3_COMMIT``, else a prebuilt kernel directory's ``BUILD_INFO.json``, else ``git``, and
+``commit_source`` says which answered (:func:`commit_info`). Nothing here needs a GPU, the CuTe DSL or the
+network; every probe that can fail records ``None`` instead.
 """
 
 from __future__ import annotations
@@ -86,7 +80,7 @@ def package_versions() -> dict[str, str | None]:
             out[key] = version(dist)
         except PackageNotFoundError:
             out[key] = None
-    from kimik3 import __version__
+    from kimik3._version import __version__
 
     out["kimik3"] = __version__
     return out

@@ -1,15 +1,12 @@
-"""Roofline and latency-roofline figures (plotly), and an interactive panel to explore them.
+"""Roofline and latency-roofline figures (plotly), and an interactive panel to explore them (§8).
 
-Why: a roofline puts every block of a decode step on one picture — arithmetic intensity (FLOP per byte moved)
-against attained FLOP/s, under the memory ceiling (slope = bandwidth) and the compute ceiling of each chip — so
-it is visible at a glance that decode blocks sit far left of every ridge point (bandwidth-bound), and how close a
-measured stage gets to its ceiling. The latency roofline turns the same bound into what a user sees: the least
-milliseconds per step, and the most tokens per second per sequence, as batch size and context grow.
-
-Points are either analytic (a :class:`~kimik3.perf.cost.DecodeCost` timed at its lower bound on a chip, so they lie on
-that chip's roofline) or measured (the same FLOPs and bytes divided by a measured time). Recorded measurements in
-``data/measurements/*.json`` are added and labelled "recorded <date> <commit>". Everything builds headless;
-:func:`save_html` writes self-contained HTML for runs without a notebook frontend.
+A roofline puts every block of a decode step on one picture — arithmetic intensity (FLOP per byte moved) against
+attained FLOP/s, under each chip's memory and compute ceilings — so it shows at a glance that decode blocks sit far
+left of every ridge point (bandwidth-bound) and how close a measured stage gets to its ceiling; the latency
+roofline turns the same bound into the least time per step and the most tokens/s per sequence as batch and
+context grow. Points are analytic (a :class:`~kimik3.perf.cost.DecodeCost` at its lower bound on a chip) or
+measured (the same FLOPs and bytes over a measured time); recordings in ``data/measurements/*.json`` are labelled
+"recorded <date> <commit>". Everything builds headless; :func:`save_html` writes self-contained HTML.
 """
 
 from __future__ import annotations

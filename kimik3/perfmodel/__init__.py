@@ -1,18 +1,12 @@
-"""A calibrated performance model of the GPU stages (``fused``, ``megakernel``) — a model, not a measurement.
+"""A calibrated performance model of the GPU stages (``fused``, ``megakernel``) — a model, not a measurement (§8).
 
-Until a GPU measures them, this is the yardstick, so it must not flatter: it charges what the device code
-actually does (bytes in flight per SM and Little's law, the shared-memory stage actually allocated, the global
-round trips counted per instruction, serial loops at the latency each trip waits on) against the real ceiling
-(achievable HBM read bandwidth, not the datasheet peak). Three inputs, all data:
-
-* **constants** — ``data/perf/constants.json``: latencies, bandwidths, SM count, each with its source;
-* **a design** — ``data/perf/designs/<name>.json``: per opcode / kernel threads, loads in flight and width,
-  staging, prefetch-ahead, serial loop structure, round trips (:data:`CURRENT_DESIGN` = today's kernels; ``v1`` =
-  the kernels before the cross-instruction redesign, kept as a record);
-* **bytes and FLOPs** — never invented here: the megakernel's per-instruction costs from
-  :func:`kimik3.megakernel.scheduler.instruction_costs` (calibrated by :func:`kimik3.perf.cost.decode_cost`), the fused
-  stage's per-launch counts from :func:`kimik3.fused.launch_cost.launch_bytes`.
-
+It must not flatter: it charges what the device code actually does (bytes in flight per SM and Little's law, the
+shared-memory stage actually allocated, global round trips counted per instruction, serial loops at the latency
+each trip waits on) against the achievable HBM read bandwidth, not the datasheet peak. Three inputs, all data:
+**constants** (``data/perf/constants.json``, each with its source); **a design** (``data/perf/designs/<name>.json``:
+per opcode / kernel threads, loads in flight, staging, loops, round trips; :data:`CURRENT_DESIGN` describes the
+kernels in ``kernels/``, older designs stay as the record of the code they described); **bytes and FLOPs**, never
+invented here (:func:`kimik3.megakernel.scheduler.instruction_costs`, :func:`kimik3.fused.launch_cost.launch_bytes`).
 :func:`predict` scores a design; :func:`compare_opcodes` / :func:`compare_kernels` set a measured run against it.
 """
 
@@ -27,10 +21,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kimik3.fused.plan import EXPERT_DTYPES
 from kimik3.perfmodel.data import CURRENT_DESIGN, PERF_DIR, Constants, design_names, field, load_constants, load_design
 from kimik3.perfmodel.fused import fused_times
 from kimik3.perfmodel.megakernel import instruction_times, simulate_model, stream_ns
-from kimik3.stages.fused import EXPERT_DTYPES
 
 __all__ = ["STAGES", "EXPERT_DTYPES", "PERF_DIR", "CURRENT_DESIGN", "Constants", "load_constants", "load_design",
            "design_names", "model_program", "design_tiling",
@@ -47,8 +41,9 @@ def _check_experts(experts: str) -> None:
 
 
 def design_tiling(design: dict[str, Any]) -> tuple[tuple[str, int | str], ...]:
-    """The tile sizes a design was scored with where they differ from today's ``Tiling.auto`` (``megakernel.tiling``:
-    field name -> an int, or "all" for a whole dimension), as hashable (name, value) pairs; () for none."""
+    """The tile sizes a design was scored with where they differ from the current ``Tiling.auto``
+    (``megakernel.tiling``: field name -> an int, or "all" for a whole dimension), as hashable (name, value) pairs;
+    () for none."""
     from dataclasses import fields
 
     from kimik3.megakernel.step import Tiling

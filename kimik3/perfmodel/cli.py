@@ -7,17 +7,10 @@ import argparse
 import json
 import sys
 
+from kimik3.util.args import positive_int
+
 __all__ = ["main"]
 
-
-def _batch(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
-    return v
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,14 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kimik3 predict", description=__doc__)
     ap.add_argument("--preset", default="k3-shard")
     ap.add_argument("--stage", required=True, choices=STAGES)
-    ap.add_argument("--batch", type=_batch, default=1)
+    ap.add_argument("--batch", type=positive_int, default=1)
     ap.add_argument("--design", default=CURRENT_DESIGN,
                     help=f"a design in data/perf/designs ({', '.join(design_names())}; default {CURRENT_DESIGN}: "
                          "today's kernels)")
     ap.add_argument("--experts", default="bf16", choices=EXPERT_DTYPES,
                     help="how the routed experts are stored (mxfp4: the K3 release's format); the roofline moves the "
                          "same bytes")
-    ap.add_argument("--context", type=_batch, default=4096, help="cached tokens per sequence (<= 4096)")
+    ap.add_argument("--context", type=positive_int, default=4096, help="cached tokens per sequence (<= 4096)")
     ap.add_argument("--json", action="store_true", help="print the full result as JSON")
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:

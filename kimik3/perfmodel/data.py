@@ -10,7 +10,7 @@ from typing import Any
 __all__ = ["PERF_DIR", "CURRENT_DESIGN", "Constants", "load_constants", "load_design", "design_names"]
 
 PERF_DIR = Path(__file__).resolve().parents[2] / "data" / "perf"
-# The design that describes the device code in kernels/ today (its compiled numbers are checked against the build by
+# The design that describes the device code in kernels/ (its compiled numbers are checked against the build by
 # tests/test_perfmodel.py); older designs stay as the record of the code they described.
 CURRENT_DESIGN = "v2"
 _REQUIRED = ("sm_count", "hbm_peak_Bps", "hbm_read_efficiency", "hbm_latency_ns", "l2_latency_ns",

@@ -1,6 +1,6 @@
 """The fused stage under the calibrated model: one kernel after another in a CUDA graph.
 
-Per kernel of each launch of :class:`kimik3.stages.fused.FusedStep` (built on a ``meta`` model: no memory):
+Per kernel of each launch of the fused step's plan (:func:`kimik3.fused.plan.meta_plan`: a ``meta`` model, no memory):
 ``kernel boundary + max(bytes / bandwidth, FMA issue, L2 re-reads) + serial loops``, where the bandwidth follows
 Little's law over the SMs the grid covers: resident CTAs per SM (threads, registers from the compiled kernel's
 resource report, CTA limit) × threads × loads in flight × load width, per SM capped by the SM's port, overall by
@@ -34,16 +34,10 @@ def batch_tile(B: int, cap: int = 16) -> int:
 def fused_program(preset: str, batch: int, cache_len: int, expert_format: str = "bf16",
                   context_len: int | None = None) -> pd.DataFrame:
     """The fused step's launches (``FusedStep.describe``: bytes at ``context_len`` cached tokens, default the whole
-    cache) for a preset, on a meta model."""
-    import torch
+    cache) for a preset, read from its plan on a meta model."""
+    from kimik3.fused.plan import meta_plan
 
-    from kimik3.model.config import get_preset
-    from kimik3.model.random_init import build_model
-    from kimik3.stages.fused import FusedStep
-
-    cfg = get_preset(preset)
-    model = build_model(cfg, "meta").cast_(torch.bfloat16)
-    step = FusedStep(model, batch, cache_len, expert_format)
+    step = meta_plan(preset, batch, cache_len, expert_format)
     df = step.describe(context=context_len or cache_len)
     df["family"] = [ln.op.family if ln.op is not None else "glue" for ln in step.program]
     df["shapes"] = [dict(ln.op.shapes) if ln.op is not None else {} for ln in step.program]
@@ -74,8 +68,8 @@ def _family_spec(design: dict[str, Any], family: str) -> tuple[str, dict[str, An
 def fused_times(preset: str, batch: int, design: dict[str, Any], consts: Constants, context_len: int = 4096,
                 cache_len: int | None = None, expert_format: str = "bf16") -> pd.DataFrame:
     """One row per kernel (glue ops: one row per op) with its modelled time in ns and what limits it."""
+    from kimik3.kernels.contracts.meta import mla_default_splits
     from kimik3.perf.cost import expected_distinct_experts
-    from kimik3.stages.fused import mla_default_splits
 
     prog = fused_program(preset, batch, cache_len or context_len, expert_format, context_len)
     S = int(consts.sm_count)

@@ -1,27 +1,14 @@
 """The megakernel under the calibrated model: per-instruction durations from a design, then an event simulation.
 
-One instruction on one SM (``kernels/megakernel/vm.py``'s loop), in the order the device code runs it:
-
-1. **fetch** — dependent global round trips before anything else can start (instruction row, operand table, the
-   prefetch choice): ``fetch_round_trips_hbm × HBM latency + fetch_round_trips_l2 × L2 latency``;
-2. **stage** — the largest row-contiguous bf16 PREFETCH weight operand, whole rows up to ``stage_bytes``, all in
-   flight at once (a design with ``stage_choice = host`` reads the rows the host wrote into the instruction's
-   ``W_STAGE_*`` words instead of re-deriving them): ``latency + staged / SM share``. Fetch and stage overlap the
-   wait for the producers (and, with ``prefetch_ahead``, the previous instruction's body too);
-3. **wait** — until every awaited counter is reached (the simulation), then ``wait_round_trips_l2`` L2 round trips;
-   with ``stage_wait = all`` nothing starts before the whole stage has landed;
-4. **body** — per opcode from the design (an MXFP4 program's expert opcodes from its ``<OPCODE>.mxfp4`` entries):
-   byte *streams* (Little's law: in flight = threads × loads × width per SM, bandwidth = min(in flight / latency,
-   the SM's share of the achievable HBM bandwidth)), *re-reads* from L1
-   (if their footprint fits next to the shared memory) or L2, CUDA-core issue time for the FMAs, and *serial
-   loops* (trip count × the latency of the level each trip waits on + extra cycles); memory and FMAs overlap,
-   serial loops and barriers add;
-5. **signal** — ``signal_round_trips_l2`` L2 round trips (the release).
-
-Bytes and FLOPs per instruction come from :func:`kimik3.megakernel.scheduler.instruction_costs` (calibrated by
-:func:`kimik3.perf.cost.decode_cost`): this module adds time, never bytes. The timeline it returns has the columns of
-:mod:`kimik3.megakernel.timeline` (``start`` = the waits are met, as the kernel's ``%globaltimer`` start stamp), so
-``timeline.gantt`` and ``timeline.summary`` draw and sum it.
+One instruction on one SM costs, in the order ``kernels/megakernel/vm.py`` runs it: **fetch** (dependent global
+round trips for the instruction row and operand table), **stage** (the largest row-contiguous bf16 PREFETCH weight,
+up to ``stage_bytes``, overlapping the wait), **wait** (until every awaited counter is reached, from the
+simulation), **body** (per opcode from the design: Little's-law byte streams, re-reads from L1 or L2, FMA issue
+time and serial loops) and **signal** (the release's L2 round trips). Bytes and FLOPs per instruction come from
+:func:`kimik3.megakernel.scheduler.instruction_costs` (§8): this module adds time, never bytes. The timeline it
+returns has :mod:`kimik3.megakernel.timeline`'s columns (``start`` = the waits are met, as the kernel's start stamp),
+so ``timeline.gantt`` and ``timeline.summary`` draw and sum it. The phases in full:
+docs/architecture.md#appendix-design-notes-by-room.
 """
 
 from __future__ import annotations
@@ -50,7 +37,8 @@ _EXPERT_OPS = (Op.EXPERT_GATE_UP, Op.EXPERT_DOWN)
 
 def _bt(B: int) -> int:
     """Batch rows per pass of the megakernel's MLA opcodes (``MKConfig.bt``: the largest divisor of B up to 4; v1's
-    GEMV opcodes too). ``gbt`` is the GEMV opcodes' pass of the current device code (``mk_addr.gemv_batch_tile``)."""
+    GEMV opcodes too). ``gbt`` is the GEMV opcodes' pass of the current device code
+    (``kernels.contracts.addr.gemv_batch_tile``)."""
     return max(d for d in range(1, min(B, 4) + 1) if B % d == 0)
 
 

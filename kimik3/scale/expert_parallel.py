@@ -1,41 +1,14 @@
 """Expert parallelism (EP) for decode on a real ``torch.distributed`` engine (gloo on CPU, NCCL on GPUs).
 
-Why: K3's routed experts are 98% of its 2.78 T parameters (spec §8.2); no single device holds them, so a serving
-stack spreads them over ranks and moves *activations* to the experts instead. This module is that engine at
-reference quality: the same numerics as :class:`kimik3.model.modeling.MoE`, checked against a single process.
-
-Layout (DeepSeek-style "data-parallel attention + expert parallelism"):
-
-* every rank holds a replica of everything except the routed experts (attention, router, latent down/up
-  projections and norm, shared experts, norms, embeddings, lm_head) and a contiguous block of ``E / world``
-  routed experts (:func:`shard_experts` drops the others from memory);
-* the decode batch is split into contiguous blocks of rows; each rank *owns* its rows: it keeps their caches,
-  runs their attention and routing, and is the only rank that ever sees their hidden states;
-* per MoE layer the owner routes its tokens (the router is replicated, so a token routes the same on any rank),
-  down-projects them once to the latent width (LatentMoE: ``moe_latent_size`` values per token instead of the
-  hidden width — the point of LatentMoE for EP traffic), and ships each (token, expert) pair's latent row to the
-  expert's rank; the experts run there, the outputs come back, and the owner combines them exactly as the
-  reference does (``Σ fp32(y)·w`` in ascending expert order, cast once, latent norm, up-projection) and adds
-  the shared branch.
-
-Collectives per MoE layer: one ``all_gather`` of the routing decisions (``k`` int32 per token: every rank
-derives all split sizes from it, so no separate split-size exchange is needed) and exactly two
-``all_to_all_single`` calls (dispatch, combine). Per step, one ``all_gather`` of the owned rows' logits
-so that every rank's :class:`kimik3.Decoder` returns the full ``[B, vocab]`` (and greedy decoding stays in
-lockstep). Every collective is logged in :class:`CollectiveStats`, with the bytes a hidden-width dispatch would
-have needed next to the latent bytes actually sent.
-
-Usage (every rank runs the same program with the same inputs; collectives need lockstep)::
-
-    import kimik3, kimik3.scale.expert_parallel            # the import registers stage "expert-parallel"
-    torch.distributed.init_process_group("gloo")  # e.g. under torchrun
-    model = kimik3.from_preset("micro", seed=0)
-    dec = kimik3.Decoder(model, stage="expert-parallel", batch_size=8, max_seq_len=64)
-    tokens = dec.generate(prompt, max_new_tokens=16)   # identical on every rank
-    print(dec.stage.stats.summary())
-
-Launcher: ``torchrun --nproc-per-node 2 -m kimik3.scale.expert_parallel --preset micro --batch 1 --steps 16 --seed 0``;
-:func:`run_local` spawns N local CPU processes (loopback / file store only) for tests and notebooks.
+K3's routed experts are 98% of its parameters (spec §8.2), so a serving stack spreads them over ranks and moves
+*activations* to the experts. This is that engine at reference quality: the numerics of
+:class:`kimik3.model.modeling.MoE`, checked against a single process. Every rank holds all but the routed experts
+plus a block of ``E / world`` of them (:func:`shard_experts`) and owns a block of the batch's rows; per MoE layer
+it routes its tokens, ships their latent rows (§5.3) to the experts' ranks with two ``all_to_all_single`` calls and
+combines the outputs as the reference does; :class:`CollectiveStats` logs every collective. Usage: every rank runs
+``kimik3.Decoder(model, stage="expert-parallel", ...)`` on the same inputs (the import registers the stage);
+``torchrun --nproc-per-node 2 -m kimik3.scale.expert_parallel --preset micro``, or :func:`run_local` (N local CPU
+processes). Layout and collectives: docs/architecture.md#appendix-design-notes-by-room.
 """
 
 from __future__ import annotations
@@ -549,7 +522,7 @@ def run_expert_parallel(preset: str | ModelConfig = "micro", batch: int = 1, ste
     (rows shorter than ``prompt_len``). Returns plain data (logits, tokens, the stats summaries) that
     :func:`run_local` ships back to the parent.
     """
-    from kimik3 import Decoder, from_preset  # late: kimik3/__init__ may one day import this module
+    from kimik3 import Decoder, from_preset  # late: kimik3/__init__ can then import this module without a cycle
 
     rank = dist.get_rank(group)
     model = from_preset(preset, seed=seed, dtype=dtype, device=device)
@@ -616,9 +589,9 @@ def _init_from_env(backend: str, timeout_s: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kimik3.scale.expert_parallel`` / ``torchrun --nproc-per-node N -m kimik3.scale.expert_parallel``: EP greedy decode,
-    per-rank collective stats, and on rank 0 the tokens and the error vs a single-process decode. Exit status 1
-    on rank 0 when the check fails."""
+    """``python -m kimik3.scale.expert_parallel`` / ``torchrun --nproc-per-node N -m kimik3.scale.expert_parallel``:
+    EP greedy decode, per-rank collective stats, and on rank 0 the tokens and the error vs a single-process decode.
+    Exit status 1 on rank 0 when the check fails."""
     ap = argparse.ArgumentParser(prog="python -m kimik3.scale.expert_parallel", description=main.__doc__)
     ap.add_argument("--preset", default="micro")
     ap.add_argument("--batch", type=int, default=1)

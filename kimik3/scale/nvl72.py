@@ -1,35 +1,14 @@
 """Full-size Kimi K3 on a rack: per-GPU bytes, all-to-all exchanges, NVLink time, overlap, tokens/s per user.
 
-Why a model: K3's routed experts are 98 % of its 2.78 T parameters, so serving it means spreading it over many
-GPUs (a GB300 NVL72 rack, or 16 GB200s), and a decode step then costs (a) the bytes each GPU reads from its own
-HBM and (b) the exchanges between GPUs — two all-to-alls per MoE layer (dispatch the tokens' latent vectors to the
-experts' GPUs, combine the outputs back), 184 per step for K3's 92 MoE layers. This module turns the package's
-cost model (:func:`kimik3.perf.cost.decode_cost`: every byte and FLOP from the model's own shapes) and the datasheet
-ceilings (``data/hardware.json``) into a per-step time for a stated deployment, and sets the published figures
-(``data/published.json``) against it. One source of truth: sizes come from the config and the cost model, EP
-traffic from :func:`kimik3.scale.expert_parallel.traffic_model`; nothing here carries a byte count of its own.
-
-Deployment assumptions (:class:`Deployment`):
-
-* routed experts are sharded over ``ep`` GPUs (expert parallelism, uniform routing: a GPU holding ``E/ep``
-  experts reads ``D(B)/ep`` of them per layer on average; load imbalance is not modelled);
-* everything else (KDA, MLA, router, latent projections, shared experts, dense layer, embedding, lm_head) is
-  tensor-parallel over groups of ``tp`` GPUs (``tp = 1``: replicated, "data-parallel attention" as in
-  :mod:`kimik3.scale.expert_parallel`); the batch is split over the ``gpus / tp`` groups and each group reads its share of the
-  weights once per step whatever its row count; each GPU of a group holds ``1/tp`` of its rows' KDA state and MLA
-  cache (heads split);
-* per step: ``2 × MoE layers`` all-to-alls of ``rows · k · latent width`` elements (each GPU sends its share, a
-  fraction ``(ep − 1)/ep`` of it leaves the GPU), and with ``tp > 1`` two all-reduces per layer of the hidden
-  vector (after the mixer and after the FFN), ring-style (``2 (tp − 1)/tp`` of the bytes per GPU);
-* a collective costs a fixed latency (:class:`CommModel`: launch, synchronisation, NVLink switch hops) plus its
-  bytes over one GPU's NVLink bandwidth in one direction (half the datasheet's bidirectional figure);
-* the local work of a step is bounded by the busiest GPU's HBM bytes ÷ bandwidth (decode is bandwidth-bound;
-  the tensor-core bound is computed too and the larger taken), and a fraction ``overlap`` of the communication
-  hides behind it: ``t = t_local + t_comm − overlap · min(t_local, t_comm)`` (0: serial, 1: perfect overlap).
-
-These are lower bounds of an idealised system (datasheet bandwidth, no kernel gaps, uniform routing), not
-predictions of a particular serving stack; the figures' value is in how they move with batch, bandwidth, latency
-and overlap, and in what each published number implies.
+Serving K3 spreads it over many GPUs (a GB300 NVL72 rack, or 16 GB200s), and a decode step then costs the bytes
+each GPU reads from its own HBM plus the exchanges between GPUs — two all-to-alls per MoE layer (dispatch, combine).
+This turns the cost model (:func:`kimik3.perf.cost.decode_cost`, §8), the EP traffic of
+:func:`kimik3.scale.expert_parallel.traffic_model` and the datasheet ceilings (``data/hardware.json``) into a
+per-step time for a stated :class:`Deployment` (experts sharded over ``ep`` GPUs, the rest tensor-parallel over
+``tp``, collectives costed by :class:`CommModel`, a fraction ``overlap`` of communication hidden behind local
+work), and sets the published figures (``data/published.json``) against it; nothing here carries a byte count of
+its own. These are lower bounds of an idealised system, not predictions of a serving stack. The assumptions in
+full: docs/architecture.md#appendix-design-notes-by-room.
 """
 
 from __future__ import annotations
@@ -257,8 +236,8 @@ def collectives_per_step(cfg: ModelConfig | str, dep: Deployment) -> dict[str, i
 
 def all_to_all_table(cfg: ModelConfig | str, batch_sizes: Iterable[int], dep: Deployment) -> pd.DataFrame:
     """Per batch size: all-to-alls per step and the bytes of one exchange — the whole exchange (all GPUs, from
-    :func:`kimik3.scale.expert_parallel.traffic_model`), at the latent width actually sent and at the hidden width a plain
-    MoE would send, and what the busiest GPU sends off-GPU."""
+    :func:`kimik3.scale.expert_parallel.traffic_model`), at the latent width actually sent and at the hidden width a
+    plain MoE would send, and what the busiest GPU sends off-GPU."""
     cfg = _cfg(cfg)
     elem = ELEM_BYTES[dep.act_dtype]
     rows = []

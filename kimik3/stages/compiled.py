@@ -1,13 +1,12 @@
-"""Stages "graphs" and "compiled": the absorbed step, captured or compiled.
+"""Stages "graphs" and "compiled": the absorbed step, captured or compiled (docs/architecture.md, map).
 
-* ``graphs`` captures the absorbed decode step once as a CUDA graph and replays it: one launch of a whole graph
-  per token instead of hundreds of kernel launches. GPU only — on a CPU it refuses with a clear error.
-* ``compiled`` is ``torch.compile`` of the absorbed step (on a GPU in "reduce-overhead" mode, which also uses
-  CUDA graphs). It is the strongest PyTorch-only peer and stays in every benchmark table as the baseline to beat.
-  ``freeze=True`` compiles one step per Decoder with the model's weights as constants (Inductor "freezing": weights
-  pre-packed for the CPU GEMM libraries, slices of them folded) — the recommended CPU inference recipe, and
-  with ``mode="max-autotune-no-cudagraphs"`` what the benchmark uses on a CPU. It costs minutes of compilation
-  and the weights must not change afterwards (a frozen Decoder would keep using the old values).
+* ``graphs`` captures the absorbed decode step once as a CUDA graph and replays it: one graph launch per token
+  instead of hundreds of kernel launches. GPU only — on a CPU it refuses with a clear error.
+* ``compiled`` is ``torch.compile`` of the absorbed step (on a GPU in "reduce-overhead" mode, with CUDA graphs),
+  the strongest PyTorch-only peer and the baseline of every benchmark table. ``freeze=True`` compiles one step per
+  Decoder with the weights as constants (Inductor "freezing"), the recommended CPU inference recipe and, with
+  ``mode="max-autotune-no-cudagraphs"``, what the benchmark uses on a CPU; it costs minutes of compilation and the
+  weights must not change afterwards (a frozen Decoder keeps the old values).
 
 Both keep the absorbed stage's static state; prefill runs eagerly and copies into it in place.
 """

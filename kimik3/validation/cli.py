@@ -13,6 +13,7 @@ import torch
 
 from kimik3.model.config import PRESET_NAMES
 from kimik3.stages import get_stage
+from kimik3.util.args import int_list, name_list
 from kimik3.util.files import check_writable
 from kimik3.validation.config import default_config, quick_config
 from kimik3.validation.matrix import run_validation
@@ -20,23 +21,17 @@ from kimik3.validation.matrix import run_validation
 __all__ = ["main"]
 
 
-def _ints(s: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in s.split(",") if x.strip())
-
-
-def _names(s: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in s.split(",") if x.strip())
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kimik3 validate``: run the matrix, write the report, exit 0 only if every run cell passed."""
     ap = argparse.ArgumentParser(prog="python -m kimik3 validate", description=main.__doc__)
     ap.add_argument("--quick", action="store_true", help="the CI subset: micro, one seed, 2 steps, short+long context")
-    ap.add_argument("--presets", type=_names, default=None, help="comma-separated, e.g. micro,tiny")
-    ap.add_argument("--stages", type=_names, default=None, help="comma-separated (default: every stage)")
-    ap.add_argument("--dtypes", type=_names, default=None, help="float32,bfloat16")
-    ap.add_argument("--batch-sizes", type=_ints, default=None)
-    ap.add_argument("--seeds", type=_ints, default=None)
+    ap.add_argument("--presets", type=name_list, default=None, help="comma-separated, e.g. micro,tiny")
+    ap.add_argument("--stages", type=name_list, default=None, help="comma-separated (default: every stage)")
+    ap.add_argument("--dtypes", type=name_list, default=None, help="float32,bfloat16")
+    ap.add_argument("--batch-sizes", type=int_list, default=None)
+    ap.add_argument("--seeds", type=int_list, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads during the run (default 1)")

@@ -5,10 +5,9 @@
 * bf16 stage vs the fp32 reference on the same bf16-rounded weights: teacher-forced (both fed the reference's
   tokens); per step ``e ≤ TOL["bf16_stage"]``; the top-1 agreement rate is reported.
 
-Prompts are fresh random ids, right-padded to mixed lengths; NaN/inf anywhere fails (``rel_error`` is inf).
-
-The matrix runs the fp64 reference once per (preset, seed, dtype, batch, context) and compares every stage with
-that stored run (:class:`ReferenceTrace`, :func:`compare_with_trace`): the same prompt, loop and rules as
+Prompts are fresh random ids, right-padded to mixed lengths; NaN/inf anywhere fails (``rel_error`` is inf). The
+matrix runs the fp64 reference once per (preset, seed, dtype, batch, context) and compares every stage with that
+stored run (:class:`ReferenceTrace`, :func:`compare_with_trace`): the same prompt, loop and rules as
 :func:`compare_to_reference`, with every decode-state tensor of the stage poisoned before its prefill.
 """
 
