@@ -16,11 +16,11 @@
 # %% [markdown]
 # # 04 · Fused kernels: one decode step from hand-written CuTe DSL kernels
 #
-# Notebook 03 took PyTorch as far as it goes: the absorbed step, captured as a CUDA graph or compiled. It is still a
-# few hundred small kernels per token, most of them re-reading an activation the previous one just wrote. The
-# **fused** stage (`kimik3/stages/fused.py`) composes the step from the decode kernels in `kernels/`
-# (`kernels/README.md`), each one built around the only thing that matters at small batch: **streaming weight bytes
-# at full bandwidth, with the cheap work done on the bytes already in registers.**
+# Notebook 03 took PyTorch as far as it goes: the absorbed step, captured as a CUDA graph or compiled. It is still a few
+# hundred small kernels per token, most of them re-reading an activation the previous one just wrote. The **fused**
+# stage (`kimik3/stages/fused.py`, its plan in `kimik3/fused/plan.py`) composes the step from the decode kernels in
+# `kernels/fused/` (`kernels/README.md`), each one built around the only thing that matters at small batch: **streaming
+# weight bytes at full bandwidth, with the cheap work done on the bytes already in registers.**
 #
 # One section per kernel: the idea, the code (from `kernels/`), PTX highlights compiled here for `sm_90a` (the DSL
 # carries its own NVVM and ptxas, no GPU needed), the register / shared-memory report, the bytes one call moves (from

@@ -117,19 +117,19 @@ display(instruction_set_table())
 display(encoding_table())
 
 # %% [markdown]
-# What each opcode's device code does in this first version, and its known performance limits (from
-# `kernels/megakernel/vm.py`, `OPCODE_NOTES`):
+# What each opcode's device code does, and its known performance limits (each opcode's own docstring in
+# `kernels/megakernel/`):
 
 # %%
+from kimik3.notebook.kernel_report import opcode_notes
+
+display(opcode_notes())
 try:
     from kimik3.kernels.megakernel.device_fns import NT
-    from kimik3.kernels.megakernel.vm import OPCODE_NOTES, STAGE_BUFFERS, STAGE_BYTES
+    from kimik3.kernels.megakernel.vm import STAGE_BUFFERS, STAGE_BYTES
 
-    notes = pd.DataFrame([(op, what, limits) for op, (what, limits) in OPCODE_NOTES.items()],
-                         columns=["opcode", "device code", "known limits"]).set_index("opcode")
     print(f"{NT} threads per CTA, one CTA per SM; weight stage {STAGE_BUFFERS} x {STAGE_BYTES // 1024} KiB of "
           "shared memory (the next instruction's rows land in one buffer while this one reads the other)")
-    display(notes)
 except ImportError as e:  # the CuTe DSL is optional for the CPU half of this notebook
     print(f"nvidia-cutlass-dsl not installed ({e}): device notes skipped")
 

@@ -5,7 +5,8 @@ on the host by the scheduler; this kernel is its interpreter. Per queue position
 streams the next position's weight stage, waits on its counters (with a watchdog), dispatches on the opcode to its
 family's device function (``megakernel/gemv.py``, ``kda.py``, ``mla.py``, ``router.py``, ``moe.py``, ``misc.py``, on
 the operand access of ``operands.py``; which elements an opcode touches: ``kernels/contracts/addr.py``), and signals.
-This file is that loop and the compile-time config (``MKConfig``); ``OPCODE_NOTES`` tabulates what each opcode does.
+This file is that loop and the compile-time config (``MKConfig``); each opcode's docstring says what it does
+and its known limits.
 Design (the loop step by step, barriers, counters, the CTA size): ``docs/architecture.md`` (map; appendix: the
 megakernel VM). Compiled for sm_90a / sm_100a without a GPU (``tests/test_megakernel_compile.py``); the launch is
 checked on a GPU by ``tests/test_megakernel_gpu.py``.
@@ -86,7 +87,7 @@ from kimik3.kernels.toolchain.source import kernel_source_hash
 
 SOURCE_HASH = kernel_source_hash("megakernel")
 
-__all__ = ["MKConfig", "OPCODE_NOTES", "STAGE_BYTES", "STAGE_BUFFERS", "ERROR_WORDS", "CTL_WORDS", "ERR_WATCHDOG",
+__all__ = ["MKConfig", "STAGE_BYTES", "STAGE_BUFFERS", "ERROR_WORDS", "CTL_WORDS", "ERR_WATCHDOG",
            "ERR_BAD_PROGRAM", "megakernel", "compile_for", "launch", "SOURCE_HASH", "VARIANTS"]
 
 VARIANTS = ("megakernel",)
@@ -109,105 +110,6 @@ OP_MLA_REDUCE, OP_O_PROJ_RESIDUAL, OP_ROUTER, OP_EXPERT_GATE_UP = int(Op.MLA_RED
     int(Op.ROUTER), int(Op.EXPERT_GATE_UP)
 OP_EXPERT_DOWN, OP_FFN_OUT, OP_LM_HEAD, OP_ARGMAX = int(Op.EXPERT_DOWN), int(Op.FFN_OUT), int(Op.LM_HEAD), \
     int(Op.ARGMAX)
-
-OPCODE_NOTES: dict[str, tuple[str, str]] = {
-    # opcode: (what the device code does, known performance limits of this first version)
-    "EMBED": ("per batch row of the tile: the token's embedding row copied with 16-byte loads/stores into "
-              "stream[:, 0]", "none worth noting (B·H·2 bytes)"),
-    "ATTN_RES_MIX": ("per batch row: one pass accumulates Σv² and Σv·ω for every candidate (ω = norm ⊙ proj in "
-                     "fp32), one CTA reduction, softmax over depth in every thread, second pass mixes the raw "
-                     "candidates in fp32 and stores bf16", "rows of a tile run one after another (2 barriers each); "
-                                                           "the second pass re-reads the candidates from L1/L2"),
-    "NORM_PROJ": ("rstd of every batch row (one warp per row, 8 independent 16-byte loads per lane per round trip), "
-                  "then one warp per weight row: 8 16-byte weight loads per lane in flight (from the smem stage for "
-                  "staged rows) times γ, fp32 dot with up to 8 batch rows per pass (the rows walked in a loop, one "
-                  "accumulator live at a time), rstd applied after the dot (guide §3.1); fp32 or bf16 out",
-                  "CUDA-core FMAs, one CTA per SM: 12 warps keep 48 KiB of weights in flight per SM; the smem stage, "
-                  "copied while the previous instruction ran, covers the first 48 KiB of rows; up to batch 8 each "
-                  "weight row is read once, at B = 64 once per pass of 8 (L1) and x comes from L1/L2 for every row — "
-                  "FMA/L1-bound on that path. At batch passes of 8 rows (B = 8, 64) the tensor-core path instead: "
-                  "16-row tiles x the pass per warp item, mma.sync m16n8k16 on 16-byte chunks (mk_mma's chunk "
-                  "layout), x normalised as loaded (bf16(γ·bf16(x·rstd))), each x chunk loaded once per 16 rows; "
-                  "3 k blocks in flight per lane there (36 KiB of weights per SM: the γ chunks take the registers)"),
-    "MLP_GATE_UP": ("as NORM_PROJ for the gate and the up row of each channel, then SiTU-GLU (or SwiGLU) in fp32",
-                    "as NORM_PROJ; x is read twice per channel (once per weight)"),
-    "KDA_STEP": ("per (head, sequence): threads < dk do the width-4 conv + SiLU for q/k/v (shifting the conv "
-                 "history in place), the decay gate (f_a·f_b in fp32, rounded like the reference's bf16 linear) "
-                 "and the output gate; one CTA reduction gives ‖q‖, ‖k‖; the dk×dk state is split "
-                 "column-per-thread in KP = NT/dk row groups: pass 1 reads and decays the state for Sᵀk (smem "
-                 "reduction over the groups), pass 2 re-reads it (L1), applies the delta-rule update, stores it and "
-                 "accumulates Sᵀq; gated RMSNorm with a second CTA reduction",
-                 "(head, sequence) pairs run one after another with ~8 barriers each; the state is read twice "
-                 "(the second time from L1) to keep it out of registers; the f_a·f_b dot is a serial dk-long loop "
-                 "per thread"),
-    "MLA_Q": ("per batch tile: q_a rows staged in smem (4 loads in flight per thread), their rstd, the rows "
-              "normalised in place exactly as the reference (bf16(x·rstd)·γ), one warp per q_b row (16-byte weight "
-              "loads, smem stage first); the rope part goes straight to mla_q; then the W_UK absorption as a GEMV "
-              "over W_UK's rows: a warp task owns mk_addr.absorb_cw(kvl) 16-byte column chunks (8 at k3-shard), "
-              "its 32/CW lane groups split the nope rows, each lane keeps 8 (bt <= 2) or 4 16-byte W_UK loads in "
-              "flight and 8 columns x bt fp32 accumulators; the row groups meet in a partial butterfly "
-              "(mk_mla.absorb_lane / absorb_coords)",
-              "kvl/(8·CW) absorption tasks per head (8 at k3-shard) leave 4 of 12 warps idle during the "
-              "absorption; the q_b rows and W_UK are re-read per batch tile (B > 4)"),
-    "MLA_KV_APPEND": ("one warp per sequence: each lane loads all its latent / weight / rope elements at once "
-                      "(kvl/32 + rope/32 independent loads), latent RMSNorm exactly as the reference, latent and "
-                      "shared key written at the sequence's position (mk_mla.kv_append_load / norm_value)",
-                      "none worth noting (scalar 2-byte loads, but all of a lane's in one round trip)"),
-    "MLA_PARTIAL": ("heads spread over the 12 warps, PART_HB = 2 heads per warp pass (their queries in fp32 "
-                    "registers; the lane owns 16-byte latent chunks lane + 32m and rope elements lane + 32m); the "
-                    "split's cache rows up to the sequence's position are walked PART_PU = 2 rows per step with "
-                    "every load of the step in flight, each row loaded once for the warp's heads (the other warps "
-                    "hit L1); per (row, head) one 6-step shuffle chain sums the latent and the rope partials (the "
-                    "reference's two bf16 einsums, bit-identical to two warp sums: mk_mla._score_sum), the online "
-                    "softmax rescales once per step and only when the max grows (exp2); writes (o, max, sum) "
-                    "(mk_mla.partial_load_q / partial_load_rows / partial_dots / partial_out_block)",
-                    "CUDA-core FMAs: per (head, row) and lane 34 FMAs, 6 shuffles, ~9 converts: issue-bound at "
-                    "~2x the FMA floor (96 heads x 256 rows of one split: ~0.25 ms on one SM); a tensor-core (mma) "
-                    "version, or fewer heads per instruction, is what would cut it"),
-    "MLA_REDUCE": ("per (head, batch tile): one warp per batch row takes the splits' common max and denominator "
-                   "(lanes over splits), every thread merges two latent columns over the splits with 8 splits' "
-                   "loads per step in flight (mk_mla.merge_max_lane / merge_den_lane / merge_lane) into o_lat in "
-                   "smem (bf16), the tile's gate factors bf16(σ(g)) staged in smem alongside; one warp per W_UV row "
-                   "(16-byte weight loads), output gate applied from smem",
-                   "each merging thread re-reads the splits' max (L1 hits) and evaluates its own exp per split"),
-    "O_PROJ_RESIDUAL": ("one warp per o_proj row (column of the stream): dot over the mixer output, bf16, added "
-                        "into (or starting) the block's partial sum; at batch passes of 8 a 16-row mma tile per "
-                        "warp item (4 k blocks in flight per lane, 48 KiB per SM)", "as NORM_PROJ"),
-    "ROUTER": ("one warp per token: sigmoid scores (+ bias to choose), k rounds of butterfly arg-max (ties to the "
-               "lower id), renormalise; warp 0 compacts the chosen experts in ascending order with ballots into "
-               "slots; one thread per (token, slot) writes the slot weight and use flag",
-               "grouped routing (n_group > 1) is not implemented (refused on the host)"),
-    "EXPERT_GATE_UP": ("slot lists (expert id, ascending token list) read once per instruction into shared memory; "
-                       "one warp per hidden channel streams its w1 and w3 rows (4 + 4 16-byte loads per lane in "
-                       "flight), each chunk dotted with every token of the pass (4 tokens, 2 above batch 8), "
-                       "SiTU-GLU. MXFP4 (fp4): tensor cores: a warp item is 16 channels of w1 and w3 x up to 8 "
-                       "tokens of the slot (the mma's columns); per 128-column block lane (g, q) decodes group q of "
-                       "rows g, g + 8 straight into bf16x2 fragments (_common.fp4_bf16x2: placed code bits times the "
-                       "bf16x2 group scale) and puts its token's x in the same pair order (prmt), 2 mma.sync per "
-                       "8-code word; code groups + scales prefetched into L1 two blocks ahead; SiTU-GLU on the "
-                       "accumulator fragments",
-                       "the expert is data-dependent, so the host cannot name its rows: no stage; a slot with more "
-                       "tokens than a pass re-reads its rows (L1/L2); dense experts stay on CUDA cores (the 8 FMAs "
-                       "per weight at batch 8 are hidden by the stream there); MXFP4 ~3.2 PTX instructions per "
-                       "weight and pass (the decode), whatever the tokens"),
-    "EXPERT_DOWN": ("slot lists with the tokens' router weights once per instruction; one warp per latent row streams "
-                    "each used expert's w2 row (6 16-byte loads per lane in flight), dotted with the slot's tokens "
-                    "per pass, bf16 times the router weight, accumulated in fp32 per token (lane b mod 32), one bf16 "
-                    "cast. MXFP4: 16-row mma tiles as EXPERT_GATE_UP; the slots of a tile are dealt over G warps "
-                    "(all 12 at k3-shard B <= 8), each keeping its router-weighted fp32 sums in registers, summed "
-                    "across the G warps through shared memory in a fixed order after one barrier",
-                    "no stage (data-dependent expert); rows re-read per extra pass of an expert's tokens; MXFP4 at "
-                    "B = 64: the fp32 scratch holds the slot lists' weights, so G = 1 (2 warps stream)"),
-    "FFN_OUT": ("one warp per hidden column: routed part (latent RMSNorm applied after the dot) and/or the "
-                "shared/dense down row, each rounded to bf16 as the reference does, added into the stream",
-                "as NORM_PROJ"),
-    "LM_HEAD": ("final RMSNorm + one warp per vocabulary row: bf16-rounded fp32 logits, per-warp running arg-max "
-                "per token, merged across warps through smem (ties to the lowest id); CUDA cores at every batch "
-                "(its tensor-core tiles, next to the other GEMV opcodes', made ptxas spill the VM's loop state at "
-                "batch 8: mk_addr.LM_HEAD_MMA)", "as NORM_PROJ's CUDA-core path"),
-    "ARGMAX": ("one thread per token walks the tiles' (max, arg-max) pairs, 4 independent loads per iteration, "
-               "first maximum wins", "serial over tiles (a few hundred at most)"),
-}
 
 
 @dataclass(frozen=True)

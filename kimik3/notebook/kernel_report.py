@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from kimik3.fused.plan import FusedStep, Launch
     from kimik3.perf.hardware import HardwareSpec
 
-__all__ = ["PTX_FEATURES", "BANDWIDTH_JUDGED_BYTES", "KernelReport", "git_date", "cached_build", "get_build",
+__all__ = ["PTX_FEATURES", "opcode_notes", "BANDWIDTH_JUDGED_BYTES", "KernelReport", "git_date", "cached_build",
+           "get_build",
            "show_source", "ptx_highlights", "hot_loop_excerpt", "measured_rows"]
 
 # PTX instructions whose count shows a design point of the decode kernels (or, for `.local`, its failure: local
@@ -52,6 +53,28 @@ PTX_FEATURES: dict[str, str] = {
 BANDWIDTH_JUDGED_BYTES = 32e6
 
 Build = dict[str, Any]  # {"kernels": ptxas resource rows, "ptx": text[, "how": where it came from]}
+
+
+def opcode_notes() -> pd.DataFrame:
+    """What each megakernel opcode's device code does and its known limits, read from the docstrings of the
+    ``op_*`` functions in ``kernels/megakernel/`` (each opens with ``NAME:`` and holds a ``Known limits:`` part),
+    without importing the DSL."""
+    import ast
+    from pathlib import Path
+
+    from kimik3.kernels.contracts.isa import Op
+
+    rows = []
+    for path in sorted((Path(__file__).resolve().parents[2] / "kernels" / "megakernel").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) and node.name.startswith("op_") else None
+            if not doc:
+                continue
+            name, _, body = doc.partition(":")
+            what, _, limits = " ".join(body.split()).partition("Known limits:")
+            rows.append((name.strip(), what.strip(), limits.strip(), f"kernels/megakernel/{path.name}:{node.name}"))
+    notes = pd.DataFrame(rows, columns=["opcode", "device code", "known limits", "function"]).set_index("opcode")
+    return notes.reindex([op.name for op in Op if op.name in notes.index])
 
 
 def git_date(path: str) -> str | None:
