@@ -60,12 +60,12 @@ def opcode_notes() -> pd.DataFrame:
     ``op_*`` functions in ``kernels/megakernel/`` (each opens with ``NAME:`` and holds a ``Known limits:`` part),
     without importing the DSL."""
     import ast
-    from pathlib import Path
 
     from kimik3.kernels.contracts.isa import Op
+    from kimik3.kernels.toolchain.source import KERNEL_DIR
 
     rows = []
-    for path in sorted((Path(__file__).resolve().parents[2] / "kernels" / "megakernel").glob("*.py")):
+    for path in sorted((KERNEL_DIR / "megakernel").glob("*.py")):
         for node in ast.parse(path.read_text()).body:
             doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) and node.name.startswith("op_") else None
             if not doc:
