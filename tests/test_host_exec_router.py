@@ -75,14 +75,14 @@ def _cases_slow() -> list[dict]:
 # Planted bugs (docs/planted-bugs.md): (module, [(original, mutated)]) and the case that must then fail. Each mutated
 # line is the real one in the kernel module, so a refactor that moves it fails load_mutant loudly.
 MUTANTS: dict[str, tuple[list, dict]] = {
-    "topk-tie-break": (["fused.router", [["return (v > bv) | ((v == bv) & (i < bi))",
+    "topk-tie-break": (["common.device", [["return (v > bv) | ((v == bv) & (i < bi))",
                                           "return (v > bv) | ((v == bv) & (i > bi))"]]],
                        {"family": "router.ties", "preset": "tiny", "batch": 8}),
     "topk-group-keep": (["fused.router", [["keep = keep | ((ix[j] // GS == g) & (rank < TOPK_GROUP))",
                                            "keep = keep | ((ix[j] // GS == g) & (rank <= TOPK_GROUP))"]]],
                         {"family": "router", "preset": "tiny", "batch": 8, "shapes": GROUPED}),
-    "mk-router-tie-break": (["megakernel.router", [["return (ov > v) | ((ov == v) & (oi < i))",
-                                                    "return (ov > v) | ((ov == v) & (oi > i))"]]],
+    "mk-router-tie-break": (["common.device", [["return (v > bv) | ((v == bv) & (i < bi))",
+                                                "return (v > bv) | ((v == bv) & (i > bi))"]]],
                             {"family": "mk.ROUTER", "preset": "micro", "batch": 8, "ties": True}),
     "mk-router-compaction": (["megakernel.router", [["return base + cute.arch.popc(bal & below)",
                                                      "return base + cute.arch.popc(bal & ~below)"]]],

@@ -6,12 +6,14 @@ source hashes cover the device rooms and nothing else (docs/architecture.md, map
 * no module of the library or the kernels over 800 lines; ``kimik3/`` holds at its top only the public API, the CLI,
   the ``Decoder`` and the bench command;
 * every file of the device rooms is hashed into some kernel, no file of the reference or verification rooms is, and
-  editing a verification file or a test input changes no kernel's hash while editing a device file does.
+  editing a verification file or a test input changes no kernel's hash while editing a device file does;
+* every module opens with a docstring of at most 12 lines, and no code carries status notes.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -177,3 +179,34 @@ def test_every_opcode_documents_what_it_does_and_its_limits() -> None:
     assert not missing, f"opcodes without an op_* docstring opening with their name: {missing}"
     empty = [name for name, row in notes.iterrows() if not row["device code"] or not row["known limits"]]
     assert not empty, f"opcode docstrings without a description or a 'Known limits:' part: {empty}"
+
+
+MAX_DOCSTRING_LINES = 12
+# status notes belong in the issue tracker and the closing notes, not in the code
+STATUS_WORDS = re.compile(r"\b([Ff]or now|[Ff]irst version|[Ii]ssue #?\d+|TODO|FIXME|XXX)\b")
+
+
+def test_every_module_opens_with_a_short_docstring() -> None:
+    long, missing = {}, []
+    for name, p in _modules().items():
+        doc = ast.get_docstring(ast.parse(p.read_text()), clean=False)
+        if doc is None:
+            if p.name != "__init__.py" or p.read_text().strip():
+                missing.append(name)
+        elif len(doc.splitlines()) > MAX_DOCSTRING_LINES:
+            long[name] = len(doc.splitlines())
+    assert not missing, f"modules without a docstring: {missing}"
+    assert not long, f"module docstrings over {MAX_DOCSTRING_LINES} lines (design prose goes to docs/): {long}"
+
+
+def test_no_status_notes_in_the_code() -> None:
+    hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in _modules().values()
+            for i, line in enumerate(p.read_text().splitlines(), 1) if STATUS_WORDS.search(line)]
+    assert not hits, "status notes in the code:\n" + "\n".join(hits[:20])
+
+
+def test_the_docstring_rule_refuses_a_long_docstring(tmp_path: Path) -> None:
+    p = tmp_path / "m.py"
+    p.write_text('"""' + "\n".join(f"line {i}" for i in range(MAX_DOCSTRING_LINES + 1)) + '"""\n')
+    assert len(ast.get_docstring(ast.parse(p.read_text()), clean=False).splitlines()) > MAX_DOCSTRING_LINES
+    assert STATUS_WORDS.search("# for now the tail is scalar")

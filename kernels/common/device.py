@@ -100,12 +100,20 @@ def bf16_round(x: Float32) -> Float32:
 
 
 @cute.jit
-def warp_argmax(v: Float32, i: Int32) -> tuple[Float32, Int32]:
-    """Butterfly arg-max over the warp; ties go to the lower index (as torch.argmax / topk order)."""
-    for off in cutlass.range_constexpr(5):
+def argmax_take(v: Float32, i: Int32, bv: Float32, bi: Int32) -> Any:
+    """Whether candidate (v, i) beats the best so far (bv, bi): a larger value, or an equal one with a lower index
+    (torch.argmax / torch.topk's order on ties). Every arg-max and top-k comparison of the kernels is this one."""
+    return (v > bv) | ((v == bv) & (i < bi))
+
+
+@cute.jit
+def warp_argmax(v: Float32, i: Int32, levels: cutlass.Constexpr = 5) -> tuple[Float32, Int32]:
+    """Butterfly arg-max over the warp (GPU only: shuffles) through :func:`argmax_take`; ``levels`` < 5 reduces over
+    the lane bits 4 .. 5 - levels only (e.g. 3: across the 8 lane groups of an mma fragment)."""
+    for off in cutlass.range_constexpr(levels):
         ov = cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
         oi = cute.arch.shuffle_sync_bfly(i, offset=16 >> off)
-        take = (ov > v) | ((ov == v) & (oi < i))
+        take = argmax_take(ov, oi, v, i)
         v, i = (ov, oi) if take else (v, i)
     return v, i
 

@@ -1,21 +1,12 @@
 """Attention-Residuals mix for decode (spec §2.2): a softmax over depth of NC candidate vectors per token.
 
-For token b and candidates V_j = fp32(cand[j, b]) (j < NC; slots first, the running partial sum last):
-r_j = rsqrt(mean(V_j²) + eps), s_j = Σ_h V_j[h] r_j ω[h] with ω = norm_w ⊙ proj_w precomputed in
-fp32 per site, α = softmax(s), out[b] = bf16(Σ_j α_j V_j) (the RAW candidates are mixed).
-
-One CTA per token; thread t owns the 16-byte chunks t, t + T, ... of H (T threads).
-
-* up to 4 candidates (K3 sites have 2 to 9): CH = 8 // NC chunks per thread, all NC x CH candidate
-  loads (``ld.global.nc.v4``) issued up front and kept in registers (<= 32 registers), so every
-  candidate byte is read once and the mix reuses the registers;
-* more candidates: a real loop over the thread's chunks (NC loads in flight per step) for the
-  scores, and a second loop that re-reads the same chunks for the mix (L1/L2 hits). Keeping 9
-  candidates in registers needed > 128 registers and spilled.
-
-Partial Σ V² and Σ V ω per candidate are reduced with one barrier (every warp re-reduces the
-per-warp partials, guide §3.2); each thread computes the NC scores and the softmax redundantly,
-then mixes its own chunks and stores 16 bytes at a time.
+out[b] = bf16(Σ_j α_j V_j) over the raw candidates V_j (slots first, the running partial sum last), α the softmax of
+their RMS-normalised dots with ω = norm_w ⊙ proj_w (fp32, per site). One CTA per token, a thread owning 16-byte
+chunks of H; up to ``KEEP_MAX_CANDIDATES`` candidates stay in registers, more are re-read for the mix (L1/L2).
+Entry points: ``compile_for`` / ``launch`` (host), ``attn_res_mix`` (the op); ``attn_res_kernel`` is the GPU layer
+around the per-thread helpers (``attn_res_partials``, ``attn_res_store``) that ``kernels/verify/host_exec.py`` runs.
+Design: ``docs/architecture.md`` §2.2; the thread layout, the two paths and the reduction:
+docs/architecture.md#appendix-design-notes-by-room (``kernels/fused/attn_res.py``).
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """bf16 GEMV for decode, y[B, N] = x[B, K] · W[N, K]^T, and the lm_head GEMV + arg-max.
 
-Design (guide §2/§3): one warp per output row, ``WARPS`` rows per CTA. A row of W is read as
-16-byte chunks, lane ``l`` owning chunks ``l, l+32, l+64, ...``, so one warp-wide load covers 512
-contiguous bytes; each loop step issues ``UNROLL`` such ``ld.global.nc.v4`` loads per lane before
-the first FMA (112 bytes in flight per lane, 14 KiB per CTA; several CTAs per SM cover the latency);
-they stay packed in registers and one 16-byte chunk at a time is widened to fp32 and applied to the
-batch rows, so the loads in flight cost 4 registers each.
-x is read through L1 (``evict_last``): every warp of the CTA reads the same rows. Accumulation is
-fp32; the batch rows are never padded: each token is one accumulator register per warp.
-Batches above 16 rows are split into tiles of at most 16 rows on grid x (fastest-varying), so the
-CTAs re-reading the same weight rows are co-resident and those re-reads hit L2.
-
-K only has to be a multiple of 8 (one 16-byte chunk): the steps that do not fill all 32 lanes x
-UNROLL chunks are peeled off statically and the last partial lane round is predicated.
-
-Variants (static flags of one kernel):
-  ``plain``     y = bf16(x W^T)
-  ``rmsnorm``   y = bf16(rstd(x) · (x ⊙ g) W^T)   RMSNorm fused per warp (guide §3.1), gamma applied
-  ``residual``  y = bf16(r + x W^T)               residual add in the epilogue (bf16 in/out)
-  ``f32out``    y = fp32(x W^T)                   fp32 output (router logits, β / decay-gate inputs)
-  ``lm_head``   logits = rmsnorm(x) W^T (fp32, optional) and token = argmax(logits): per-CTA partial
-                arg-max, then a small second kernel reduces the partials (deterministic, no atomics).
+One warp per output row, ``WARPS`` rows per CTA; each lane issues ``UNROLL`` 16-byte weight loads per step before
+its first FMA; fp32 accumulation; batches above 16 rows are tiled on grid x; K a multiple of 8 (predicated tails).
+Variants (static flags of one kernel): ``plain``, ``rmsnorm`` (RMSNorm fused per warp), ``residual`` (residual add
+in the epilogue), ``f32out`` (fp32 output) and ``lm_head`` (rmsnorm + GEMV + per-CTA arg-max, then a small
+reduction kernel). Entry points: ``compile_for`` / ``launch`` (host), ``gemv`` / ``lm_head_argmax`` (the ops);
+the lane helpers (``gemv_tile``, ``gemv_lane``) are what ``kernels/verify/host_exec.py`` runs on the host.
+Design: guide §2/§3; the load layout, tails, variants and residency:
+docs/architecture.md#appendix-design-notes-by-room (``kernels/fused/gemv.py``).
 """
 
 from __future__ import annotations
@@ -45,8 +32,8 @@ WARPS = GEMV_WARPS  # rows per CTA (one warp each); with LM_ROWS_PER_WARP and RM
 # packed until used (one chunk widened at a time), so the unroll costs 4 registers per load.
 UNROLL = GEMV_UNROLL  # defined in meta.py (the workshop exercise reads it too)
 # CTAs per SM the kernels are compiled for (.minnctapersm: ptxas keeps registers <= 65536 / (128 n)). Without it
-# ptxas spilled a few accumulators at 56-72 registers (B = 8 / 64); with .minnctapersm 1 it hoisted every x load of
-# a step (235 registers).
+# ptxas spilled a few accumulators; with .minnctapersm 1 it hoisted every x load of a step into registers (each
+# variant's register count: its build report, the ptxas resource report).
 CTAS_PER_SM = 4  # gemv: 4 x 128 threads x 112 bytes = 56 KiB in flight per SM
 LM_CTAS_PER_SM = 3  # lm_head at B = 64 keeps 4 x 16 values per batch row (acc, rstd, best value / index): 42 KiB
 ARGMAX_THREADS = 128
@@ -242,7 +229,7 @@ def argmax_kernel(mPartV: cute.Tensor, mPartI: cute.Tensor, mTok: cute.Tensor):
     v, i = -Float32.inf, Int32(2**31 - 1)
     for p in cutlass.range(tidx, P, ARGMAX_THREADS, unroll=1):
         ov, oi = mPartV[b, p], mPartI[b, p]
-        take = (ov > v) | ((ov == v) & (oi < i))
+        take = C.argmax_take(ov, oi, v, i)
         v, i = (ov, oi) if take else (v, i)
     v, i = C.warp_argmax(v, i)
     if lane == 0:
@@ -251,7 +238,7 @@ def argmax_kernel(mPartV: cute.Tensor, mPartI: cute.Tensor, mTok: cute.Tensor):
     if tidx == 0:
         for w in cutlass.range_constexpr(1, ARGMAX_THREADS // 32):
             ov, oi = sv[w], si[w]
-            take = (ov > v) | ((ov == v) & (oi < i))
+            take = C.argmax_take(ov, oi, v, i)
             v, i = (ov, oi) if take else (v, i)
         mTok[b] = i
 

@@ -1,31 +1,13 @@
 """KDA (Kimi Delta Attention) decode step for one layer (spec §3.2), one CTA per (head, sequence).
 
-Inputs are the already-projected vectors of the new token (the projections are GEMVs):
-``qkv`` [B, 3P] raw q̃ ‖ k̃ ‖ ṽ (bf16), ``u`` [B, P] decay-gate pre-activation (f_b output, bf16),
-``b`` [B, nh] raw β projection (bf16), ``gate`` [B, P] output gate (g_proj output, bf16).
-State, updated in place: ``conv`` [B, 3P, W-1] raw-projection history (bf16, oldest first) and
-``S`` [B, nh, dk, dv] fp32, key-major (rows = key channel; the package's layout, spec pitfall 3).
-Parameters: ``conv_w`` [3P, W] fp32, ``dt_bias`` [P] fp32, ``A_log`` [nh] fp32, ``o_norm`` [dk] fp32.
-Output ``out`` [B, P] bf16 = gated RMSNorm of the head outputs (input of o_proj).
-
-CTA of 256 threads (8 warps), in three phases:
-
-1. conv + gates: thread t < dk owns q and k channel t (and its decay α_t = exp(g_t)), thread
-   dk <= t < 2 dk owns v channel t - dk. Short conv (width W, fp32 weights) + SiLU, rounded to bf16
-   like the reference; the history is shifted in place. Partial Σq², Σk², Σq·k are reduced per warp
-   and through shared memory (one barrier): the l2 norms are applied as scalars later.
-2. state pass: thread (ks, jg) holds rows [ks·RS, (ks+1)·RS) x columns [4 jg, 4 jg + 4) of S in
-   registers, loaded as RS 16-byte ``ld.global.v4.f32`` issued back to back (coalesced: a warp reads
-   whole 512-byte rows). Decay the rows, accumulate r_j = Σ_i k_i S_ij and p_j = Σ_i q_i S_ij,
-   reduce over ks through shared memory (second barrier), δ_j = β (v_j - r_j), S += k δ^T, store.
-   The read with the updated state needs no second pass: o_j = p_j + (q·k) δ_j (q, k normalised).
-3. gated RMSNorm (warp 0; it owns all dv outputs): o rounded to bf16, rms over dv, · w · σ(gate).
-
-State traffic is the cost (dk·dv·4 bytes read + written per head); everything else is small.
-
-The kernel body is only the GPU layer (indices, shared memory, warp sums, barriers): which channels, state rows and
-columns a thread owns and what it computes from them are the ``kda_*`` helpers, which ``host_exec_kda`` also runs
-over every CTA and thread of a launch on the CPU.
+Inputs are the projected vectors of the new token (``qkv``, ``u``, ``b``, ``gate``; bf16); the conv history ``conv``
+and the fp32 key-major state ``S`` (spec pitfall 3) are updated in place; ``out`` [B, P] bf16 is the gated RMSNorm
+of the head outputs (the input of o_proj). A CTA of ``THREADS`` threads runs three phases: conv + gates, one pass
+over the state held in registers, gated RMSNorm. State traffic is the cost.
+Entry points: ``compile_for`` / ``launch`` (host), ``kda_decode`` (the op). The kernel is only the GPU layer around
+the ``kda_*`` per-thread helpers, which ``kernels/verify/host_exec_kda.py`` also runs over every CTA and thread.
+Design: ``docs/architecture.md`` §3.2; arguments, phases and thread ownership in full:
+docs/architecture.md#appendix-design-notes-by-room (``kernels/fused/kda.py``).
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """Weight-absorbed MLA decode attention in the latent space (spec §4.4), flash-decoding style.
 
-Multi-query attention with ``nh`` query heads of width DQ = kv_lora + rope (``q = [q_lat ; q_r]``,
-q_lat = W_UK^T q_n computed by a per-head GEMV), one shared key ``[c_t ; k_r,t]`` of width DQ and one
-shared value ``c_t`` of width kv_lora, read from the compressed cache ``kv`` [B, S, DQ] (bf16).
-Each sequence attends to its own first ``lens[b]`` tokens (the new one included; ragged batches).
-
-``mla_split_kernel``: grid (head groups, splits, B). A CTA takes HPW = 2 heads per warp (up to 4 warps)
-and one of NSPLIT equal slices of its sequence (slice length rounded to TT tokens). Lane ``l`` owns
-latent dims [l·DL/32, (l+1)·DL/32) and rope dims [l·DR/32, ...): per token a warp reads the 1,152-byte
-cache row as 32 x (2 x 16 B + 4 B) coalesced loads (read-only path; the other warps hit L1), TT
-tokens per step are loaded before any math. q·k partials are summed with a butterfly, then an online
-softmax in the log2 domain (scores pre-scaled by scale·log2 e, ``ex2.approx``) updates (m, l, o_lat).
-Partial (m, l, o) are written in fp32.
-``mla_combine_kernel``: grid (nh, B): o = Σ_s 2^(m_s - M) o_s / Σ_s 2^(m_s - M) l_s, cast to bf16.
-Empty splits (short sequences) write m = -inf, l = 0 and drop out of the combine.
-
-The address arithmetic (a warp's heads, a split's cache positions, a lane's dims and store pieces) and the per-lane
-math (q·c partial dot, mask and running max, online softmax update, the combine's weighted sums) are ``@cute.jit``
-helpers taking block / warp / lane coordinates as plain integers; the kernels add thread and block indices, the
-butterfly warp sum and the stores. ``host_exec_mla`` runs the same helpers on the host (``ex2.approx`` and ``fmax``
-become exact exp2 and a compare-select there, switched at trace time by ``_trace.host_trace``).
-
-Scores are CUDA-core FMAs (2·nh·(DQ+DL) per token); at 96 heads this is compute-bound rather than
-bandwidth-bound. A tensor-core (mma.sync with 16 heads as the M dimension) version is future work.
+Multi-query attention of ``nh`` query heads of width DQ = kv_lora + rope over the compressed cache ``kv`` [B, S, DQ]
+(bf16; key ``[c_t ; k_r,t]``, value ``c_t``), each sequence over its own first ``lens[b]`` tokens (ragged batches).
+``mla_split_kernel`` (grid: head groups x splits x B) writes fp32 partial (m, l, o) per split from an online softmax
+in the log2 domain; ``mla_combine_kernel`` (grid: nh x B) merges the splits and casts to bf16.
+Entry points: ``compile_for`` / ``launch`` (host), ``mla_decode`` (the op); the address arithmetic and per-lane math
+are ``@cute.jit`` helpers (``mla_*``) that ``kernels/verify/host_exec_mla.py`` also runs on the host.
+Design: ``docs/architecture.md`` §4.4; lane layout, loads, softmax, combine and known limits:
+docs/architecture.md#appendix-design-notes-by-room (``kernels/fused/mla_decode.py``).
 """
 
 from __future__ import annotations

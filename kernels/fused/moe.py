@@ -1,39 +1,13 @@
 """Routed experts of a LatentMoE layer for decode (spec §5.3, §5.5): grouped GEMV over the selected experts only.
 
-One ``@cute.jit`` op launches four kernels:
-
-1. ``moe_align_kernel`` (one warp): groups the B·k (token, slot) pairs by expert, deterministically.
-   Pairs are scanned 32 at a time; ``match.any.sync`` finds the lanes routed to the same expert, the
-   rank inside that group (popc of the lower lanes) plus a running per-expert counter in shared memory
-   gives each pair its position; a shuffle scan over the experts gives the starts. Outputs: the pairs
-   sorted by expert (stable), the active experts in ascending id order with start / count, and their
-   number.
-2. ``expert_gemv_kernel`` (gate/up, GLU): grid (I / 4 rows, A = min(E, B·k) active-expert slots);
-   CTAs past the number of active experts exit at once. Each warp owns one row i of w1 and w3 and
-   walks the expert's tokens in tiles of BT <= 8 (``token_tile``: about the expected tokens per
-   expert), so an expert's weights are streamed once per tile, never once per token; an MXFP4 row at
-   K3 widths (a few code words per lane) is loaded once and kept in registers for all the tiles.
-   Each lane issues all the 16-byte weight loads of a step (bf16: 2 per matrix for gate/up, 4 for
-   down; MXFP4: up to 4 groups per matrix, the lane's whole row at K3 widths) before the first FMA;
-   they stay packed until used, one chunk / one 8-code word widened at a time.
-   h = SiTU(bf16(x·w1_i), bf16(x·w3_i)) in fp32 (β = 4, β_lin = 25, ``tanh.approx`` + ``ex2.approx``),
-   stored bf16 per pair.
-3. ``expert_gemv_kernel`` (down): same structure over w2 rows, x = h of the pair; y stored bf16 per pair.
-4. ``moe_combine_kernel``: out[b] = bf16(Σ_j w[b, j] · fp32(y[b·k + j])) (fp32 combine, cast once).
-
-Weights are either bf16 (16-byte ``ld.global.nc.v4`` of 8 weights) or MXFP4 (compressed-tensors
-layout: ``packed`` uint8 [.., K/2], low nibble = even column; ``scale`` uint8 [.., K/32], 2^(e-127)).
-For MXFP4 one 16-byte load is exactly one 32-column scale group (32 codes) plus one scale byte:
-4.25 bits per weight are read, and the codes are expanded in registers. Each 32-bit word of codes
-becomes four fp16x2 values by masking the magnitude bits into the fp16 exponent/mantissa
-(``(c & 7) << 9``) and the sign into bit 15: fp16 value = E2M1(c) · 2^-14, exact (code 1 lands on an
-fp16 subnormal, which cvt.f32.f16 keeps). The 2^14 is folded into the group scale, built directly as
-fp32 bits ((e + 14) << 23), which multiplies the word's 8 expanded weights (a power of two: exact);
-the word's x chunk is put in the matching (pair) order by static register moves (``_common.fp4_expand``,
-``fp4_scale``, ``x_pair_order``; the megakernel's MXFP4 expert opcodes decode into bf16 tensor-core fragments
-instead, ``_common.fp4_bf16x2``). Scale bytes above
-240 (2^114 and up) are not representable this way and are not expected. No sm_100a-only conversion
-(cvt.rn.f16x2.e2m1x2) is used, so the same code runs on Hopper.
+One ``@cute.jit`` op (``moe_experts``) launches four kernels: ``moe_align_kernel`` groups the (token, slot) pairs by
+expert, deterministically; ``expert_gemv_kernel`` runs gate/up with SiTU-GLU, then down, over the active experts,
+streaming an expert's weights once per token tile; ``moe_combine_kernel`` sums the weighted outputs in fp32 and
+casts once. Weights are bf16 or MXFP4 (codes expanded in registers; no sm_100a-only conversion, so it runs on
+Hopper). ``head_gemv`` reuses the expert GEMV as MLA's per-head GEMV (spec §4.4) with a fixed routing.
+Entry points: ``compile_for`` / ``launch`` and ``compile_heads_for`` / ``launch_heads`` (host).
+Design: ``docs/architecture.md`` §5.3, §5.5; the four kernels, the loads in flight and the MXFP4 expansion:
+docs/architecture.md#appendix-design-notes-by-room (``kernels/fused/moe.py``).
 """
 
 from __future__ import annotations
@@ -65,11 +39,11 @@ UNROLL_BF16_GLU = 2  # gate/up: 2 x 2 loads in flight (L = 3584: 14 lane rounds,
 UNROLL_FP4 = 4  # down
 UNROLL_FP4_GLU = 4  # gate/up: 2 x 4 (2 x 3 at K3 widths, then the 16 lanes of the partial round: 2 x 1)
 # MXFP4 down projection: tokens per pass at most 4. Its code words stay in registers across the passes (loaded once
-# per row), so a smaller tile re-reads no weights; at 8 tokens the pass needed 114 registers (4 CTAs per SM, 3 loads
-# per lane in flight: 24 KiB), at 4 it needs ~70 (7 CTAs: 42 KiB).
+# per row), so a smaller tile re-reads no weights; a pass of 8 tokens needed so many more registers that fewer CTAs
+# fit per SM, with fewer bytes in flight per SM (the register counts: each variant's build report).
 DOWN_TILE_FP4 = 4
 # No .minnctapersm on the expert GEMVs: compiled for 3 / 4 / 6 CTAs per SM, ptxas filled the registers up to the
-# cap and spilled; its own choice (K3 widths: MXFP4 gate/up ~155 registers, down ~70; bf16 ~96 / ~72) is spill-free.
+# cap and spilled; its own choice is spill-free (each variant's build report records it).
 COMBINE_THREADS = 128
 VARIANTS = ("bf16", "mxfp4")
 OUTPUTS = {"bf16": ("out",), "mxfp4": ("out",)}

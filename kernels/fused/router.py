@@ -1,26 +1,13 @@
-"""MoE router for decode (spec §5.2): gate matvec in fp32, sigmoid, biased (grouped) top-k, renormalise.
+"""The fused MoE router for decode (spec §5.2): two kernels launched back to back by one ``@cute.jit`` op.
 
-Two kernels launched back to back by one ``@cute.jit`` op:
-
-1. ``gemv_kernel`` of :mod:`gemv` with a sigmoid epilogue and fp32 output: s[B, E] = σ(x · W_gate^T).
-   bf16 x bf16 products are exact in fp32, so this *is* fp32(x)·fp32(W) with fp32 accumulation.
-2. ``topk_kernel``: one warp per token, ceil(E/32) scores per lane in registers. Choice scores
-   c = s + bias (bias only selects). Grouped routing (n_group > topk_group): each group's score is the
-   sum of its two largest c (two butterfly arg-max rounds per group), the best ``topk_group`` groups
-   are kept and the others masked with -inf. Then k rounds of "local arg-max, butterfly arg-max
-   across the warp (ties -> lower expert id), owner retires the winner" (guide §4). Lane r < k ends
-   up holding the r-th choice; its weight is the UNBIASED score s, renormalised over the k lanes with
-   a warp sum (+1e-20) and multiplied by ``routed_scaling_factor``.
-
-Outputs, on device: expert ids int32 [B, k] in descending choice order, weights fp32 [B, k], and
-the sigmoid scores fp32 [B, E] (kept: the megakernel may want them, and the top-k reads them back).
-
-The top-k's per-lane work is in ``@cute.jit`` helpers taking the token and lane as plain integers
-(``topk_token``, ``topk_candidates``, ``_local_argmax``, ``argmax_take`` — every comparison, in a lane and across
-lanes —, ``topk_retire``, ``topk_group_candidates``, ``topk_group_mask``, ``topk_weight``);
-``kernels/verify/host_exec_router.py`` runs them on the host and replays the butterfly exchanges (``_warp_argmax``:
-shuffles, GPU only) in the shuffle order.
-"""
+``gemv_kernel`` (:mod:`gemv`) with a sigmoid epilogue writes the fp32 scores s[B, E] = σ(x · W_gateᵀ); ``topk_kernel``
+(one warp per token) adds the selection bias, masks groups (grouped routing), takes k rounds of lane arg-max,
+butterfly arg-max across the warp (``common.device.warp_argmax``, ties to the lower expert id) and retirement, then
+renormalises the unbiased scores of the chosen experts. Outputs: ids int32 [B, k], weights fp32 [B, k], scores.
+The per-lane work is in ``@cute.jit`` helpers taking the token and lane as plain integers (``topk_*``,
+``_local_argmax``, ``common.device.argmax_take``); ``kernels/verify/host_exec_router.py`` runs them on the host and
+replays the butterfly in the shuffle order. Design: ``docs/architecture.md`` (appendix: design notes by room,
+``kernels/fused/router.py``)."""
 
 from __future__ import annotations
 
@@ -31,6 +18,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Int32, const_expr
 from kimik3.kernels.common import device as C
+from kimik3.kernels.common.device import argmax_take, warp_argmax
 from kimik3.kernels.contracts.meta import ARG_ORDER
 from kimik3.kernels.fused.gemv import CTAS_PER_SM as GEMV_CTAS_PER_SM
 from kimik3.kernels.fused.gemv import WARPS as GEMV_WARPS
@@ -46,30 +34,12 @@ OUTPUTS = {"router": ("weights", "ids")}
 
 
 @cute.jit
-def argmax_take(v: Float32, i: Int32, bv: Float32, bi: Int32) -> Any:
-    """Whether candidate (v, i) beats the best so far (bv, bi): a larger choice score, or an equal one with a lower
-    expert id (torch.topk's order on ties). Every comparison of the top-k, in a lane and across lanes, is this."""
-    return (v > bv) | ((v == bv) & (i < bi))
-
-
-@cute.jit
 def _local_argmax(v: cute.Tensor, ix: cute.Tensor) -> tuple[Float32, Int32]:
     bv, bi = v[0], ix[0]
     for j in cutlass.range_constexpr(1, cute.size(v)):
         take = argmax_take(v[j], ix[j], bv, bi)
         bv, bi = (v[j], ix[j]) if take else (bv, bi)
     return bv, bi
-
-
-@cute.jit
-def _warp_argmax(v: Float32, i: Int32) -> tuple[Float32, Int32]:
-    """Butterfly arg-max over the warp (GPU only: shuffles); the host execution replays the same exchanges."""
-    for off in cutlass.range_constexpr(5):
-        ov = cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
-        oi = cute.arch.shuffle_sync_bfly(i, offset=16 >> off)
-        take = argmax_take(ov, oi, v, i)
-        v, i = (ov, oi) if take else (v, i)
-    return v, i
 
 
 @cute.jit
@@ -153,14 +123,14 @@ def topk_kernel(mS: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mWts: cu
                 # group score = sum of its two largest choice scores
                 mv = cute.make_rmem_tensor((J,), Float32)
                 topk_group_candidates(v, ix, g, GS, mv)
-                b1, i1 = _warp_argmax(*_local_argmax(mv, ix))
+                b1, i1 = warp_argmax(*_local_argmax(mv, ix))
                 topk_retire(mv, ix, i1)
-                b2, _ = _warp_argmax(*_local_argmax(mv, ix))
+                b2, _ = warp_argmax(*_local_argmax(mv, ix))
                 gscore[g] = b1 + b2
             topk_group_mask(v, ix, gscore, GS, NGROUP, TOPK_GROUP)
         my_id = Int32(0)
         for r in cutlass.range_constexpr(TOPK):
-            bv, bi = _warp_argmax(*_local_argmax(v, ix))
+            bv, bi = warp_argmax(*_local_argmax(v, ix))
             topk_retire(v, ix, bi)
             my_id = bi if lane == r else my_id
         w = topk_weight(mS, tok, lane, my_id, TOPK)

@@ -1,31 +1,15 @@
 """Device functions of the persistent megakernel (``kernels/megakernel/vm.py``): addressing, GEMV rows, reductions.
 
-Why a separate module: the megakernel's opcodes are the fused kernels' math re-expressed over *runtime* boxes
-(the instruction says which rows, heads and batch rows to touch), so they cannot take the fused kernels' statically
-laid-out ``cute.Tensor`` arguments. What they share with the fused kernels is the per-lane arithmetic, taken from
-``common/device.py`` (``warp_sum``, ``warp_max``, ``warp_argmax``, ``exp_fast``, ``sigmoid``, ``bf16_round``) and
-re-exported here; what is new is address arithmetic on raw device pointers read from the buffer table, which lives
-here so that any later fused kernel that walks a buffer table can reuse it.
-
-Conventions (all static, all checked on the host by :mod:`kimik3.megakernel.gpu` before a launch):
-
-* every buffer is addressed as a flat array from its base address (an ``Int64`` read from the buffer table);
-  element offsets stay below 2**31;
-* a *chunk* is 8 bf16 = 16 bytes; a bf16 row read with 128-bit loads must start on a 16-byte boundary, i.e. its
-  buffer's innermost extent and the box's first column are multiples of 8 (``gchunks`` asserts 16-byte alignment
-  to the compiler, so a misaligned row would be a wrong answer, not a fault: the host check is what makes it safe);
-* static weights are read with ``ld.global.nc`` (never written during a launch); activations, states and anything
-  another CTA writes during the launch with plain ``ld.global`` (the ``.nc`` path is not coherent with writes made
-  during the kernel, field guide §5).
-
-The CTA is ``NT`` threads (``NW`` warps). GEMV work items go one per warp, two ways:
-
-* CUDA cores (:func:`weight_row_dot`, batch passes of 1 to 7 rows, and the MLA opcodes' rows): one weight row per
-  item, lanes owning chunks ``l, l+32, ...`` (guide §2), FMAs in fp32, γ folded into the weight, a warp sum after;
-* tensor cores (:func:`weight_tile_mma`, the GEMV opcodes' passes of 8 rows): a 16-row weight tile per item,
-  ``mma.sync.m16n8k16`` bf16 in the chunk layout of ``kernels/megakernel/mma.py`` (lane (g, q) loads chunk
-  ``4·kb + q`` of weight rows g, g + 8 and of x row g per 32-element k block ``kb``), x normalised per lane as it
-  is loaded (``bf16(γ·bf16(x·rstd))``, the reference's rounding), results in the C fragment layout, no warp sum.
+The opcodes re-express the fused kernels' math over *runtime* boxes, so they share the per-lane arithmetic of
+``common/device.py`` (re-exported here) and add address arithmetic on raw pointers from the buffer table
+(``gflat``, ``gchunks``: flat views, 16-byte chunks; weights via ``ld.global.nc``, activations plain ``ld.global``).
+GEMV work items go one per warp: on CUDA cores one weight row per item (:func:`weight_row_dot`, batch passes of
+1 to 7 rows, the MLA opcodes' rows), on tensor cores a 16-row tile per item (:func:`weight_tile_mma`, passes of 8
+rows, the fragment layout of ``kernels/megakernel/mma.py``); then CTA reductions (:func:`block_allreduce`,
+:func:`rstd_rows`) and activations (:func:`silu`, :func:`glu`).
+Design: ``docs/architecture.md`` (map; appendix: the megakernel VM); why a separate module, the addressing
+conventions the host checks and both GEMV paths: docs/architecture.md#appendix-design-notes-by-room
+(``kernels/megakernel/device_fns.py``).
 """
 
 from __future__ import annotations

@@ -2,13 +2,12 @@
 what each computes: its ``op_*`` docstring).
 
 The batch goes in passes of ``mk_addr.gemv_batch_tile(B)`` rows (up to 8): each weight chunk a lane loads serves
-every row of the pass, so up to batch 8 each weight row streams from memory once. Work items are (weight rows,
-pass) pairs dealt round-robin over the warps (``mk_addr.gemv_item``: pass by pass, so the warps share one pass's x
-rows, and within a pass a warp's rows ascend). Two paths, chosen at trace time by the pass width (:func:`_mma`,
-whose docstring has the details): a pass of 8 rows on tensor cores (16-row weight tiles through
-``device_fns.weight_tile_mma``), other passes and LM_HEAD on CUDA cores (one weight row per item through
-``device_fns.weight_row_dot``). The RMSNorm prologue (``device_fns.rstd_rows``) issues 8 loads per lane per round
-trip."""
+every row of the pass, so up to batch 8 each weight row streams from memory once. One work-item loop
+(:func:`_for_items`: (weight rows, pass) items dealt round-robin over the warps, ``mk_addr.gemv_item``) calls each
+opcode's item function, which holds its two paths, chosen at trace time by the pass width (:func:`_mma`): a pass
+of 8 rows on tensor cores (``device_fns.weight_tile_mma``), other passes and LM_HEAD on CUDA cores
+(``device_fns.weight_row_dot``), and the opcode's epilogue. Design: ``docs/architecture.md`` (appendix: design notes
+by room, ``kernels/megakernel/gemv.py``)."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from kimik3.kernels.common.device import argmax_take, warp_argmax
 from kimik3.kernels.contracts import addr as mk_addr
 from kimik3.kernels.contracts.addr import tile_rows
 from kimik3.kernels.contracts.isa import (
@@ -84,6 +84,24 @@ def _mma(cfg: Any, normed: bool = False) -> tuple[bool, int, int]:
 
 
 @cute.jit
+def _for_items(ctx: _Ctx, n: Int32, MMA: cutlass.Constexpr, item: cutlass.Constexpr, *args: Any) -> None:
+    """The GEMV opcodes' work-item loop, written once: (weight rows, batch pass) items dealt round-robin over the
+    warps (``mk_addr.gemv_item``); ``item(ctx, j, t, *args)`` computes and stores one, ``j`` its first weight row
+    (of a 16-row tile on the tensor-core path, ``MMA``) and ``t`` its pass."""
+    _, _, NBT = _tiling(ctx.cfg)
+    if const_expr(MMA):
+        _, TR, _ = _mma(ctx.cfg)
+        nt = mk_addr.gemv_tiles(n, TR)
+        for k in cutlass.range(ctx.warp, nt * NBT, NW, unroll=1):
+            jt, t = mk_addr.gemv_item(k, nt, NBT)
+            item(ctx, jt * TR, t, *args)
+    else:
+        for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
+            j, t = mk_addr.gemv_item(k, n, NBT)
+            item(ctx, j, t, *args)
+
+
+@cute.jit
 def _gemv_prologue(ctx: _Ctx, xop: Int32, eps: cutlass.Constexpr) -> tuple[Any, Int32]:
     """x rows of operand ``xop`` as a chunk view + its batch stride in chunks; their rstd into s_f32[0:B]."""
     xaddr = _row0(ctx, xop)
@@ -103,7 +121,7 @@ def op_norm_proj(ctx: _Ctx) -> None:
     64) the tensor-core path instead, with 3 k blocks in flight per lane (36 KiB of weights per SM: the γ chunks take
     the registers)."""
     cfg = ctx.cfg
-    BT, U, NBT = _tiling(cfg)
+    BT, _, _ = _tiling(cfg)
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
     fp32 = ctx.s_ins[W_ARGS]
     n = tile_rows(_bx(ctx, 2, R0), _bx(ctx, 2, R1))
@@ -114,38 +132,41 @@ def op_norm_proj(ctx: _Ctx) -> None:
     o0 = _bx(ctx, 3, C0)
     of = gflat(Float32, ctx.s_addr[3])
     ob = gflat(BFloat16, ctx.s_addr[3])
-    MMA, TR, UM = _mma(cfg, True)
+    MMA, _, _ = _mma(cfg, True)
+    acc = cute.make_rmem_tensor((4,) if const_expr(MMA) else (BT,), Float32)
+    _for_items(ctx, n, MMA, _norm_proj_item, staged, wrow0, n, nch, xv, xs, gv, acc, o0, of, ob, fp32)
+
+
+@cute.jit
+def _norm_proj_item(ctx: _Ctx, j: Int32, t: Int32, staged: Int32, wrow0: Int64, n: Int32, nch: Int32, xv: Any,
+                    xs: Int32, gv: Any, acc: cute.Tensor, o0: Int32, of: Any, ob: Any, fp32: Int32) -> None:
+    """NORM_PROJ's work item ``(j, t)`` (:func:`_for_items`): its dot and its stores."""
+    cfg = ctx.cfg
+    BT, U, _ = _tiling(cfg)
+    MMA, _, UM = _mma(cfg, True)
     if const_expr(MMA):
-        acc = cute.make_rmem_tensor((4,), Float32)
-        nt = mk_addr.gemv_tiles(n, TR)
-        for k in cutlass.range(ctx.warp, nt * NBT, NW, unroll=1):
-            jt, t = mk_addr.gemv_item(k, nt, NBT)
-            j0 = jt * TR
-            weight_tile_mma(ctx.s_stage, staged, wrow0, j0, n, nch, xv, t * BT * xs, xs, gv,
-                            ctx.s_f32[t * BT + ctx.lane // 4], acc, UM)
-            for i in cutlass.range_constexpr(4):
-                j = j0 + acc_row(ctx.lane, i)
-                if j < n:
-                    off = _eoff(ctx.s_d1[3], ctx.s_d2[3], t * BT + acc_col(ctx.lane, i), Int32(0), o0 + j)
-                    if fp32 != 0:
-                        of[off] = acc[i]
-                    else:
-                        ob[off] = acc[i].to(BFloat16)
+        weight_tile_mma(ctx.s_stage, staged, wrow0, j, n, nch, xv, t * BT * xs, xs, gv,
+                        ctx.s_f32[t * BT + ctx.lane // 4], acc, UM)
+        for i in cutlass.range_constexpr(4):
+            jj = j + acc_row(ctx.lane, i)
+            if jj < n:
+                off = _eoff(ctx.s_d1[3], ctx.s_d2[3], t * BT + acc_col(ctx.lane, i), Int32(0), o0 + jj)
+                if fp32 != 0:
+                    of[off] = acc[i]
+                else:
+                    ob[off] = acc[i].to(BFloat16)
     else:
-        acc = cute.make_rmem_tensor((BT,), Float32)
-        for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
-            j, t = mk_addr.gemv_item(k, n, NBT)
-            weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U,
-                           wide_tail=True)
-            for bb in cutlass.range_constexpr(BT):
-                b = t * BT + bb
-                d = warp_sum(acc[bb]) * ctx.s_f32[b]
-                if ctx.lane == bb % 32:
-                    off = _eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), o0 + j)
-                    if fp32 != 0:
-                        of[off] = d
-                    else:
-                        ob[off] = d.to(BFloat16)
+        weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U,
+                       wide_tail=True)
+        for bb in cutlass.range_constexpr(BT):
+            b = t * BT + bb
+            d = warp_sum(acc[bb]) * ctx.s_f32[b]
+            if ctx.lane == bb % 32:
+                off = _eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), o0 + j)
+                if fp32 != 0:
+                    of[off] = d
+                else:
+                    ob[off] = d.to(BFloat16)
 
 
 @cute.jit
@@ -153,7 +174,7 @@ def op_mlp_gate_up(ctx: _Ctx) -> None:
     """MLP_GATE_UP: as NORM_PROJ for the gate and the up row of each channel, then SiTU-GLU (or SwiGLU) in fp32. Known
     limits: as NORM_PROJ; x is read twice per channel (once per weight)."""
     cfg = ctx.cfg
-    BT, U, NBT = _tiling(cfg)
+    BT, _, _ = _tiling(cfg)
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
     n = tile_rows(_bx(ctx, 2, R0), _bx(ctx, 2, R1))
     nch = ctx.s_d2[2] // VEC
@@ -162,40 +183,41 @@ def op_mlp_gate_up(ctx: _Ctx) -> None:
     gv = gchunks(ctx.s_addr[1])
     o0 = _bx(ctx, 4, C0)
     ob = gflat(BFloat16, ctx.s_addr[4])
-    MMA, TR, UM = _mma(cfg, True)
+    MMA, _, _ = _mma(cfg, True)
+    ag = cute.make_rmem_tensor((4,) if const_expr(MMA) else (BT,), Float32)
+    au = cute.make_rmem_tensor((4,) if const_expr(MMA) else (BT,), Float32)
+    _for_items(ctx, n, MMA, _mlp_gate_up_item, sg, su, wg0, wu0, n, nch, xv, xs, gv, ag, au, o0, ob)
+
+
+@cute.jit
+def _mlp_gate_up_item(ctx: _Ctx, j: Int32, t: Int32, sg: Int32, su: Int32, wg0: Int64, wu0: Int64, n: Int32,
+                      nch: Int32, xv: Any, xs: Int32, gv: Any, ag: cute.Tensor, au: cute.Tensor, o0: Int32,
+                      ob: Any) -> None:
+    """MLP_GATE_UP's work item ``(j, t)`` (:func:`_for_items`): the gate and up dots, SiTU-GLU, the stores."""
+    cfg = ctx.cfg
+    BT, U, _ = _tiling(cfg)
+    MMA, _, UM = _mma(cfg, True)
     if const_expr(MMA):
-        ag = cute.make_rmem_tensor((4,), Float32)
-        au = cute.make_rmem_tensor((4,), Float32)
-        nt = mk_addr.gemv_tiles(n, TR)
-        for k in cutlass.range(ctx.warp, nt * NBT, NW, unroll=1):
-            jt, t = mk_addr.gemv_item(k, nt, NBT)
-            j0 = jt * TR
-            r = ctx.s_f32[t * BT + ctx.lane // 4]
-            weight_tile_mma(ctx.s_stage, sg, wg0, j0, n, nch, xv, t * BT * xs, xs, gv, r, ag, UM)
-            weight_tile_mma(ctx.s_stage, su, wu0, j0, n, nch, xv, t * BT * xs, xs, gv, r, au, UM)
-            for i in cutlass.range_constexpr(4):
-                j = j0 + acc_row(ctx.lane, i)
-                h = glu(bf16_round(ag[i]), bf16_round(au[i]), cfg.situ, cfg.situ_beta, cfg.situ_lin)
-                if j < n:
-                    ob[_eoff(ctx.s_d1[4], ctx.s_d2[4], t * BT + acc_col(ctx.lane, i), Int32(0), o0 + j)] = \
-                        h.to(BFloat16)
+        r = ctx.s_f32[t * BT + ctx.lane // 4]
+        weight_tile_mma(ctx.s_stage, sg, wg0, j, n, nch, xv, t * BT * xs, xs, gv, r, ag, UM)
+        weight_tile_mma(ctx.s_stage, su, wu0, j, n, nch, xv, t * BT * xs, xs, gv, r, au, UM)
+        for i in cutlass.range_constexpr(4):
+            jj = j + acc_row(ctx.lane, i)
+            h = glu(bf16_round(ag[i]), bf16_round(au[i]), cfg.situ, cfg.situ_beta, cfg.situ_lin)
+            if jj < n:
+                ob[_eoff(ctx.s_d1[4], ctx.s_d2[4], t * BT + acc_col(ctx.lane, i), Int32(0), o0 + jj)] = \
+                    h.to(BFloat16)
     else:
-        ag = cute.make_rmem_tensor((BT,), Float32)
-        au = cute.make_rmem_tensor((BT,), Float32)
-        for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
-            j, t = mk_addr.gemv_item(k, n, NBT)
-            weight_row_dot(ctx.s_stage, sg, wg0, j, nch, xv, t * BT * xs, xs, False, gv, ag, BT, U,
-                           wide_tail=True)
-            weight_row_dot(ctx.s_stage, su, wu0, j, nch, xv, t * BT * xs, xs, False, gv, au, BT, U,
-                           wide_tail=True)
-            for bb in cutlass.range_constexpr(BT):
-                b = t * BT + bb
-                r = ctx.s_f32[b]
-                a = bf16_round(warp_sum(ag[bb]) * r)
-                u = bf16_round(warp_sum(au[bb]) * r)
-                h = glu(a, u, cfg.situ, cfg.situ_beta, cfg.situ_lin)
-                if ctx.lane == bb % 32:
-                    ob[_eoff(ctx.s_d1[4], ctx.s_d2[4], b, Int32(0), o0 + j)] = h.to(BFloat16)
+        weight_row_dot(ctx.s_stage, sg, wg0, j, nch, xv, t * BT * xs, xs, False, gv, ag, BT, U, wide_tail=True)
+        weight_row_dot(ctx.s_stage, su, wu0, j, nch, xv, t * BT * xs, xs, False, gv, au, BT, U, wide_tail=True)
+        for bb in cutlass.range_constexpr(BT):
+            b = t * BT + bb
+            r = ctx.s_f32[b]
+            a = bf16_round(warp_sum(ag[bb]) * r)
+            u = bf16_round(warp_sum(au[bb]) * r)
+            h = glu(a, u, cfg.situ, cfg.situ_beta, cfg.situ_lin)
+            if ctx.lane == bb % 32:
+                ob[_eoff(ctx.s_d1[4], ctx.s_d2[4], b, Int32(0), o0 + j)] = h.to(BFloat16)
 
 
 @cute.jit
@@ -203,7 +225,7 @@ def op_o_proj_residual(ctx: _Ctx) -> None:
     """O_PROJ_RESIDUAL: one o_proj row (a column of the stream) per work item: its dot over the mixer output, rounded to
     bf16, added into (or, per ``W_ARGS``, starting) the block's partial sum. Known limits: as NORM_PROJ."""
     cfg = ctx.cfg
-    BT, U, NBT = _tiling(cfg)
+    BT, _, _ = _tiling(cfg)
     accumulate = ctx.s_ins[W_ARGS]
     xaddr = _row0(ctx, 0)
     xs = ctx.s_d1[0] * ctx.s_d2[0] // VEC
@@ -214,36 +236,39 @@ def op_o_proj_residual(ctx: _Ctx) -> None:
     staged = _staged_rows(ctx, Int32(1))
     entry, c0 = _bx(ctx, 2, R0), _bx(ctx, 2, C0)
     sb = gflat(BFloat16, ctx.s_addr[2])
-    MMA, TR, UM = _mma(cfg)
+    MMA, _, _ = _mma(cfg)
+    acc = cute.make_rmem_tensor((4,) if const_expr(MMA) else (BT,), Float32)
+    _for_items(ctx, n, MMA, _o_proj_item, staged, wrow0, n, nch, xv, xs, acc, entry, c0, sb, accumulate)
+
+
+@cute.jit
+def _o_proj_item(ctx: _Ctx, j: Int32, t: Int32, staged: Int32, wrow0: Int64, n: Int32, nch: Int32, xv: Any,
+                 xs: Int32, acc: cute.Tensor, entry: Int32, c0: Int32, sb: Any, accumulate: Int32) -> None:
+    """O_PROJ_RESIDUAL's work item ``(j, t)`` (:func:`_for_items`): the dot, rounded to bf16, into the partial sum."""
+    cfg = ctx.cfg
+    BT, U, _ = _tiling(cfg)
+    MMA, _, UM = _mma(cfg)
     if const_expr(MMA):
-        acc = cute.make_rmem_tensor((4,), Float32)
-        nt = mk_addr.gemv_tiles(n, TR)
-        for k in cutlass.range(ctx.warp, nt * NBT, NW, unroll=1):
-            jt, t = mk_addr.gemv_item(k, nt, NBT)
-            j0 = jt * TR
-            weight_tile_mma(ctx.s_stage, staged, wrow0, j0, n, nch, xv, t * BT * xs, xs, None, None, acc, UM)
-            for i in cutlass.range_constexpr(4):
-                j = j0 + acc_row(ctx.lane, i)
-                if j < n:
-                    off = _eoff(ctx.s_d1[2], ctx.s_d2[2], t * BT + acc_col(ctx.lane, i), entry, c0 + j)
-                    y = bf16_round(acc[i])
-                    if accumulate != 0:
-                        y = sb[off].to(Float32) + y
-                    sb[off] = y.to(BFloat16)
+        weight_tile_mma(ctx.s_stage, staged, wrow0, j, n, nch, xv, t * BT * xs, xs, None, None, acc, UM)
+        for i in cutlass.range_constexpr(4):
+            jj = j + acc_row(ctx.lane, i)
+            if jj < n:
+                off = _eoff(ctx.s_d1[2], ctx.s_d2[2], t * BT + acc_col(ctx.lane, i), entry, c0 + jj)
+                y = bf16_round(acc[i])
+                if accumulate != 0:
+                    y = sb[off].to(Float32) + y
+                sb[off] = y.to(BFloat16)
     else:
-        acc = cute.make_rmem_tensor((BT,), Float32)
-        for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
-            j, t = mk_addr.gemv_item(k, n, NBT)
-            weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, None, acc, BT, U,
-                           wide_tail=True)
-            for bb in cutlass.range_constexpr(BT):
-                b = t * BT + bb
-                y = bf16_round(warp_sum(acc[bb]))
-                if ctx.lane == bb % 32:
-                    off = _eoff(ctx.s_d1[2], ctx.s_d2[2], b, entry, c0 + j)
-                    if accumulate != 0:
-                        y = sb[off].to(Float32) + y
-                    sb[off] = y.to(BFloat16)
+        weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, None, acc, BT, U,
+                       wide_tail=True)
+        for bb in cutlass.range_constexpr(BT):
+            b = t * BT + bb
+            y = bf16_round(warp_sum(acc[bb]))
+            if ctx.lane == bb % 32:
+                off = _eoff(ctx.s_d1[2], ctx.s_d2[2], b, entry, c0 + j)
+                if accumulate != 0:
+                    y = sb[off].to(Float32) + y
+                sb[off] = y.to(BFloat16)
 
 
 @cute.jit
@@ -253,7 +278,7 @@ def op_ffn_out(ctx: _Ctx) -> None:
     [latent sum, (latent norm), up rows] if routed, [mlp hidden, down rows] if mlp, stream column tile last. Known
     limits: as NORM_PROJ."""
     cfg = ctx.cfg
-    BT, U, NBT = _tiling(cfg)
+    BT, _, _ = _tiling(cfg)
     flags = ctx.s_ins[W_ARGS]
     routed = (flags & FFN_ROUTED) != 0
     mlp = (flags & FFN_MLP) != 0
@@ -286,72 +311,63 @@ def op_ffn_out(ctx: _Ctx) -> None:
     n = tile_rows(_bx(ctx, io, C0), _bx(ctx, io, C1))
     entry, c0 = _bx(ctx, io, R0), _bx(ctx, io, C0)
     sb = gflat(BFloat16, ctx.s_addr[io])
-    MMA, TR, UM = _mma(cfg)
-    if const_expr(MMA):
-        _ffn_out_mma(ctx, routed, mlp, av, xas, gv, nch_u, wu0, su, hv, xhs, nch_d, wd0, sd, n, io, entry, c0, sb)
-    else:
-        ar = cute.make_rmem_tensor((BT,), Float32)
-        am = cute.make_rmem_tensor((BT,), Float32)
-        for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
-            j, t = mk_addr.gemv_item(k, n, NBT)
-            ar.fill(0.0)
-            am.fill(0.0)
-            if routed:
-                weight_row_dot(ctx.s_stage, su, wu0, j, nch_u, av, t * BT * xas, xas, False, gv, ar, BT, U,
-                               wide_tail=True)
-            if mlp:
-                weight_row_dot(ctx.s_stage, sd, wd0, j, nch_d, hv, t * BT * xhs, xhs, False, None, am, BT, U,
-                               wide_tail=True)
-            for bb in cutlass.range_constexpr(BT):
-                b = t * BT + bb
-                yr = warp_sum(ar[bb])
-                ym = warp_sum(am[bb])
-                out = Float32(0.0)
-                if routed:
-                    if const_expr(cfg.latent_norm):
-                        yr = yr * ctx.s_f32[b]
-                    out = bf16_round(yr)
-                if mlp:
-                    out = bf16_round(out + bf16_round(ym))
-                if ctx.lane == bb % 32:
-                    off = _eoff(ctx.s_d1[io], ctx.s_d2[io], b, entry, c0 + j)
-                    sb[off] = (sb[off].to(Float32) + out).to(BFloat16)
+    MMA, _, _ = _mma(cfg)
+    ar = cute.make_rmem_tensor((4,) if const_expr(MMA) else (BT,), Float32)
+    am = cute.make_rmem_tensor((4,) if const_expr(MMA) else (BT,), Float32)
+    _for_items(ctx, n, MMA, _ffn_out_item, routed, mlp, av, xas, gv, nch_u, wu0, su, hv, xhs, nch_d, wd0, sd, n, io,
+               entry, c0, sb, ar, am)
 
 
 @cute.jit
-def _ffn_out_mma(ctx: _Ctx, routed: Any, mlp: Any, av: Any, xas: Int32, gv: Any, nch_u: Int32, wu0: Int64,
-                 su: Int32, hv: Any, xhs: Int32, nch_d: Int32, wd0: Int64, sd: Int32, n: Int32, io: Int32,
-                 entry: Int32, c0: Int32, sb: Any) -> None:
-    """FFN_OUT's tensor-core path (see :func:`op_ffn_out`): both sources as 16-row tiles, the routed latent sum
-    normalised as loaded when the model has the latent norm."""
+def _ffn_out_item(ctx: _Ctx, j: Int32, t: Int32, routed: Any, mlp: Any, av: Any, xas: Int32, gv: Any, nch_u: Int32,
+                  wu0: Int64, su: Int32, hv: Any, xhs: Int32, nch_d: Int32, wd0: Int64, sd: Int32, n: Int32,
+                  io: Int32, entry: Int32, c0: Int32, sb: Any, ar: cute.Tensor, am: cute.Tensor) -> None:
+    """FFN_OUT's work item ``(j, t)`` (:func:`_for_items`): the routed and / or the mlp dot, their bf16 sum into the
+    stream; on tensor cores the routed latent sum is normalised as loaded when the model has the latent norm."""
     cfg = ctx.cfg
-    BT, _, NBT = _tiling(cfg)
-    _, TR, UM = _mma(cfg)
-    _, _, UN = _mma(cfg, cfg.latent_norm)
-    ar = cute.make_rmem_tensor((4,), Float32)
-    am = cute.make_rmem_tensor((4,), Float32)
-    nt = mk_addr.gemv_tiles(n, TR)
-    for k in cutlass.range(ctx.warp, nt * NBT, NW, unroll=1):
-        jt, t = mk_addr.gemv_item(k, nt, NBT)
-        j0 = jt * TR
-        ar.fill(0.0)
-        am.fill(0.0)
+    BT, U, _ = _tiling(cfg)
+    MMA, _, UM = _mma(cfg)
+    ar.fill(0.0)
+    am.fill(0.0)
+    if const_expr(MMA):
+        _, _, UN = _mma(cfg, cfg.latent_norm)
         if routed:
             r = None
             if const_expr(cfg.latent_norm):
                 r = ctx.s_f32[t * BT + ctx.lane // 4]
-            weight_tile_mma(ctx.s_stage, su, wu0, j0, n, nch_u, av, t * BT * xas, xas, gv, r, ar, UN)
+            weight_tile_mma(ctx.s_stage, su, wu0, j, n, nch_u, av, t * BT * xas, xas, gv, r, ar, UN)
         if mlp:
-            weight_tile_mma(ctx.s_stage, sd, wd0, j0, n, nch_d, hv, t * BT * xhs, xhs, None, None, am, UM)
+            weight_tile_mma(ctx.s_stage, sd, wd0, j, n, nch_d, hv, t * BT * xhs, xhs, None, None, am, UM)
         for i in cutlass.range_constexpr(4):
-            j = j0 + acc_row(ctx.lane, i)
+            jj = j + acc_row(ctx.lane, i)
             out = Float32(0.0)
             if routed:
                 out = bf16_round(ar[i])
             if mlp:
                 out = bf16_round(out + bf16_round(am[i]))
-            if j < n:
-                off = _eoff(ctx.s_d1[io], ctx.s_d2[io], t * BT + acc_col(ctx.lane, i), entry, c0 + j)
+            if jj < n:
+                off = _eoff(ctx.s_d1[io], ctx.s_d2[io], t * BT + acc_col(ctx.lane, i), entry, c0 + jj)
+                sb[off] = (sb[off].to(Float32) + out).to(BFloat16)
+    else:
+        if routed:
+            weight_row_dot(ctx.s_stage, su, wu0, j, nch_u, av, t * BT * xas, xas, False, gv, ar, BT, U,
+                           wide_tail=True)
+        if mlp:
+            weight_row_dot(ctx.s_stage, sd, wd0, j, nch_d, hv, t * BT * xhs, xhs, False, None, am, BT, U,
+                           wide_tail=True)
+        for bb in cutlass.range_constexpr(BT):
+            b = t * BT + bb
+            yr = warp_sum(ar[bb])
+            ym = warp_sum(am[bb])
+            out = Float32(0.0)
+            if routed:
+                if const_expr(cfg.latent_norm):
+                    yr = yr * ctx.s_f32[b]
+                out = bf16_round(yr)
+            if mlp:
+                out = bf16_round(out + bf16_round(ym))
+            if ctx.lane == bb % 32:
+                off = _eoff(ctx.s_d1[io], ctx.s_d2[io], b, entry, c0 + j)
                 sb[off] = (sb[off].to(Float32) + out).to(BFloat16)
 
 
@@ -361,7 +377,7 @@ def op_lm_head(ctx: _Ctx) -> None:
     arg-max per token, merged across the warps through shared memory (ties to the lowest id); CUDA cores at every batch
     (``mk_addr.LM_HEAD_MMA``). Known limits: as NORM_PROJ's CUDA-core path."""
     cfg = ctx.cfg
-    BT, U, NBT = _tiling(cfg)
+    BT, _, _ = _tiling(cfg)
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
     ti, r0 = ctx.s_ins[W_ARGS], ctx.s_ins[W_ARGS + 2]
     n = tile_rows(r0, ctx.s_ins[W_ARGS + 3])
@@ -375,7 +391,7 @@ def op_lm_head(ctx: _Ctx) -> None:
     # intra-warp synchronisation is needed
     s_bv = cute.make_tensor(ctx.s_f32.iterator + F32_VEC, cute.make_layout(NW * cfg.B))
     s_bi = ctx.s_i32
-    MMA, TR, UM = _mma(cfg, True)
+    MMA, _, _ = _mma(cfg, True)
     if const_expr(MMA and mk_addr.LM_HEAD_MMA):  # off: see mk_addr.LM_HEAD_MMA
         # the slots of batch columns 2q, 2q + 1 of every pass belong to lane q < 4 (it holds the tile's winner)
         if ctx.lane < MMA_COLS // 2:
@@ -384,52 +400,14 @@ def op_lm_head(ctx: _Ctx) -> None:
                     s_bv[ctx.warp * cfg.B + b + c] = -Float32.inf
                     s_bi[ctx.warp * cfg.B + b + c] = 2**31 - 1
         acc = cute.make_rmem_tensor((4,), Float32)
-        nt = mk_addr.gemv_tiles(n, TR)
-        for k in cutlass.range(ctx.warp, nt * NBT, NW, unroll=1):
-            jt, t = mk_addr.gemv_item(k, nt, NBT)
-            j0 = jt * TR
-            weight_tile_mma(ctx.s_stage, staged, wrow0, j0, n, nch, xv, t * BT * xs, xs, gv,
-                            ctx.s_f32[t * BT + ctx.lane // 4], acc, UM)
-            for c in cutlass.range_constexpr(2):  # batch column 2q + c: registers c (row g), c + 2 (row g + 8)
-                b = t * BT + acc_col(ctx.lane, c)
-                v = -Float32.inf
-                vi = Int32(2**31 - 1)
-                for i in cutlass.range_constexpr(c, 4, 2):  # row g, then g + 8: strict > keeps the lower
-                    j = j0 + acc_row(ctx.lane, i)
-                    d = bf16_round(acc[i])  # the reference's bf16 linear, then fp32
-                    if j < n:
-                        logits[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), r0 + j)] = d
-                        if d > v:
-                            v, vi = d, j
-                for off in cutlass.range_constexpr(3):  # over the 8 groups (lane bits 2..4): ties to the lower
-                    ov = cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
-                    oi = cute.arch.shuffle_sync_bfly(vi, offset=16 >> off)
-                    take = (ov > v) | ((ov == v) & (oi < vi))
-                    v, vi = (ov, oi) if take else (v, vi)
-                if ctx.lane < MMA_COLS // 2:
-                    slot = ctx.warp * cfg.B + b
-                    if v > s_bv[slot]:  # a warp's tiles ascend: strict > keeps the lowest id
-                        s_bv[slot] = v
-                        s_bi[slot] = vi
+        _for_items(ctx, n, True, _lm_head_item, staged, wrow0, n, nch, xv, xs, gv, acc, logits, r0, s_bv, s_bi)
     else:
         if ctx.lane < BT:
             for b in cutlass.range(ctx.lane, cfg.B, BT, unroll=1):
                 s_bv[ctx.warp * cfg.B + b] = -Float32.inf
                 s_bi[ctx.warp * cfg.B + b] = 2**31 - 1
         acc = cute.make_rmem_tensor((BT,), Float32)
-        for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
-            j, t = mk_addr.gemv_item(k, n, NBT)
-            weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U,
-                           wide_tail=True)
-            for bb in cutlass.range_constexpr(BT):
-                b = t * BT + bb
-                d = bf16_round(warp_sum(acc[bb]) * ctx.s_f32[b])  # the reference's bf16 linear, then fp32
-                if ctx.lane == bb % 32:
-                    logits[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), r0 + j)] = d
-                    slot = ctx.warp * cfg.B + b
-                    if d > s_bv[slot]:  # a warp's rows ascend: strict > keeps the lowest id
-                        s_bv[slot] = d
-                        s_bi[slot] = j
+        _for_items(ctx, n, False, _lm_head_item, staged, wrow0, n, nch, xv, xs, gv, acc, logits, r0, s_bv, s_bi)
     cute.arch.sync_threads()
     best_v = gflat(Float32, ctx.s_addr[4])
     best_i = gflat(Int64, ctx.s_addr[5])
@@ -438,7 +416,49 @@ def op_lm_head(ctx: _Ctx) -> None:
         v, i = s_bv[b], s_bi[b]
         for w in cutlass.range_constexpr(1, NW):
             ov, oi = s_bv[w * cfg.B + b], s_bi[w * cfg.B + b]
-            take = (ov > v) | ((ov == v) & (oi < i))
-            v, i = (ov, oi) if take else (v, i)
+            v, i = (ov, oi) if argmax_take(ov, oi, v, i) else (v, i)
         best_v[_eoff(ctx.s_d1[4], ctx.s_d2[4], b, Int32(0), ti)] = v
         best_i[_eoff(ctx.s_d1[5], ctx.s_d2[5], b, Int32(0), ti)] = Int64(r0 + i)
+
+
+@cute.jit
+def _lm_head_item(ctx: _Ctx, j: Int32, t: Int32, staged: Int32, wrow0: Int64, n: Int32, nch: Int32, xv: Any,
+                  xs: Int32, gv: Any, acc: cute.Tensor, logits: Any, r0: Int32, s_bv: cute.Tensor,
+                  s_bi: cute.Tensor) -> None:
+    """LM_HEAD's work item ``(j, t)`` (:func:`_for_items`): the logits and the warp's running arg-max per token
+    (a warp's items ascend, so a strict > keeps the lowest id)."""
+    cfg = ctx.cfg
+    BT, U, _ = _tiling(cfg)
+    MMA, _, UM = _mma(cfg, True)
+    if const_expr(MMA and mk_addr.LM_HEAD_MMA):
+        weight_tile_mma(ctx.s_stage, staged, wrow0, j, n, nch, xv, t * BT * xs, xs, gv,
+                        ctx.s_f32[t * BT + ctx.lane // 4], acc, UM)
+        for c in cutlass.range_constexpr(2):  # batch column 2q + c: registers c (row g), c + 2 (row g + 8)
+            b = t * BT + acc_col(ctx.lane, c)
+            v = -Float32.inf
+            vi = Int32(2**31 - 1)
+            for i in cutlass.range_constexpr(c, 4, 2):  # row g, then g + 8: strict > keeps the lower
+                jj = j + acc_row(ctx.lane, i)
+                d = bf16_round(acc[i])  # the reference's bf16 linear, then fp32
+                if jj < n:
+                    logits[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), r0 + jj)] = d
+                    if d > v:
+                        v, vi = d, jj
+            v, vi = warp_argmax(v, vi, 3)  # over the 8 lane groups (lane bits 2..4): ties to the lower
+            if ctx.lane < MMA_COLS // 2:
+                slot = ctx.warp * cfg.B + b
+                if v > s_bv[slot]:
+                    s_bv[slot] = v
+                    s_bi[slot] = vi
+    else:
+        weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U,
+                       wide_tail=True)
+        for bb in cutlass.range_constexpr(BT):
+            b = t * BT + bb
+            d = bf16_round(warp_sum(acc[bb]) * ctx.s_f32[b])  # the reference's bf16 linear, then fp32
+            if ctx.lane == bb % 32:
+                logits[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), r0 + j)] = d
+                slot = ctx.warp * cfg.B + b
+                if d > s_bv[slot]:
+                    s_bv[slot] = d
+                    s_bi[slot] = j

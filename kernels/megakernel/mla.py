@@ -49,8 +49,8 @@ from kimik3.kernels.megakernel.operands import (
     _staged_rows,
 )
 
-PART_HB = 2  # MLA_PARTIAL heads per warp pass: fp32 query (18 registers each at k3) and output (16) per lane
-PART_PU = 2  # MLA_PARTIAL cache rows per step (10 registers of bf16 per row and lane at k3), loaded together
+PART_HB = 2  # MLA_PARTIAL heads per warp pass: per lane fp32 query ((kv_lora + rope) / 32) and output (kv_lora / 32)
+PART_PU = 2  # MLA_PARTIAL cache rows per step (a lane's bf16 latent chunks and rope elements of each), loaded together
 STAGE_UNROLL = 4  # MLA_Q: q_a elements each thread loads per iteration of the smem staging loop
 MERGE_UNROLL = 8  # MLA_REDUCE: splits whose (max, o pair) loads one merge step issues together
 
@@ -394,7 +394,7 @@ def op_mla_partial(ctx: _Ctx) -> None:
     rows' loads issued together; each row is loaded once for the warp's heads (and from L1 for the other warps); one
     shuffle chain sums both partial scores (``_score_sum``); the online softmax rescales once per step, and only when
     the running max grows; heads are spread over the 12 warps. Writes the split's (o, max, sum). Known limits: CUDA-core
-    FMAs: per (head, row) and lane 34 FMAs, 6 shuffles, ~9 converts, issue-bound at about twice the FMA floor; a
+    FMAs: per (head, row) and lane 34 FMAs, 6 shuffles and the bf16 converts, issue-bound above the FMA floor; a
     tensor-core (mma) version, or fewer heads per instruction, is what would cut it."""
     cfg = ctx.cfg
     kvl, rope = cfg.kvl, cfg.rope

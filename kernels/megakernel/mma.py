@@ -1,22 +1,13 @@
 """The warp-level tensor-core step of the megakernel's weight-streaming opcodes: ``mma.sync.aligned.m16n8k16``,
 bf16 inputs, fp32 accumulators, and its fragment layout written down once for the device code and the host.
 
-At batch 8 a CUDA-core GEMV issues 8 FMAs (plus converts) per weight element and re-reads every x row for every
-weight row; one ``mma.sync`` does 16 rows x 8 batch columns x 16 k in one warp instruction and each x fragment
-serves 16 weight rows. The weights keep their row-major layout: ``mma`` sums over k, so any bijection between the
-instruction's logical k and the memory's physical k is exact as long as A and B use the same one. The one used here
-lets every lane load whole 16-byte chunks:
-
-* lane ``l`` is (group ``g = l // 4``, quad ``q = l % 4``);
-* per 32-element k block, lane (g, q) loads chunk ``q`` (elements ``8q .. 8q+7``) of weight rows ``g`` and ``g + 8``
-  and of x row (batch column) ``g``, as four bf16x2 registers each (``CHUNK_REGS``);
-* the first ``mma`` takes registers 0, 1 of each, the second registers 2, 3 (:func:`mma_chunk`).
-
-PTX fragment layout of m16n8k16 (bf16), lane (g, q): A ``a0`` = (row g, k 2q..2q+1), ``a1`` = (row g+8, k 2q..),
-``a2`` = (row g, k 2q+8..2q+9), ``a3`` = (row g+8, k 2q+8..); B ``b0`` = (k 2q..2q+1, column g), ``b1`` =
-(k 2q+8..2q+9, column g); C/D ``c0, c1`` = (row g, columns 2q, 2q+1), ``c2, c3`` = (row g+8, columns 2q, 2q+1).
-:func:`mma_reference` evaluates exactly this on the host (an ``mma.sync`` aborts a host execution), so a lane that
-puts a register in the wrong slot gives a wrong product there too.
+Lane ``l`` is (group ``g = l // 4``, quad ``q = l % 4``); per 32-element k block it loads chunk ``q`` of weight rows
+``g``, ``g + 8`` and of x row ``g`` as ``CHUNK_REGS`` bf16x2 registers each, so every lane loads whole 16-byte
+chunks of row-major weights. Device side: :func:`mma_bf16`, :func:`mma_chunk`; layout: :func:`lane_group`,
+:func:`lane_quad`, :func:`acc_row`, :func:`acc_col`; host side: :func:`mma_reference` evaluates the PTX fragment
+layout exactly (an ``mma.sync`` aborts a host execution), with :func:`bf16x2_to_f32` / :func:`f32_to_bf16x2`.
+Design: why mma at batch 8, the k bijection and the PTX fragment layout:
+docs/architecture.md#appendix-design-notes-by-room (``kernels/megakernel/mma.py``).
 """
 
 from __future__ import annotations

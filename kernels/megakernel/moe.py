@@ -43,30 +43,19 @@ from kimik3.kernels.megakernel.operands import (
 )
 from kimik3.kernels.megakernel.router import router_round_end, router_slot_of
 
-# The expert opcodes stream: a prologue reads every slot's expert id and use flags ONCE per instruction into the
-# CTA's scratch (the slot's tokens as a list, EXPERT_DOWN also their router weights), one barrier, then each warp
-# walks its weight rows. Dense experts: each weight chunk a lane loads is dotted with every token of the slot's list,
-# GATE_UP_TILE / DOWN_TILE tokens per pass (a weight row is read once per instruction while its slot has no more
-# tokens than that; more: once per pass, the later passes from L1 / L2).
-# Tokens per pass: 4 fp32 accumulators per lane (x 2 for gate and up) up to batch 8, 2 above. Larger passes made
-# ptxas spill under the 168-register cap: 2 x 8 at tiny batch 8, 8 (EXPERT_DOWN) at k3-shard batch 8, 4 at k3-shard
-# batch 64 (where the batch-64 tiles of the other opcodes already hold the kernel at the cap).
+# How the expert opcodes stream (the slot-list prologue, the dense passes, the MXFP4 tensor-core items and what a
+# lane has in flight): docs/architecture.md#appendix-design-notes-by-room (kernels/megakernel/moe.py).
+# Dense tokens per pass: 4 fp32 accumulators per lane (x 2 for gate and up) up to batch 8, 2 above; larger passes
+# made ptxas spill under the 168-register cap (each variant's build report records it).
 GATE_UP_TILE = 4
 DOWN_TILE = 4
 WIDE_BATCH_TILE = 2  # both opcodes' pass above batch 8
 GATE_UP_LOADS = 4  # 16-byte chunks per lane per step of EACH of w1 and w3: 8 loads (48 KiB per CTA) in flight
 DOWN_LOADS = 6  # 16-byte w2 chunks per lane per step: 6 loads (36 KiB per CTA) in flight; a k3 w2 row (384 chunks)
 # is then exactly two steps, no clamped chunk
-# MXFP4 (MKConfig.fp4): tensor cores (mk_mma: mma.sync m16n8k16, bf16 in, fp32 accumulators). A warp's work item is
-# FP4_ROWS = 16 weight rows (EXPERT_GATE_UP: the same 16 rows of w1 and of w3) x a pass of up to 8 tokens of the slot
-# as the mma's 8 columns, at every batch (B = 1: one real column). Per 128-column k block (FP4_BLOCK_GROUPS MXFP4
-# groups) lane (g, q) takes group q of rows g and g + 8 (16 code bytes + 1 scale byte each) and the same 32 x values of
-# its column g, so every lane's physical k depends on q only (fp4_mma_tile). Per step a lane prefetches
-# GATE_UP_BLOCKS / DOWN_BLOCKS k blocks of code groups and scale bytes into L1 (GATE_UP: 2 x 4 groups of 16 bytes,
-# DOWN: 4 x 2: 128 bytes per lane, 4 KiB per warp, 48 KiB per 12-warp CTA in flight when every warp streams), then
-# loads them block by block from L1. Per block a lane issues (PTX, k3-shard B = 1, common path): GATE_UP ~408
-# instructions for 128 weights, DOWN ~228 for 64 (decode 3 integer ops + 1 bf16x2 mul per 2 weights, plus a shift
-# per word; x one prmt per register; 2 mma per word pair).
+# MXFP4 (MKConfig.fp4): tensor cores (mk_mma), a warp's work item FP4_ROWS weight rows x a pass of up to 8 tokens as
+# the mma's columns; per step a lane prefetches GATE_UP_BLOCKS / DOWN_BLOCKS k blocks of code groups and scale bytes
+# into L1 (128 bytes per lane: 48 KiB per 12-warp CTA in flight). Its PTX per block: tests/test_mk_moe_fp4_ptx.py.
 FP4_ROWS = MMA_ROWS
 FP4_BLOCK_GROUPS = 4  # MXFP4 groups per k block: one per lane quad
 GATE_UP_BLOCKS = 2

@@ -3,11 +3,12 @@ the chosen experts compacted into slots, and the slots' weights and use flags.
 
 ``op_router`` is a thin GPU-only layer (thread / warp / lane indices, shuffles, the ballot, barriers, the global
 stores) around ``@cute.jit`` helpers that take the token, lane and slot as plain integers: a lane's candidates and
-the top-k's comparisons (``router_choices``, ``router_lane_best``, ``router_take``, ``router_retire``,
-``router_weight``, ``router_record``, ``router_scale``), the compaction (``router_slot_of``, ``router_round_end``,
-which the expert opcodes' slot lists in ``megakernel/moe.py`` reuse) and the slot outputs (``router_slot``).
-``kernels/verify/host_exec_mk_moe.py`` runs the same helpers on the host and replays the thin layer (butterfly,
-ballot) in the kernel's order. Design: ``docs/architecture.md`` (map; appendix: the megakernel VM)."""
+the top-k's steps (``router_choices``, ``router_lane_best``, ``router_retire``, ``router_weight``, ``router_record``,
+``router_scale``; every comparison across lanes is ``common.device.argmax_take``), the compaction
+(``router_slot_of``, ``router_round_end``, which the expert opcodes' slot lists in ``megakernel/moe.py`` reuse) and
+the slot outputs (``router_slot``). ``kernels/verify/host_exec_mk_moe.py`` runs the same helpers on the host and
+replays the thin layer (butterfly, ballot) in the kernel's order. Design: ``docs/architecture.md`` (map; appendix:
+the megakernel VM)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8, const_expr
+from kimik3.kernels.common.device import argmax_take, warp_argmax  # noqa: F401 (the host replay calls argmax_take)
 from kimik3.kernels.megakernel.device_fns import (
     NT,
     NW,
@@ -33,24 +35,6 @@ from kimik3.kernels.megakernel.operands import (
 def _precise_sigmoid(x: Float32) -> Float32:
     """Full-precision σ for the router: approximate scores could reorder near-ties and pick another expert."""
     return 1.0 / (1.0 + cute.math.exp(-x))
-
-
-@cute.jit
-def router_take(ov: Float32, oi: Int32, v: Float32, i: Int32) -> Any:
-    """Whether the partner's candidate (ov, oi) beats the lane's (v, i) in the butterfly: a larger choice score,
-    or an equal one with a lower expert id (torch.topk's order on ties)."""
-    return (ov > v) | ((ov == v) & (oi < i))
-
-
-@cute.jit
-def _warp_best(v: Float32, i: Int32) -> tuple[Float32, Int32]:
-    """Butterfly arg-max over the warp (GPU only: shuffles); the host execution replays the same exchanges."""
-    for off in cutlass.range_constexpr(5):
-        ov = cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
-        oi = cute.arch.shuffle_sync_bfly(i, offset=16 >> off)
-        take = router_take(ov, oi, v, i)
-        v, i = (ov, oi) if take else (v, i)
-    return v, i
 
 
 @cute.jit
@@ -143,9 +127,9 @@ def router_slot(ctx: _Ctx, b: Int32, j: Int32) -> tuple[Float32, Int32, Int64, I
 def op_router(ctx: _Ctx) -> None:
     """ROUTER: one warp per token (tokens warp, warp + NW, ...): each lane's candidates (experts lane, lane + 32, ...
     with choice scores σ(logit) + bias, ``router_choices``), then k rounds of the lane's best, the butterfly arg-max
-    across the warp (``_warp_best`` through ``router_take``: ties to the lower id) and the winner's retirement; lane 0
-    records each choice with its unbiased weight and renormalises (``router_scale``). Warp 0 then compacts the chosen
-    experts, ascending, into slots with one ballot per 32 experts (``router_slot_of``, ``router_round_end``) and sets
+    across the warp (``common.device.warp_argmax``: ties to the lower id) and the winner's retirement; lane 0 records
+    each choice with its unbiased weight and renormalises (``router_scale``). Warp 0 then compacts the chosen experts,
+    ascending, into slots with one ballot per 32 experts (``router_slot_of``, ``router_round_end``) and sets
     the selection's slots past the last to -1; one thread per (token, slot) writes the slot weight and use flag
     (``router_slot``). Known limits: grouped routing (n_group > 1) is not implemented (refused on the host)."""
     cfg = ctx.cfg
@@ -167,7 +151,7 @@ def op_router(ctx: _Ctx) -> None:
         router_choices(ctx, lg, bias, b, ctx.lane, ch, ix)
         wsum = Float32(0.0)
         for r in cutlass.range_constexpr(K):
-            v, i = _warp_best(*router_lane_best(ch, ix))
+            v, i = warp_argmax(*router_lane_best(ch, ix))
             router_retire(ch, ix, i)
             w = router_weight(ctx, lg, b, i)
             wsum = wsum + w

@@ -148,7 +148,8 @@ PERSISTENT: dict[str, Family] = {
     "megakernel": Family(
         "megakernel", "megakernel",
         # 384 threads per CTA cap ptxas at 168 registers; smem = two 48 KiB weight stage buffers (isa.STAGE_BYTES x
-        # STAGE_BUFFERS) + ~32-46 KiB per-op scratch, under the 227 KiB a CTA may use on sm_90a
+        # STAGE_BUFFERS) + the per-op scratch (each variant's figure: its build report), under the 227 KiB a CTA may
+        # use on sm_90a
         Budget(max_registers=168, max_shared_bytes=160 * 1024),
         ("ld.acquire.gpu", "red.release.gpu", "nanosleep", "%globaltimer", "%smid", "cp.async.cg.shared.global",
          "atom.global.cas", "ld.global.nc.v4", "shfl.sync.bfly", "bar.sync"),
@@ -191,7 +192,7 @@ class KernelVariant:
 
     @property
     def module(self) -> ModuleType:
-        return importlib.import_module(f"kimik3.kernels.{OPS[self.spec.module]}")
+        return importlib.import_module(f"kimik3.kernels.{OPS[self.module_name]}")
 
     @property
     def reference(self) -> ModuleType:

@@ -1,24 +1,13 @@
 """Host execution of the kernels' device code: the same ``@cute.jit`` helpers the GPU kernels call, run on CPU tensors.
 
-A GPU kernel here is a thin layer (thread/block indices, warp shuffles, shared memory, barriers, the approximate
-transcendental instructions) around ``@cute.jit`` helpers that take the block / warp / lane coordinates as plain
-integers: which W row, batch rows and expert a warp owns (``gemv.gemv_tile``, ``moe.expert_row``,
-``moe.expert_slot``), and what one lane loads and accumulates (``gemv.gemv_lane``, ``moe.expert_lane``, the MXFP4
-code expansion and E8M0 scale). The CuTe DSL (4.8.1) compiles a ``@cute.jit`` function for the host when it is
-called from Python, so the drivers below walk every block, warp and lane of a real launch *inside* one compiled
-host function, calling the same helpers, and hand back the per-lane partials. The Python side then does what the
-thin layer does on the GPU: the butterfly warp sum in the shuffle order (``warp_sum``), the epilogue (rstd,
-SiTU-GLU, residual, bf16 casts) and the stores, into outputs poisoned with NaN first, counting every write so that
-an element written twice or never is reported, and finally compares with the module's PyTorch ``reference`` under
-the kernel tolerance.
-
-What the thin layer computes with approximate instructions (``rsqrt.approx``, ``ex2.approx``, ``rcp.approx``,
-``tanh.approx``) is evaluated here with exact fp32 math: those instructions abort the process when executed on the
-host. The MoE align step (``match.any.sync`` + shared-memory counters) is replaced by its specification (pairs
-stably sorted by expert); the combine is evaluated in the kernel's order (fp32 sum over the slots, one bf16 cast).
-
-Executing device-only code on the host aborts the process (it cannot be caught): run these in a subprocess when a
-helper might be mutated (see ``tests/test_host_exec.py``).
+The drivers walk every block, warp and lane of a real launch inside one compiled host function, calling the kernels'
+own helpers (which rows, batch rows and expert a warp owns; what a lane loads and accumulates), and hand back the
+per-lane partials; Python then replays the thin GPU layer (the butterfly ``warp_sum``, epilogues, stores into
+NaN-poisoned outputs with every write counted) and compares with the module's ``reference``. Approximate
+instructions are evaluated in exact fp32 here. Entry points: ``run_gemv``, ``run_lm_head``, ``run_moe``,
+``run_attn_res``, ``run_mk_tile_gemv``, ``run_mk_addr``, the case runner ``run_case`` / ``main`` and the mutant
+loaders. Device-only code aborts the process: run these in a subprocess when a helper might be mutated.
+Design: docs/architecture.md#appendix-design-notes-by-room (``kernels/verify/host_exec.py``).
 """
 
 from __future__ import annotations

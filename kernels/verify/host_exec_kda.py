@@ -1,22 +1,12 @@
 """Host execution of the KDA device code: the fused ``kda`` kernel and the megakernel's KDA_STEP opcode.
 
-Both kernels are a thin GPU-only layer (thread / block indices, shared memory, warp sums, barriers) around
-``@cute.jit`` helpers that take the block and thread coordinates as plain integers (``kda.kda_qk_thread``,
-``kda.kda_state_tile``, ``kda.kda_state_partials``, ... and ``mk_kda.kda_thread_cols``, ``mk_kda.kda_pass1``, ...).
-The drivers below call the same helpers over every CTA and thread of a real launch, in one compiled host function
-per phase, with the kernel's shared memory replaced by CPU tensors of the same layout. Between the phases the
-Python side does what the thin layer does at a barrier: the warp sums in the butterfly order
-(``host_exec.warp_sum``) and the cross-warp sums in the kernel's order. The in-place state (S, conv history) is
-read from the inputs and written into separate copies poisoned with NaN, with guard zones around them; every
-store of the state and of the output is counted at the offset the helper computes, so that an element written
-twice or never, or a store outside the buffer, is reported. Finally the outputs are compared with the model's KDA
-math (``kda.reference`` / :func:`mk_kda_reference`, the same ``kimik3.model.modeling`` functions the interpreter's
-KDA_STEP calls) under the kernel tolerance.
-
-What the thin layer does with approximate instructions (``ex2.approx``, ``rcp.approx``: exp and σ) is evaluated on
-the host in exact fp32: the helpers choose at trace time (``_trace.tracing_for_host``), the device code is
-unchanged. ``cute.math.rsqrt`` needs no switch: the same call lowers to ``rsqrt.approx`` on the GPU and to an exact
-root on the host. Run these in a subprocess when a helper may be mutated (a device-only instruction aborts the process).
+The drivers call the kernels' own ``@cute.jit`` per-thread helpers over every CTA and thread of a real launch, one
+compiled host function per phase, with shared memory replaced by CPU tensors; between the phases Python does the
+barrier's warp and cross-warp sums in the kernel's order. The in-place state is written into NaN-poisoned copies
+with guard zones, every store counted, and the outputs are compared with the model's KDA math under the kernel
+tolerance. Entry points: ``run_kda``, ``run_mk_kda`` (with ``mk_kda_reference``), ``run_case``, ``main``.
+Run these in a subprocess when a helper may be mutated (a device-only instruction aborts the process).
+Design: docs/architecture.md#appendix-design-notes-by-room (``kernels/verify/host_exec_kda.py``).
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """Host execution of the megakernel's tensor-core GEMV path (``kernels/megakernel/gemv.py`` at a batch pass of 8 rows):
 NORM_PROJ, MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT and LM_HEAD, one instruction at a time, on CPU tensors.
 
-The driver below calls the shared lane-level helper ``device_fns.weight_tile_mma`` inside a compiled host function
-over every (16-row weight tile, batch pass) work item of an instruction (``mk_addr.gemv_item`` /
-``mk_addr.gemv_tiles``) and every lane: the lane's row clamping, the staged / unstaged choice (the stage is a host
-copy of the instruction's stage buffer, its unstaged rows poisoned with NaN), the chunk addresses of its two weight
-rows and its x row, the x normalisation (``bf16(γ·bf16(x·rstd))``), the tail clamp and zeroing, and the bf16x2
-registers it hands to ``mk_mma.mma_chunk``. Only the ``mma.sync`` cannot run on the host (it aborts the process):
-the helper's ``sink`` argument writes each k block's 12 registers out instead, and the Python side evaluates
-``mma_chunk``'s two instructions with ``mk_mma.mma_reference`` from them, chained in fp32 in the device's order.
-
-The Python side then does what the opcodes' epilogues do per accumulator register: lane ``l``'s register ``i`` is
-(tile row ``mk_mma.acc_row(l, i)``, batch row ``mk_mma.acc_col(l, i)`` of the pass); rows past the box are dropped;
-the bf16 rounding points, GLU, residual / read-modify-write, fp32 logits and LM_HEAD's running arg-max (ties to
-the lowest id) follow the device code. Stores go into outputs poisoned with NaN, counting every store (an element
-stored twice or never is reported). The results are compared with the CPU interpreter's opcode reference
-(``kimik3.megakernel.interpreter``) under the kernel tolerance.
-
-What stays unexecuted (GPU only, small enough to read): the warp / lane indices, the shuffles of LM_HEAD's arg-max,
-shared memory and barriers, the RMSNorm prologue's ``rsqrt.approx`` (evaluated here in exact fp32).
-
-LM_HEAD's tensor-core tiles are switched off on the device for now (``mk_addr.LM_HEAD_MMA``: they make ptxas spill
-the batch-8 megakernels); its host run checks that path so it can be switched back on.
-
+The driver runs the lane-level helper ``device_fns.weight_tile_mma`` over every (tile, pass) work item and lane of an
+instruction in a compiled host function; in place of the ``mma.sync`` (which aborts on the host) its ``sink`` writes
+the registers out and ``mk_mma.mma_reference`` evaluates them. Python then replays the opcodes' epilogues per
+accumulator register into NaN-poisoned outputs, every store counted, and compares with the CPU interpreter's opcode
+reference. Entry points: ``run_gemv_op``, ``tile_registers`` / ``mma_tiles``, ``stage_for``, ``run_case``, ``main``.
 Run it in a subprocess when a helper may be mutated (``tests/test_host_exec_mk_gemv.py``).
+Design: docs/architecture.md#appendix-design-notes-by-room (``kernels/verify/host_exec_mk_gemv.py``).
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Host execution of the megakernel's MLA opcodes (``kernels/megakernel/mla.py``): MLA_Q, MLA_KV_APPEND, MLA_PARTIAL and
 MLA_REDUCE, one instruction at a time, on CPU tensors.
 
-The drivers below call the opcodes' own ``@cute.jit`` helpers (which chunk column and row group a lane owns in the
-W_UK absorption, what a lane loads and accumulates in every loop, the shared tile-GEMV helper
-``device_fns.weight_row_dot`` for the q_b and W_UV rows) over every warp task and lane of an instruction, inside
-compiled host functions, and hand back the per-lane partials. The Python side then does what the thin GPU layer
-does: the butterfly warp sums in the shuffle order (the absorption's partial butterfly over the row-group lane bits
-included), the online softmax of MLA_PARTIAL step by step in the kernel's order, the rstd / split weights, the bf16
-casts and the stores, into outputs poisoned with NaN first, counting every store (an element stored twice or never
-is reported). The result is compared with the reference math of the CPU interpreter
-(``kimik3.megakernel.interpreter``'s MLA opcodes) under the kernel tolerance.
-
-What stays unexecuted (GPU only, small enough to read): thread / warp indices, shuffles, shared memory and barriers,
-and the approximate ``rsqrt`` / ``ex2`` / ``rcp`` of the thin layer (evaluated here in exact fp32; the helpers that
-take an ``exp`` trace it exact on the host, see ``mk_mla._exp``).
-
-Run it in a subprocess when a helper may be mutated: a device-only instruction reached on the host aborts the
-process (``tests/test_host_exec_mk_mla.py``).
+The drivers call the opcodes' own ``@cute.jit`` helpers over every warp task and lane of an instruction inside
+compiled host functions; Python then does what the thin GPU layer does (butterfly warp sums in the shuffle order,
+MLA_PARTIAL's online softmax step by step, the bf16 casts and the stores into NaN-poisoned outputs, every store
+counted) and compares with the CPU interpreter's MLA opcodes under the kernel tolerance. Entry points:
+``run_mla_q``, ``run_mla_kv_append``, ``run_mla_partial``, ``run_mla_reduce``, ``run_case``, ``main``.
+Run it in a subprocess when a helper may be mutated (``tests/test_host_exec_mk_mla.py``).
+Design: docs/architecture.md#appendix-design-notes-by-room (``kernels/verify/host_exec_mk_mla.py``).
 """
 
 from __future__ import annotations

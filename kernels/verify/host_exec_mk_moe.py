@@ -2,21 +2,12 @@
 EXPERT_DOWN (``kernels/megakernel/moe.py``), dense or MXFP4, one instruction of a real program at a time (the program,
 its buffers and the comparison with the CPU interpreter: ``host_exec_mk.py``, ``host_exec_router.py``).
 
-The helpers the opcode calls decide which slot / expert / row / token / chunk a warp or lane handles and compute the
-per-lane partials; the drivers below call them over every warp and lane. The thin GPU layer is replayed in the
-kernel's order: the ROUTER's butterfly arg-max (through ``router.router_take``) and EXPERT_DOWN's warp sum inside
-the drivers (so that the opcode's own weighted fp32 combine runs on the sums), the ROUTER's ballot (built from the
-lanes' flags; each lane's slot by ``router.router_slot_of``) and the expert opcodes' slot-list prologue (the same
-ballot over ``moe.slot_take`` flags, ``slot_put`` / ``slot_end`` into a poisoned scratch) too, the other warp sums
-and the epilogues in Python. A program built with ``expert_format="mxfp4"`` (case key ``expert_format``) runs the
-kernel compiled with ``MKConfig.fp4``: the expert opcodes' tensor-core work items (16 rows x 8 tokens) against the
-interpreter's dequantise-then-dense bodies, on random codes and scales of a realistic range. Every lane's code runs
-as on the GPU (row and group addresses, code / scale / x loads, the decode to bf16x2, the x pair order, the fragment
-registers, the epilogues' (row, token) of each accumulator register); only ``mma.sync`` itself (warp-collective,
-device-only) is replaced: each lane's registers are recorded (``_MmaRecord``) and the mmas evaluated in program
-order by ``megakernel.mma.mma_reference`` (``_mma_steps``); EXPERT_DOWN's column shuffles are replayed by indexing
-the evaluated fragments. SiTU-GLU (approximate ``tanh`` / ``ex2`` on the GPU) is evaluated in exact fp32.
-"""
+The drivers call the opcodes' own ``@cute.jit`` helpers over every warp and lane and replay the thin GPU layer in the
+kernel's order: the ROUTER's butterfly (through ``common.device.argmax_take``) and ballot, the expert opcodes'
+slot-list prologue, EXPERT_DOWN's warp sums. MXFP4 programs run every lane's decode and fragment registers as on the
+GPU; only ``mma.sync`` is replaced: each lane's registers are recorded (``_MmaRecord``) and the mmas evaluated in
+program order by ``megakernel.mma.mma_reference``. SiTU-GLU (approximate ``tanh`` / ``ex2`` on the GPU) is evaluated
+in exact fp32. Design: ``docs/architecture.md`` (appendix: design notes by room, ``kernels/verify/``)."""
 
 from __future__ import annotations
 
@@ -48,7 +39,7 @@ def _bfly_sum(mP: cute.Tensor, mT: cute.Tensor) -> None:
 
 def _mk_router_host(M: ModuleType) -> Any:
     """Every warp's tokens (b = warp, warp + NW, ...) and lane of a ROUTER instruction: candidates, the k rounds of
-    lane best / butterfly (``M.router_take``, shuffle order) / retirement, the weights and lane 0's records."""
+    lane best / butterfly (``M.argmax_take``, shuffle order) / retirement, the weights and lane 0's records."""
     key = ("mk_router", M)
     if key in _DRIVERS:
         return _DRIVERS[key]
@@ -79,7 +70,7 @@ def _mk_router_host(M: ModuleType) -> Any:
                             mTi[lane] = mBi[lane]
                         for lane in cutlass.range(LANES):
                             o = lane ^ (Int32(16) >> off)
-                            if M.router_take(mTv[o], mTi[o], mTv[lane], mTi[lane]):
+                            if M.argmax_take(mTv[o], mTi[o], mTv[lane], mTi[lane]):
                                 mBv[lane] = mTv[o]
                                 mBi[lane] = mTi[o]
                     for lane in cutlass.range(LANES):

@@ -1,30 +1,13 @@
 """Host execution of the fused MLA decode kernels (``kernels/fused/mla_decode.py``): the same ``@cute.jit`` helpers the
 two GPU kernels call, run on CPU tensors over the blocks, warps and lanes of a real launch.
 
-``mla_split_kernel`` (grid: head groups x splits x sequences) is executed in two passes per group of blocks:
-
-1. every warp and lane of each block: its heads (``mla_warp_heads``), its split's cache positions
-   (``mla_split_range``, ``mla_row``), its q dims (``mla_load_q``), the TT rows of every step (``mla_load_rows``)
-   and its partial q·c dot per head and row (``mla_dot``); the loaded positions come back with the partials;
-2. the butterfly warp sum of those partials in the shuffle order (``host_exec.warp_sum``, in Python), then, per
-   lane, the kernel's step loop again with the warp-summed scores: the mask and running max (``mla_score``) and the
-   online softmax update (``mla_online_update``); the lane's (o, m, l) and its store addresses (``mla_o_chunk``)
-   come back and are stored in Python into partial buffers poisoned with NaN, every store counted.
-
-``mla_combine_kernel`` (grid: heads x sequences) runs ``mla_combine_thread`` and the column helper ``mla_out_col``
-per thread; the final multiply, bf16 cast and stores into the poisoned output are done in Python. ``ex2.approx`` and
-``max.f32`` are evaluated exactly on the host (``mla_decode._exp2`` / ``_fmax`` switch on ``_trace.host_trace``):
-they abort when executed there. The cache is given guard rows of NaN before and after every sequence's rows, so a
-read past the cache ends in poison instead of foreign memory; every position a split loads is also checked against
-the sequence length, and the positions attended are counted (each of a sequence's positions exactly once per head,
-over its splits).
-
-Checked against ``mla_decode.split_reference`` (the per-split partials, fp32 tolerance) and ``mla_decode.reference``
-(the full softmax, bf16 kernel tolerance). At ``k3-shard`` widths the CI runs the corner blocks (first and last two
-head groups, splits and sequences) with every lane in the dot pass and sampled lanes in the softmax pass.
-
-Executing device-only code on the host aborts the process: run mutants in a subprocess (``python -m
-kimik3.kernels.verify.host_exec_mla CASES.json``, see ``tests/test_host_exec_mla.py``).
+``mla_split_kernel`` runs in two passes per group of blocks (the dot pass, then the warp sum and the online softmax
+per lane), ``mla_combine_kernel`` per thread; Python does the stores into NaN-poisoned buffers, every store counted,
+with NaN guard rows around the cache and every attended position counted. Checked against
+``mla_decode.split_reference`` and ``mla_decode.reference``. Entry points: ``run_mla``, ``run_case``, ``main``.
+Device-only code aborts the process: run mutants in a subprocess (``python -m kimik3.kernels.verify.host_exec_mla
+CASES.json``, see ``tests/test_host_exec_mla.py``).
+Design: docs/architecture.md#appendix-design-notes-by-room (``kernels/verify/host_exec_mla.py``).
 """
 
 from __future__ import annotations

@@ -2,22 +2,12 @@
 (the command line): the same ``@cute.jit`` helpers the GPU code calls, run on CPU tensors over every block / warp /
 lane of a real launch (see ``host_exec``).
 
-* The fused router's ``topk_kernel`` (``router.py``): per lane the candidates (``topk_candidates``), the lane's
-  arg-max (``_local_argmax``), the retirement of the winner (``topk_retire``), grouped routing's group candidates
-  and mask (``topk_group_candidates``, ``topk_group_mask``) and the weight (``topk_weight``) run as the kernel calls
-  them; the butterfly arg-max across the warp (shuffles: GPU only) is replayed in the driver in
-  the shuffle order (offsets 16, 8, 4, 2, 1, every lane comparing with its partner ``lane ^ off`` through the
-  kernel's own tie-break ``argmax_take``), the renormalisation's warp sum in ``host_exec.warp_sum``'s order.
-* The megakernel's ROUTER, EXPERT_GATE_UP, EXPERT_DOWN and EMBED, ATTN_RES_MIX, ARGMAX, instruction by instruction
-  of a real program (``kimik3.megakernel.build_program``): the instructions of the opcode under test (their
-  producers by the interpreter first), each host-executed (the program and buffers on the host and the misc
-  opcodes: ``host_exec_mk.py``; the MoE opcodes: ``host_exec_mk_moe.py``) and its stores compared with the CPU
-  interpreter's body (``kimik3.megakernel.interpreter``) on the same input buffers.
-
-What the thin layer computes with approximate instructions (SiTU-GLU's ``tanh.approx`` / ``ex2.approx``, the
-AttnRes softmax) is evaluated here in exact fp32, as in ``host_exec``. Run in a subprocess when a helper may be
-mutated: a device-only instruction reached on the host aborts the process.
-"""
+The fused ``topk_kernel``'s per-lane helpers run as the kernel calls them; its butterfly is replayed in the shuffle
+order through the kernel's own comparison (``common.device.argmax_take``). The megakernel's ROUTER, expert and misc
+opcodes run instruction by instruction of a real program, each compared with the CPU interpreter's body on the same
+input buffers (``host_exec_mk.py``, ``host_exec_mk_moe.py``). Approximate instructions are evaluated in exact fp32.
+Run in a subprocess when a helper may be mutated: a device-only instruction reached on the host aborts the process.
+Design: ``docs/architecture.md`` (appendix: design notes by room, ``kernels/verify/host_exec_router.py``)."""
 
 from __future__ import annotations
 
@@ -31,8 +21,11 @@ from cutlass import Int32, const_expr
 from kimik3.kernels.fused import router as _router
 from kimik3.kernels.reference import router as _router_ref
 from kimik3.kernels.verify.host_exec import (
+    KERNELS,
     LANES,
+    SHARED_MODULES,
     HostRun,
+    _mutant_name,
     _Writes,
     case_result,
     cases_main,
@@ -280,9 +273,28 @@ def _run_mk_instruction(S: _MkSetup, v: int, mods: dict[str, ModuleType], run: H
                                 f"the interpreter, first {int(got[k])} vs {int(want[k])}")
 
 
-def _mk_case(case: dict[str, Any], mname: str | None, mod: ModuleType | None) -> tuple[HostRun, dict[str, float], str]:
+def _mk_mutants(mutant: list) -> dict[str, ModuleType]:
+    """The megakernel MoE modules a case's ``mutant`` replaces: a mutant of ``megakernel.router`` also reaches the
+    expert opcodes (their slot lists call its compaction, as on the GPU); a mutated shared module (``common.device``)
+    reaches both the ROUTER (its arg-max comparison) and the expert opcodes (the MXFP4 decode)."""
+    mname, reps = mutant
+    if mname in SHARED_MODULES:
+        _, router = load_case_mutant(mutant, "megakernel.router")
+        moe = load_mutant("megakernel.moe", [(f"from {KERNELS}.{mname} import", f"from {_mutant_name(mname)} import"),
+                                             (f"from {KERNELS}.megakernel.router import",
+                                              f"from {router.__name__} import")])
+        return {"megakernel.router": router, "megakernel.moe": moe}
+    mod = load_mutant(mname, [tuple(r) for r in reps])
+    if mname == "megakernel.router":
+        return {mname: mod, "megakernel.moe": load_mutant("megakernel.moe", [(
+            f"from {KERNELS}.megakernel.router import", f"from {mod.__name__} import")])}
+    return {mname: mod}
+
+
+def _mk_case(case: dict[str, Any], mutated: dict[str, ModuleType]) -> tuple[HostRun, dict[str, float], str]:
     """Every instruction of the opcode ``family`` = ``mk.<OPCODE>`` in a program (``layers``: only those layers),
-    with the producers it depends on (the ROUTER before the experts) run first on the host too."""
+    with the producers it depends on (the ROUTER before the experts) run first on the host too; ``mutated``: the
+    kernel modules replaced by planted-bug copies (:func:`_mk_mutants`)."""
     from kimik3.kernels.megakernel import misc as mk_misc
     from kimik3.kernels.megakernel import moe as mk_moe
     from kimik3.kernels.megakernel import router as mk_router
@@ -292,13 +304,9 @@ def _mk_case(case: dict[str, Any], mname: str | None, mod: ModuleType | None) ->
     if op not in MK_OPS and op not in groups:
         raise ValueError(f"run_case: unknown megakernel opcode {op!r}; expected one of {MK_OPS} or {list(groups)}")
     mods = {"megakernel.router": mk_router, "megakernel.moe": mk_moe, "megakernel.misc": mk_misc}
-    if mname is not None:
-        if mname not in mods:
-            raise ValueError(f"run_case: mutants of {', '.join(mods)} or common.device only, got {mname!r}")
-        mods[mname] = mod
-        if mname == "megakernel.router":  # the expert opcodes' slot lists call its compaction too, as on the GPU
-            mods["megakernel.moe"] = load_mutant("megakernel.moe", [(
-                "from kimik3.kernels.megakernel.router import", f"from {mod.__name__} import")])
+    if set(mutated) - set(mods):
+        raise ValueError(f"run_case: mutants of {', '.join(mods)} or common.device only, got {sorted(mutated)}")
+    mods.update(mutated)
     S = _MkSetup(case["preset"], int(case["batch"]), policy=case.get("policy", "critical_path"),
                  seed=int(case.get("seed", 0)), expert_format=case.get("expert_format", "dense"),
                  tiling=case.get("tiling"), arch=case.get("arch", "sm_90a"))
@@ -354,9 +362,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     family, preset, B = case["family"], case["preset"], int(case["batch"])
     mname, mod = None, None
-    if case.get("mutant"):
-        # a mutated common.device (the MXFP4 decode) reaches the megakernel through the expert opcodes' module
-        mname, mod = load_case_mutant(case["mutant"], "megakernel.moe" if family.startswith("mk.") else "fused.router")
+    if case.get("mutant") and not family.startswith("mk."):  # a mutated common.device reaches the router's copy
+        mname, mod = load_case_mutant(case["mutant"], "fused.router")
     if family in ("router", "router.ties"):
         shapes = registry.FAMILIES["router"].shapes(get_preset(preset), B)
         shapes.update(case.get("shapes", {}))
@@ -364,7 +371,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"run_case: router cases take mutants of fused.router or common.device, got {mname!r}")
         run, errors, tol = _router_case(case, shapes, mod)
     elif family.startswith("mk."):
-        run, errors, tol = _mk_case(case, mname, mod)
+        run, errors, tol = _mk_case(case, _mk_mutants(case["mutant"]) if case.get("mutant") else {})
     else:
         raise ValueError(f"run_case: unknown family {family!r}")
     return case_result(case, run, errors, tol, t0)

@@ -1,33 +1,12 @@
 """Lint compiled PTX for the synchronisation and streaming rules the device code relies on (no GPU needed).
 
 A wrong fence, a spin without back-off or a narrow weight copy compiles and passes every CPU test; on a GPU it is
-a rare hang, a stale read or a slow kernel. These rules read the PTX the DSL emitted (the code that will run) as a
-control-flow graph of basic blocks, so they hold on every path, not on the text order of one:
-
-* ``release-after-barrier`` — every counter signal (a global ``red``/``atom`` add) is a *release at GPU scope*, and on
-  every path to it a CTA barrier follows the last global write: the one thread that signals publishes the whole
-  CTA's output, so all of it must be ordered before the release.
-* ``acquire-spin`` — every loop that polls global memory with an ordered load (acquire/relaxed/volatile) spins on an
-  acquire load at GPU scope (so the consumer's later reads see the producer's writes) and backs off (``nanosleep``)
-  instead of hammering the memory system.
-* ``occupancy`` — registers x threads and shared memory leave room for ``ceil(grid / SMs)`` CTAs per SM; a
-  persistent kernel whose CTAs are not all resident deadlocks on its own counters.
-* ``cooperative-launch`` — the host launch of a persistent kernel asks for a cooperative launch (which fails instead
-  of under-scheduling when the grid cannot be co-resident).
-* ``wide-weight-copies`` — asynchronous global→shared copies move 16 bytes each (``cp.async.cg ... 16``): a narrower
-  copy needs 2-4x the instructions for the same bytes in flight.
-* ``no-scalar-load-loop`` — no hot loop issues a single scalar global load per iteration: a loop (a back edge of the
-  CFG, every back edge to the same header taken together, nested loops included in the body) whose body holds
-  exactly one ``ld.*.global`` and that load is narrower than 16 bytes and not a vector of 32-bit or wider elements
-  (``.b8/.u16/.b32/.f32/.b64`` and the like; ``.v2.b32``, ``.v4.b32``, ``.v2.b64`` pass) keeps one load in flight
-  per thread per trip: a loop of dependent memory round trips, latency-bound whatever the bandwidth. "Hot" means
-  every loop except a wait spin: a loop that polls with an ordered load (``ld.acquire/relaxed/volatile``) or backs
-  off with ``nanosleep`` waits for another CTA by design (``acquire-spin`` governs it). Loads through the generic
-  state space (``ld`` without ``.global``) are not counted: the device code addresses global memory through
-  ``.global`` pointers (``gflat`` / ``gchunks``). With ``CUTE_DSL_LINEINFO=1`` the PTX carries ``.loc`` lines and
-  the message names the source line of the load.
-
+a rare hang, a stale read or a slow kernel. The rules read the emitted PTX as a control-flow graph of basic blocks
+(:func:`parse_blocks`, :func:`natural_loops`), so they hold on every path: ``release-after-barrier``,
+``acquire-spin``, ``occupancy``, ``cooperative-launch``, ``wide-weight-copies`` and ``no-scalar-load-loop``.
 Each rule returns a list of human-readable violations (empty = pass); :func:`lint` runs them all.
+Design (what each rule checks, and why): docs/architecture.md#appendix-design-notes-by-room
+(``kernels/verify/ptx_lint.py``).
 """
 
 from __future__ import annotations

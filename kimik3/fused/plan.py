@@ -12,10 +12,8 @@ Design: docs/architecture.md (map: one decode step, end to end; how to add a ker
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,8 +36,7 @@ from kimik3.kernels.contracts.meta import (
 from kimik3.kernels.contracts.meta import RMS_EPS as GEMV_RMS_EPS
 from kimik3.kernels.toolchain.loader import norm_shapes
 from kimik3.kernels.toolchain.registry import FAMILIES as _REGISTRY_FAMILIES
-from kimik3.kernels.toolchain.registry import MLA_CONTEXT, Budget
-from kimik3.kernels.toolchain.source import OPS
+from kimik3.kernels.toolchain.registry import MLA_CONTEXT, Budget, KernelVariant
 from kimik3.model.config import ModelConfig, get_preset
 from kimik3.model.modeling import KDAState, KimiForCausalLM, acc_dtype, f32, rms_norm
 from kimik3.model.quant import experts_mxfp4
@@ -63,19 +60,12 @@ FAMILY_MODULES: dict[str, tuple[str, str]] = {
 
 
 @dataclass(frozen=True)
-class FusedOp:
+class FusedOp(KernelVariant):
     """One compiled op at static shapes: what the JIT compiles, a prebuilt directory ships, and a launch calls.
 
-    Duck-types :class:`kimik3.kernels.toolchain.registry.KernelVariant` (name, family, module, variant, shapes, runtime,
-    budget, archs, compile) so :func:`kimik3.kernels.toolchain.prebuilt.build_prebuilt` can export it unchanged.
+    A :class:`~kimik3.kernels.toolchain.registry.KernelVariant` (so ``toolchain.prebuilt.build_prebuilt`` exports it
+    unchanged) whose family may also be the per-head GEMV op (``moe.heads``), named by its shapes.
     """
-
-    family: str
-    preset: str
-    batch: int
-    shape_items: tuple[tuple[str, Any], ...]
-    runtime_items: tuple[tuple[str, Any], ...] = ()
-    ci: bool = False
 
     @property
     def module_name(self) -> str:
@@ -84,14 +74,6 @@ class FusedOp:
     @property
     def variant(self) -> str:
         return FAMILY_MODULES[self.family][1]
-
-    @property
-    def shapes(self) -> dict[str, Any]:
-        return dict(self.shape_items)
-
-    @property
-    def runtime(self) -> dict[str, Any]:
-        return dict(self.runtime_items)
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -111,10 +93,6 @@ class FusedOp:
     def budget(self) -> Budget:
         fam = _REGISTRY_FAMILIES.get(self.family)
         return fam.budget if fam is not None else Budget(max_registers=128)
-
-    @property
-    def module(self) -> ModuleType:
-        return importlib.import_module(f"kimik3.kernels.{OPS[self.module_name]}")
 
     def compile(self, arch: str, **kw: Any) -> Any:
         """A fresh compile of this op (needs the CuTe DSL; no GPU)."""
