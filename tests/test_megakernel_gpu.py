@@ -135,7 +135,10 @@ def test_timings_cover_every_instruction_and_steps_are_deterministic(pairs) -> N
     a = runner.run_step(ids, lens).clone()
     t = runner.timings()
     assert t.shape == (runner.n, 3) and (t[:, 0] > 0).all() and (t[:, 1] >= t[:, 0]).all()
-    assert ((t[:, 2] >= 0) & (t[:, 2] < torch.cuda.get_device_properties(0).multi_processor_count)).all()
+    # %smid is an SM identifier, not an index: PTX promises 0 <= %smid < %nsmid, and %nsmid may exceed the SM count
+    # (ids need not be contiguous). One CTA per SM: the launch's distinct ids are at most the SM count.
+    sms = t[:, 2].unique()
+    assert (sms >= 0).all() and len(sms) <= torch.cuda.get_device_properties(0).multi_processor_count
     tl = runner.timeline()
     assert len(tl) == runner.n and tl["start_ns"].min() == 0
     assert torch.isfinite(a).all()
