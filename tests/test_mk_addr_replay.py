@@ -152,8 +152,13 @@ def test_mutated_lines_are_the_ones_the_device_code_calls() -> None:
     assert {"expert_row_offset", "fp4_row_offsets"} <= {n.strip() for n in moe_import.split(",")}
     assert "from kimik3.kernels.contracts.addr import elem_offset\n" in operands
     assert len(re.findall(r"\btile_rows\(", gemv)) == 5  # NORM_PROJ, MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD
-    # the tensor-core path's tiles (every opcode but FFN_OUT in op_*, FFN_OUT's in _ffn_out_mma) and its item order
-    assert gemv.count("mk_addr.gemv_tiles(n, TR)") == 5 and gemv.count("mk_addr.gemv_item(k, nt, NBT)") == 5
+    # the tensor-core path's tiles and both paths' item order are written once, in _for_items, and every GEMV
+    # opcode's work items go through it
+    assert gemv.count("mk_addr.gemv_tiles(n, TR)") == 1 and gemv.count("mk_addr.gemv_item(k, nt, NBT)") == 1
+    assert gemv.count("mk_addr.gemv_item(k, n, NBT)") == 1 and gemv.count("\ndef _for_items(") == 1
+    ops = {b.split("(", 1)[0]: b for b in gemv.split("\ndef ")[1:] if b.startswith("op_")}
+    assert sorted(ops) == ["op_ffn_out", "op_lm_head", "op_mlp_gate_up", "op_norm_proj", "op_o_proj_residual"]
+    assert all("_for_items(ctx, n, " in body for body in ops.values())
     assert "mk_addr.gemv_tile_rows(BT)" in gemv
     # LM_HEAD's path is one switch that the device code and the replay (lm_head_tile_rows) both read
     assert "if const_expr(MMA and mk_addr.LM_HEAD_MMA):" in gemv
