@@ -278,17 +278,16 @@ def _mk_mutants(mutant: list) -> dict[str, ModuleType]:
     expert opcodes (their slot lists call its compaction, as on the GPU); a mutated shared module (``common.device``)
     reaches both the ROUTER (its arg-max comparison) and the expert opcodes (the MXFP4 decode)."""
     mname, reps = mutant
-    if mname in SHARED_MODULES:
+    if mname in SHARED_MODULES:  # the router's copy imports the mutated module; so must the experts' copy
         _, router = load_case_mutant(mutant, "megakernel.router")
-        moe = load_mutant("megakernel.moe", [(f"from {KERNELS}.{mname} import", f"from {_mutant_name(mname)} import"),
-                                             (f"from {KERNELS}.megakernel.router import",
-                                              f"from {router.__name__} import")])
-        return {"megakernel.router": router, "megakernel.moe": moe}
-    mod = load_mutant(mname, [tuple(r) for r in reps])
-    if mname == "megakernel.router":
-        return {mname: mod, "megakernel.moe": load_mutant("megakernel.moe", [(
-            f"from {KERNELS}.megakernel.router import", f"from {mod.__name__} import")])}
-    return {mname: mod}
+        moe_reps = [(f"from {KERNELS}.{mname} import", f"from {_mutant_name(mname)} import")]
+    elif mname == "megakernel.router":
+        router, moe_reps = load_mutant(mname, [tuple(r) for r in reps]), []
+    else:
+        return {mname: load_mutant(mname, [tuple(r) for r in reps])}
+    moe = load_mutant("megakernel.moe", [*moe_reps, (f"from {KERNELS}.megakernel.router import",
+                                                     f"from {router.__name__} import")])
+    return {"megakernel.router": router, "megakernel.moe": moe}
 
 
 def _mk_case(case: dict[str, Any], mutated: dict[str, ModuleType]) -> tuple[HostRun, dict[str, float], str]:
