@@ -217,11 +217,12 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
                                        for b, m in zip(df.batch, df.get("ms_per_token"))]
     if checkpoint is None and len(df) and df.stage.isin(["fused", "megakernel"]).any():
         # the GPU performance model (kimik3.perfmodel.CURRENT_DESIGN, H200 constants) beside the measurement: a
-        # model, not a measurement
+        # model, not a measurement; min / max: its range (the uncertain constants at their optimistic / pessimistic
+        # ends)
         from kimik3.perfmodel import model_columns
 
         extra = [model_columns(source, s, int(b), context) for s, b in zip(df.stage, df.batch)]
-        for k in ("model_ms", "model_roofline_ms", "model_note"):
+        for k in ("model_ms", "model_ms_min", "model_ms_max", "model_roofline_ms", "model_note"):
             if any(k in e for e in extra):
                 df[k] = [e.get(k) for e in extra]
     if out is not None:
@@ -274,7 +275,8 @@ def check_bench_args(stages: list[str] | tuple[str, ...], batches: list[int] | t
 
 
 COLUMNS = ["stage", "batch", "ms_per_token", "ms_min", "ms_max", "tokens_per_s", "gb_per_s", "pct_read_bw",
-           "speedup_vs_naive", "speedup_vs_compiled", "rel_err_vs_naive", "model_ms", "model_roofline_ms", "status"]
+           "speedup_vs_naive", "speedup_vs_compiled", "rel_err_vs_naive", "model_ms", "model_ms_min", "model_ms_max",
+           "model_roofline_ms", "status"]
 
 
 def strongest_compile_options(device: str) -> dict:

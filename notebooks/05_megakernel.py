@@ -340,11 +340,18 @@ if native is not None:
 # program carries the codes and scales, its expert opcodes decode them; the roofline then moves MXFP4 bytes). Same
 # command-line view: `python -m kimik3 predict --preset k3-shard --stage megakernel --batch 1 --json` (`--experts
 # mxfp4`, `--design v1` for the record).
+#
+# Every score of today's design also comes with a range — the same step with the constants the model is least sure
+# of (HBM latency under load, the share of the design's loads really in flight, the read efficiency, the
+# signal-to-acquire latency, the L1 left beside the shared memory: each `range` in `data/perf/constants.json` says
+# why its bounds) all at their optimistic ends, then all at their pessimistic ends, against the same roofline: the
+# two range columns below and the bars on the ladder plot at the end; a device check's measured
+# `data/measurements/constants-h200.json` (`predict --measured`) replaces the recalled values and their ranges.
 
 # %%
 import json
 
-from kimik3.perfmodel import PERF_DIR, load_constants
+from kimik3.perfmodel import PERF_DIR, load_constants, predict
 from kimik3.perfmodel import roofline_ms as model_roofline_ms
 
 PC = load_constants()
@@ -368,6 +375,13 @@ def measured_ms(st: str, b: int) -> float:
 
 scores["measured ms"] = [measured_ms(st, b) if d == CURRENT_DESIGN and e == "bf16" else float("nan")
                          for st, b, e, d in scores.index]
+# the range of today's design (bf16 experts), computed on the fly: the committed files hold the point scores only
+ranged = {(st, b): predict(SHARD, st, b, CURRENT_DESIGN, constants=PC) for st in ("megakernel", "fused")
+          for b in (1, 8, 64)}
+for i, col in enumerate(("% of roofline, pessimistic", "% of roofline, optimistic")):
+    scores[col] = [100 * ranged[(st, b)]["fraction_of_roofline_range"][i]
+                   if d == CURRENT_DESIGN and e == "bf16" and (st, b) in ranged else float("nan")
+                   for st, b, e, d in scores.index]
 print(f"roofline = step bytes / achievable HBM read bandwidth ({PC.achievable_Bps / 1e12:.2f} TB/s); "
       f"measured ({CURRENT_DESIGN}, today's kernels): NaN until a GPU run records it")
 display(scores.round(3))
@@ -429,8 +443,8 @@ for spec in pessimist["megakernel"]["opcodes"].values():
     for r in spec.get("rereads", []):
         if "gbt * row_bytes" in str(r["footprint"]):
             r["footprint"] = "1e30"  # never fits: served by L2
-print("batch 8 with every GEMV x re-read from L2:",
-      f"{100 * predict(SHARD, 'megakernel', 8, CURRENT_DESIGN, constants=PC)['fraction_of_roofline']:.1f}% ->",
+point8 = predict(SHARD, "megakernel", 8, CURRENT_DESIGN, constants=PC, ranges=False)["fraction_of_roofline"]
+print("batch 8 with every GEMV x re-read from L2:", f"{100 * point8:.1f}% ->",
       f"{100 * _pess_fraction(pessimist):.1f}% of the roofline")
 fig
 
@@ -452,7 +466,7 @@ fig
 rows, parts = [], []
 for b in (1, 8):
     for e in ("bf16", "mxfp4"):
-        r = predict(SHARD, "megakernel", b, CURRENT_DESIGN, constants=PC, experts=e)
+        r = predict(SHARD, "megakernel", b, CURRENT_DESIGN, constants=PC, experts=e, ranges=False)
         rows.append({"batch": b, "experts": e, "model ms": r["predicted_ms"], "roofline ms": r["roofline_ms"],
                      "% of roofline": 100 * r["fraction_of_roofline"]})
         t, _ = megakernel_model(SHARD, b, CURRENT_DESIGN, PC, experts=e)
@@ -566,9 +580,9 @@ else:
 # ## The ladder on the roofline
 #
 # The whole step at its bandwidth bound on an H200, the megakernel's simple cost-model simulation and the calibrated
-# model's prediction for the fused and megakernel stages (models, not measurements), and every recorded GPU step time
-# in `data/measurements/` (labelled with date and commit). Stages without a recorded GPU time are listed as *not yet
-# measured*.
+# model's prediction for the fused and megakernel stages (models, not measurements; the bars span each prediction's
+# range, optimistic to pessimistic constants), and every recorded GPU step time in `data/measurements/` (labelled with
+# date and commit). Stages without a recorded GPU time are listed as *not yet measured*.
 
 # %%
 LADDER = ["naive", "absorbed", "graphs", "compiled", "fused", "megakernel"]
@@ -590,6 +604,15 @@ for st in LADDER:
 display(pd.DataFrame(rows).set_index("stage"))
 fig = roofline_figure(pts, hardware=["h200"], compute_dtypes=("bf16",), recorded=True,
                       title=f"{SHARD}, B=1: the step on the H200 roofline")
+for k, st in enumerate(("megakernel", "fused")):  # the model's range: same FLOPs, optimistic .. pessimistic time
+    fast_ms, slow_ms = ranged[(st, 1)]["predicted_ms_range"]
+    y = cost.total_flops / (ranged[(st, 1)]["predicted_ms"] / 1e3)
+    x = cost.total_flops / cost.total_bytes * (1.04 if k else 1 / 1.04)  # side by side: both share one intensity
+    fig.add_trace(go.Scatter(x=[x], y=[y], mode="markers", marker=dict(size=5, color="gray"),
+                             error_y=dict(type="data", symmetric=False, array=[cost.total_flops / (fast_ms / 1e3) - y],
+                                          arrayminus=[y - cost.total_flops / (slow_ms / 1e3)]),
+                             name=f"{st} (calibrated model {CURRENT_DESIGN}): range", hovertemplate=(
+                                 f"{st}: {fast_ms:.3f}–{slow_ms:.3f} ms (model range)<extra></extra>")))
 save_html(fig, out / "roofline_ladder.html")
 print(sorted(p.name for p in out.glob("*.html")))
 fig

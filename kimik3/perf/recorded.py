@@ -29,6 +29,8 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 PUBLISHED_JSON = _REPO_ROOT / "data" / "published.json"
 
 
+MEASURED_CONSTANTS_PREFIX = "constants-"  # data/measurements/constants-<hw>.json: the device's model constants
+
 def resolve_data_path(path: str | Path) -> Path:
     """``path`` as given if it exists (relative to the working directory), else relative to the repository root,
     so notebooks run from ``notebooks/`` and scripts run from the root find the same ``data/``."""
@@ -58,6 +60,8 @@ def load_recorded(dir: str | Path = "data/measurements") -> pd.DataFrame:
     folder = resolve_data_path(dir)
     rows: list[dict] = []
     for file in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        if file.name.startswith(MEASURED_CONSTANTS_PREFIX):  # not timings: kimik3.perfmodel.measured reads them
+            continue
         try:
             raw = json.loads(file.read_text())
         except json.JSONDecodeError as e:

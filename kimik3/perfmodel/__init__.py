@@ -140,18 +140,9 @@ def _check(preset: str, stage: str, batch: int, context_len: int, experts: str =
     get_preset(preset)  # a clear ValueError for an unknown preset
 
 
-def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1, design: str = CURRENT_DESIGN,
-            context_len: int = 4096, constants: Constants | None = None, experts: str = "bf16") -> dict[str, Any]:
-    """``{"predicted_ms", "roofline_ms", "fraction_of_roofline", "by_opcode", ...}`` for one step with the routed
-    experts stored as ``experts`` ("bf16" or "mxfp4"; the roofline moves the same format's bytes).
-
-    ``by_opcode``: megakernel — per opcode the instruction count, mean and summed modelled time (start stamp to
-    end stamp, the span the kernel's timing buffer records) and what limits most of them; fused — the same per
-    kernel family."""
-    _check(preset, stage, batch, context_len, experts)
-    c = constants or load_constants()
-    d = load_design(design)
-    roof = roofline_ms(preset, batch, context_len, c, experts)
+def _step(preset: str, stage: str, batch: int, d: dict[str, Any], c: Constants, context_len: int, experts: str
+          ) -> tuple[float, dict[str, Any], dict[str, Any]]:
+    """(step ms, by opcode / kernel family, stage-specific extras) under one set of constants."""
     if stage == "megakernel":
         times, tl = megakernel_model(preset, batch, d, c, context_len, experts=experts)
         span = float(tl["end_ns"].max())
@@ -163,20 +154,45 @@ def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1,
             by[op] = {"count": int(len(g)), "mean_us": round(float(g["model_us"].mean()), 3),
                       "total_us": round(float(g["model_us"].sum()), 3),
                       "limited_by": str(g["limited_by"].mode().iloc[0])}
-        extra = {"makespan_ms": span / 1e6, "instructions": int(len(tl))}
-    else:
-        ft = fused_times(preset, batch, d, c, context_len, expert_format=experts)
-        predicted = float(ft["ns"].sum()) / 1e6
-        by = {}
-        for fam, g in ft.groupby("family", sort=False):
-            by[fam] = {"count": int(len(g)), "mean_us": round(float(g["ns"].mean() / 1e3), 3),
-                       "total_us": round(float(g["ns"].sum() / 1e3), 3),
-                       "limited_by": str(g["limited_by"].mode().iloc[0])}
-        extra = {"kernels": int(len(ft))}
-    return {"preset": preset, "stage": stage, "batch": batch, "context": context_len, "design": d["name"],
-            "experts": experts, "predicted_ms": round(predicted, 6), "roofline_ms": round(roof, 6),
-            "fraction_of_roofline": round(roof / predicted, 4), "by_opcode": by,
-            "ceiling_Bps": c.achievable_Bps, "label": "model (not a measurement)", **extra}
+        return predicted, by, {"makespan_ms": span / 1e6, "instructions": int(len(tl))}
+    ft = fused_times(preset, batch, d, c, context_len, expert_format=experts)
+    by = {}
+    for fam, g in ft.groupby("family", sort=False):
+        by[fam] = {"count": int(len(g)), "mean_us": round(float(g["ns"].mean() / 1e3), 3),
+                   "total_us": round(float(g["ns"].sum() / 1e3), 3),
+                   "limited_by": str(g["limited_by"].mode().iloc[0])}
+    return float(ft["ns"].sum()) / 1e6, by, {"kernels": int(len(ft))}
+
+
+def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1, design: str = CURRENT_DESIGN,
+            context_len: int = 4096, constants: Constants | None = None, experts: str = "bf16",
+            ranges: bool = True) -> dict[str, Any]:
+    """``{"predicted_ms", "roofline_ms", "fraction_of_roofline", "by_opcode", ...}`` for one step with the routed
+    experts stored as ``experts`` ("bf16" or "mxfp4"; the roofline moves the same format's bytes).
+
+    ``by_opcode``: megakernel — per opcode the instruction count, mean and summed modelled time (start stamp to
+    end stamp, the span the kernel's timing buffer records) and what limits most of them; fused — the same per
+    kernel family. ``ranges``: also ``predicted_ms_range`` ([optimistic, pessimistic] ms: every ranged constant at
+    its fast end, then at its slow end) and ``fraction_of_roofline_range`` ([pessimistic, optimistic], of the same
+    roofline as the point), with the corner values in ``range_constants``. ``constants_measured`` /
+    ``constants_recalled``: which constants a measured file set and which are still constants.json's."""
+    _check(preset, stage, batch, context_len, experts)
+    c = constants or load_constants()
+    d = load_design(design)
+    roof = roofline_ms(preset, batch, context_len, c, experts)
+    predicted, by, extra = _step(preset, stage, batch, d, c, context_len, experts)
+    out = {"preset": preset, "stage": stage, "batch": batch, "context": context_len, "design": d["name"],
+           "experts": experts, "predicted_ms": round(predicted, 6), "roofline_ms": round(roof, 6),
+           "fraction_of_roofline": round(roof / predicted, 4), "by_opcode": by,
+           "ceiling_Bps": c.achievable_Bps, "label": "model (not a measurement)", **extra}
+    if ranges:
+        corners = {w: c.corner(w) for w in ("optimistic", "pessimistic")}
+        ms = {w: _step(preset, stage, batch, d, k, context_len, experts)[0] if c.ranges else predicted
+              for w, k in corners.items()}
+        out.update(predicted_ms_range=[round(ms["optimistic"], 6), round(ms["pessimistic"], 6)],
+                   fraction_of_roofline_range=[round(roof / ms["pessimistic"], 4), round(roof / ms["optimistic"], 4)],
+                   range_constants={k: {w: corners[w].values[k] for w in corners} for k in sorted(c.ranges)})
+    return {**out, **c.provenance()}
 
 
 def compare_designs(preset: str = "k3-shard", batch: int = 1, designs: tuple[str, ...] | None = None,
@@ -208,16 +224,19 @@ def compare_designs(preset: str = "k3-shard", batch: int = 1, designs: tuple[str
 
 
 def model_columns(preset: str, stage: str, batch: int, context_len: int) -> dict[str, Any]:
-    """Bench columns for a modelled stage: ``model_ms`` (the current design on an H200, a model, not a measurement) and
-    ``model_roofline_ms``; empty for stages the model does not cover, ``model_note`` when the preset is not
-    modelled (say why, do not guess)."""
+    """Bench columns for a modelled stage: ``model_ms`` (the current design on an H200, a model, not a measurement),
+    its range ``model_ms_min`` / ``model_ms_max`` (optimistic / pessimistic constants) and ``model_roofline_ms``;
+    empty for stages the model does not cover, ``model_note`` when the preset is not modelled (say why, do not
+    guess)."""
     if stage not in STAGES:
         return {}
     try:
         r = predict(preset, stage, batch, CURRENT_DESIGN, max(1, min(int(context_len), 4096)))
     except (ValueError, AssertionError) as e:
         return {"model_note": f"not modelled: {e}"}
-    return {"model_ms": r["predicted_ms"], "model_roofline_ms": r["roofline_ms"]}
+    lo, hi = r["predicted_ms_range"]
+    return {"model_ms": r["predicted_ms"], "model_ms_min": lo, "model_ms_max": hi,
+            "model_roofline_ms": r["roofline_ms"]}
 
 
 def compare_opcodes(times: pd.DataFrame | None, model_timeline: pd.DataFrame, measured: pd.DataFrame
@@ -290,7 +309,8 @@ def design_expert_formats(design: str | dict[str, Any]) -> tuple[str, ...]:
 def scores(design: str = CURRENT_DESIGN, preset: str = "k3-shard", batches: tuple[int, ...] = (1, 8, 64),
            context_len: int = 4096) -> dict[str, Any]:
     """The committed score table of a design (``data/perf/scores-<design>.json``): every stage and batch, for each
-    expert format the design describes."""
+    expert format the design describes; point values of ``data/perf/constants.json`` only (ranges are computed
+    on the fly by :func:`predict`)."""
     c = load_constants()
     out: dict[str, Any] = {"design": design, "preset": preset, "context": context_len,
                            "constants": str((PERF_DIR / "constants.json").relative_to(PERF_DIR.parents[1])),
@@ -298,7 +318,10 @@ def scores(design: str = CURRENT_DESIGN, preset: str = "k3-shard", batches: tupl
     for experts in design_expert_formats(design):
         for stage in STAGES:
             for b in batches:
-                out["results"].append(predict(preset, stage, b, design, context_len, c, experts))
+                r = predict(preset, stage, b, design, context_len, c, experts, ranges=False)
+                for k in c.provenance():  # the table names its one constants file above
+                    r.pop(k)
+                out["results"].append(r)
     return out
 
 

@@ -1,5 +1,7 @@
 """``python -m kimik3 predict``: the performance model's step time for a stage, batch and design (a model, not a
-measurement)."""
+measurement), with its range: the same step with every uncertain constant of data/perf/constants.json (those with a
+"range") at its optimistic end, then at its pessimistic end; fractions are of the same roofline as the point
+(docs/architecture.md, appendix "perfmodel: one instruction's time")."""
 
 from __future__ import annotations
 
@@ -27,20 +29,46 @@ def main(argv: list[str] | None = None) -> int:
                     help="how the routed experts are stored (mxfp4: the K3 release's format); the roofline moves the "
                          "same bytes")
     ap.add_argument("--context", type=positive_int, default=4096, help="cached tokens per sequence (<= 4096)")
+    ap.add_argument("--measured", default=None, metavar="PATH",
+                    help="score with measured constants: a device check's data/measurements/constants-<hardware>.json "
+                         "laid over data/perf/constants.json (each measured value replaces the point, its spread the "
+                         "range). Without it only data/perf/constants.json is used, as for the committed scores, even "
+                         "when such a file exists (a note says so)")
     ap.add_argument("--json", action="store_true", help="print the full result as JSON")
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        r = predict(a.preset, a.stage, a.batch, a.design, a.context, experts=a.experts)
+        consts = None
+        if a.measured is not None:
+            from kimik3.perfmodel.measured import measured_constants
+
+            consts = measured_constants(a.measured)
+        else:
+            from kimik3.perfmodel.data import load_constants
+            from kimik3.perfmodel.measured import measured_path
+
+            found = measured_path(load_constants().hardware)
+            if found.exists():
+                print(f"predict: note: {found} exists; scoring with data/perf/constants.json only "
+                      f"(--measured {found} uses it)", file=sys.stderr)
+        r = predict(a.preset, a.stage, a.batch, a.design, a.context, constants=consts, experts=a.experts)
     except ValueError as e:
         print(f"predict: {e}", file=sys.stderr)
         return 2
     if a.json:
         print(json.dumps(r, indent=1))
     else:
+        lo_ms, hi_ms = r["predicted_ms_range"]
+        lo_f, hi_f = r["fraction_of_roofline_range"]
         print(f"{a.preset} {a.stage} batch {a.batch} experts {a.experts} design {r['design']} "
               "(model, not a measurement): "
-              f"{r['predicted_ms']:.3f} ms vs roofline {r['roofline_ms']:.3f} ms "
-              f"({100 * r['fraction_of_roofline']:.1f}% of the achievable-bandwidth roofline)")
+              f"{r['predicted_ms']:.3f} ms ({lo_ms:.3f}–{hi_ms:.3f}) vs roofline {r['roofline_ms']:.3f} ms: "
+              f"{r['fraction_of_roofline']:.3f} ({lo_f:.3f}–{hi_f:.3f}) of the achievable-bandwidth roofline")
+        corners = ", ".join(f"{k} {v['optimistic']:g}..{v['pessimistic']:g}" for k, v in r["range_constants"].items())
+        print(f"  range: optimistic..pessimistic {corners or '(no ranged constants)'}")
+        for k, how in r["constants_measured"].items():
+            print(f"  measured {k}: {how}")
+        print(f"  {len(r['constants_recalled'])} constants still datasheet / recalled (data/perf/constants.json)"
+              + ("" if r["constants_measured"] else ": none measured"))
         for op, v in sorted(r["by_opcode"].items(), key=lambda kv: -kv[1]["total_us"]):
             print(f"  {op:18s} {v['count']:5d} x {v['mean_us']:10.2f} us = {v['total_us']:12.1f} us  "
                   f"({v['limited_by']})")

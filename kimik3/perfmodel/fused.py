@@ -109,8 +109,8 @@ def fused_times(preset: str, batch: int, design: dict[str, Any], consts: Constan
                                     consts.registers_per_sm // (threads * alloc)))
             active = min(float(S), ctas)
             per_sm = min(resident, math.ceil(ctas / S))
-            inflight = per_sm * threads * loads * width
-            bw = min(active * min(inflight / (lat * 1e-9), consts.sm_max_Bps), consts.achievable_Bps)
+            inflight = consts.inflight(per_sm * threads * loads * width)
+            bw = min(active * min(consts.rate_Bps(inflight, lat), consts.sm_max_Bps), consts.achievable_Bps)
             b = share * nbytes
             mem = lat + b / bw * 1e9 if b > 0 else lat
             fma = share * flops / 2 * evaluate(spec.get("issue_per_fma", 1.0), env) / (

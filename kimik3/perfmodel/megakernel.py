@@ -42,15 +42,17 @@ def _bt(B: int) -> int:
     return max(d for d in range(1, min(B, 4) + 1) if B % d == 0)
 
 
-def stream_ns(nbytes: float, inflight: float, latency_ns: float, cap_Bps: float) -> float:
+def stream_ns(nbytes: float, inflight: float, latency_ns: float, cap_Bps: float, rate_Bps: float | None = None
+              ) -> float:
     """Time to move ``nbytes`` with ``inflight`` bytes outstanding (Little's law) at ``latency_ns``, capped at
     ``cap_Bps``: the first window costs one latency plus its transfer at the cap, every later byte flows at
-    ``min(inflight / latency, cap)``. Continuous in ``nbytes``; 0 for nothing."""
+    ``min(inflight / latency, cap)`` (``rate_Bps`` in place of ``inflight / latency``: a measured relation,
+    :meth:`Constants.rate_Bps`). Continuous in ``nbytes``; 0 for nothing."""
     if nbytes <= 0:
         return 0.0
     if inflight <= 0:
         raise ValueError("a stream with bytes to move needs bytes in flight")
-    rate = min(inflight / (latency_ns * 1e-9), cap_Bps)
+    rate = min(inflight / (latency_ns * 1e-9) if rate_Bps is None else rate_Bps, cap_Bps)
     first = min(nbytes, inflight)
     return latency_ns + first / cap_Bps * 1e9 + max(0.0, nbytes - inflight) / rate * 1e9
 
@@ -175,7 +177,7 @@ def instruction_times(program: Program, design: dict[str, Any], consts: Constant
     shared = field(mk.get("shared_bytes", {"value": {}}))
     smem = float(shared.get(str(program.batch), max(shared.values(), default=0))) if isinstance(shared, dict) \
         else float(shared)
-    l1_free = max(0.0, consts.l1_capacity_bytes - smem)
+    l1_free = max(0.0, consts.l1_capacity_bytes - smem) * consts.l1_free_fraction
     share = consts.sm_share_Bps
     lat = consts.hbm_latency_ns
     rows = []
@@ -197,8 +199,8 @@ def instruction_times(program: Program, design: dict[str, Any], consts: Constant
         fetch = evaluate(field(mk["fetch_round_trips_hbm"]), env) * lat + \
             evaluate(field(mk["fetch_round_trips_l2"]), env) * consts.l2_latency_ns
         stage = stream_ns(staged, staged, lat, share)
-        waits = evaluate(field(mk["wait_round_trips_l2"]), env) * consts.l2_latency_ns
-        signal = evaluate(field(mk["signal_round_trips_l2"]), env) * consts.l2_latency_ns
+        waits = evaluate(field(mk["wait_round_trips_l2"]), env) * consts.sync_round_trip_ns
+        signal = evaluate(field(mk["signal_round_trips_l2"]), env) * consts.sync_round_trip_ns
         barriers = (evaluate(field(mk["barriers"]), env) + evaluate(spec.get("barriers", 0), env)) * consts.barrier_ns
         hbm_ns = 0.0
         left_staged = staged
@@ -208,8 +210,9 @@ def instruction_times(program: Program, design: dict[str, Any], consts: Constant
                 take = min(left_staged, nbytes)  # the staged rows are read from shared memory
                 nbytes -= take
                 left_staged -= take
-            inflight = evaluate(s["threads"], env) * evaluate(s["loads"], env) * evaluate(s["load_bytes"], env)
-            hbm_ns += stream_ns(nbytes, inflight, lat, share / ctas)
+            inflight = consts.inflight(evaluate(s["threads"], env) * evaluate(s["loads"], env)
+                                       * evaluate(s["load_bytes"], env))
+            hbm_ns += stream_ns(nbytes, inflight, lat, share / ctas, consts.rate_Bps(inflight, lat, ctas))
         l1_bytes = l2_bytes = 0.0
         for r in spec.get("rereads", []):
             nbytes = max(0.0, evaluate(r["bytes"], env))
