@@ -24,7 +24,7 @@ from kimik3.kernels.toolchain import source
 REPO = Path(__file__).resolve().parents[1]
 MAX_LINES = 800
 TOP_LEVEL = {"__init__.py", "__main__.py", "_kernel_package.py", "_version.py", "decoder.py", "bench.py"}
-DEVICE_ROOMS = ("contracts", "common", "fused", "megakernel")
+DEVICE_ROOMS = ("contracts", "common", "fused", "megakernel", "probes")
 
 
 def _modules() -> dict[str, Path]:
@@ -156,7 +156,8 @@ def test_editing_verification_or_test_input_changes_no_hash(kernel_copy: Path, r
     ("megakernel/vm.py", {"megakernel"}),
     ("contracts/isa.py", {"megakernel"}),
     ("fused/gemv.py", {"gemv", "router"}),  # router launches the GEMV kernel
-    ("contracts/meta.py", {"gemv", "router", "kda", "mla_decode", "moe", "attn_res", "megakernel"}),
+    ("contracts/meta.py", {"gemv", "router", "kda", "mla_decode", "moe", "attn_res", "megakernel", "probe_bandwidth",
+                           "probe_latency", "probe_signal"}),
     ("common/device.py", set(source.OPS)),
     ("toolchain/dsl.py", set(source.OPS)),
 ])

@@ -26,7 +26,8 @@ from kimik3.kernels.toolchain.source import OPS
 from kimik3.model.config import ModelConfig, get_preset
 
 __all__ = ["Budget", "Family", "KernelVariant", "FAMILIES", "PERSISTENT", "PRESETS", "BATCHES", "EXPERT_FORMATS",
-           "all_variants", "ci_variants", "get_variant", "variants_for", "family"]
+           "all_variants", "ci_variants", "get_variant", "variants_for", "family", "PROBES", "PROBE_SHAPES",
+           "ProbeVariant", "probe_variant", "all_probe_variants"]
 
 PRESETS = ("tiny", "k3-shard")
 BATCHES = (1, 8, 64)
@@ -159,10 +160,53 @@ PERSISTENT: dict[str, Family] = {
 }
 
 
+def _per_variant(cfg: ModelConfig, batch: int) -> dict[str, Any]:
+    raise ValueError("a probe kernel's static shapes are its variant's (PROBE_SHAPES), not a model preset's")
+
+
+# The probe kernels (kernels/probes/): micro-benchmarks of the performance model's constants, run on a GPU by
+# scripts/devcheck/probes.py. They measure the hardware, not a model, so they are not built per preset: each variant
+# has its own static shapes (PROBE_SHAPES) and is named ``<family>/<tag>`` (ProbeVariant). Kept apart from FAMILIES,
+# like the megakernel, but built, cached and exported through the same paths.
+PROBES: dict[str, Family] = {
+    "probe.bandwidth": Family(
+        "probe_bandwidth", "stream",
+        # 2 CTAs of 256 threads per SM (the widest variants) share 65536 registers: 128 each
+        Budget(max_registers=128, max_shared_bytes=1024),
+        ("ld.global.nc.v4", "shfl.sync.bfly", "bar.sync", "%globaltimer", "%smid"),
+        _per_variant, description="streaming read of a buffer larger than L2, loads in flight per thread static"),
+    "probe.latency": Family(
+        "probe_latency", "chase", Budget(max_registers=128, max_shared_bytes=1024),
+        ("ld.global.b32", "ld.global.nc.v4", "bar.sync", "%globaltimer", "%smid"),
+        _per_variant, description="pointer chase over a buffer larger than L2, alone or beside streaming CTAs"),
+    "probe.signal": Family(
+        "probe_signal", "pingpong", Budget(max_registers=64, max_shared_bytes=128 * 1024),
+        ("red.release.gpu.global.add", "ld.acquire.gpu", "%globaltimer", "%smid"),
+        _per_variant, description="release-add / acquire-load ping-pong between two CTAs on different SMs"),
+}
+PROBE_BUFFER_WORDS = 2**28  # 1 GiB of int32 streamed: twenty times the 50 MB L2 of an H100 / H200 (data/hardware.json)
+PROBE_CHAIN_WORDS = 2**25  # the pointer chase spans 128 MiB, 2.5 times that L2
+PROBE_MAX_CTAS = 1024  # rows of the per-CTA sums and stamps: the largest grid a probe may be launched with
+_STREAM = dict(words=PROBE_BUFFER_WORDS, max_ctas=PROBE_MAX_CTAS, stamp_words=3)
+# (threads, loads in flight per thread, CTAs per SM): 4 KiB to 128 KiB in flight per SM, doubling
+_BANDWIDTH_POINTS = ((128, 2, 1), (256, 2, 1), (256, 2, 2), (256, 4, 2), (256, 8, 2), (256, 16, 2))
+PROBE_SHAPES: dict[str, dict[str, dict[str, Any]]] = {
+    "probe.bandwidth": {f"t{t}-l{n}-c{c}": dict(threads=t, loads=n, ctas_per_sm=c, **_STREAM)
+                        for t, n, c in _BANDWIDTH_POINTS},
+    # the streamers beside the chase keep 64 KiB in flight per SM (the widest point but one of the sweep)
+    "probe.latency": {"chase": dict(threads=256, loads=8, ctas_per_sm=2, unroll=8, chain_words=PROBE_CHAIN_WORDS,
+                                    out_words=2, **_STREAM)},
+    # 128 KiB of shared memory per CTA: two cannot share an SM's 228 KB (data/hardware.json)
+    "probe.signal": {"pingpong": dict(pad_bytes=128 * 1024, out_words=5)},
+}
+
+
 def family(name: str) -> Family:
-    """The Family of a fused kernel or of the persistent megakernel."""
+    """The Family of a fused kernel, of the persistent megakernel or of a probe kernel."""
     if name in FAMILIES:
         return FAMILIES[name]
+    if name in PROBES:
+        return PROBES[name]
     return PERSISTENT[name]
 
 
@@ -232,6 +276,18 @@ class KernelVariant:
         return self.module.compile_for(arch, variant=self.variant, **self.shapes, **kw)
 
 
+@dataclass(frozen=True)
+class ProbeVariant(KernelVariant):
+    """A probe kernel at the static shapes of one of its variants, named ``<family>/<tag>``; ``preset`` and ``batch``
+    only fill the manifest's fields (a probe measures the hardware, not a model)."""
+
+    tag: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}/{self.tag}"
+
+
 def _make(name: str, preset: str, batch: int, expert_format: str = "dense") -> KernelVariant:
     cfg = get_preset(preset)
     fam = family(name)
@@ -271,7 +327,10 @@ def variants_for(presets: tuple[str, ...] | list[str], batches: tuple[int, ...] 
 
 def get_variant(name: str) -> KernelVariant:
     """Parse ``family/preset/bN`` (e.g. ``moe.mxfp4/k3-shard/b8``), or ``family/preset/bN-FORMAT`` for a family built
-    per routed-expert format (``megakernel/k3-shard/b8-mxfp4``)."""
+    per routed-expert format (``megakernel/k3-shard/b8-mxfp4``); a probe kernel is ``family/tag``
+    (:func:`probe_variant`)."""
+    if name.partition("/")[0] in PROBES:
+        return probe_variant(name)
     try:
         family, preset, b = name.split("/")
         b, _, fmt = b.partition("-")
@@ -281,3 +340,21 @@ def get_variant(name: str) -> KernelVariant:
     except (ValueError, KeyError):
         raise ValueError(f"bad kernel variant name {name!r}; expected family/preset/bN with family in "
                          f"{sorted([*FAMILIES, *PERSISTENT])} (megakernel: also bN-mxfp4)") from None
+
+
+def probe_variant(name: str) -> ProbeVariant:
+    """The probe variant ``family/tag`` of :data:`PROBE_SHAPES` (e.g. ``probe.bandwidth/t256-l8-c2``)."""
+    fam, _, tag = name.partition("/")
+    if fam not in PROBE_SHAPES or tag not in PROBE_SHAPES[fam]:
+        known = sorted(f"{f}/{t}" for f, tags in PROBE_SHAPES.items() for t in tags)
+        raise ValueError(f"unknown probe kernel {name!r}; known: {known}")
+    return ProbeVariant(fam, "probe", 1, tuple(sorted(PROBE_SHAPES[fam][tag].items())), tag=tag)
+
+
+def all_probe_variants(families: tuple[str, ...] | list[str] | None = None) -> list[ProbeVariant]:
+    """Every variant of the probe ``families`` (default: all), in :data:`PROBE_SHAPES` order."""
+    fams = list(families) if families else list(PROBES)
+    unknown = [f for f in fams if f not in PROBES]
+    if unknown:
+        raise ValueError(f"unknown probe families {unknown}; known: {sorted(PROBES)}")
+    return [probe_variant(f"{f}/{t}") for f in fams for t in PROBE_SHAPES[f]]

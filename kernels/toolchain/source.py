@@ -18,13 +18,15 @@ KERNEL_DIR = Path(__file__).resolve().parents[1]
 # kernel op (the name the registry, the prebuilt manifest and the build cache use) -> its module under kernels/
 OPS: dict[str, str] = {"gemv": "fused.gemv", "router": "fused.router", "kda": "fused.kda",
                        "mla_decode": "fused.mla_decode", "moe": "fused.moe", "attn_res": "fused.attn_res",
-                       "megakernel": "megakernel.vm"}
+                       "megakernel": "megakernel.vm", "probe_bandwidth": "probes.bandwidth",
+                       "probe_latency": "probes.latency", "probe_signal": "probes.signal"}
 # device code pulled in from other kernel modules (router launches gemv.gemv_kernel; the megakernel inlines the
 # device functions of megakernel/device_fns.py; the fused kernels take their trace-time host switch from
 # common/trace.py)
 DEPENDENCIES: dict[str, tuple[str, ...]] = {
     "router": ("fused.gemv", "common.trace"), "megakernel": ("megakernel.device_fns",),
-    **{m: ("common.trace",) for m in ("gemv", "moe", "mla_decode", "kda", "attn_res")}}
+    **{m: ("common.trace",) for m in ("gemv", "moe", "mla_decode", "kda", "attn_res")},
+    "probe_latency": ("probes.bandwidth",)}
 # The megakernel's opcode families, one module each (the VM in megakernel/vm.py dispatches to them)
 OPCODE_MODULES: tuple[str, ...] = ("megakernel.operands", "megakernel.mma", "megakernel.gemv", "megakernel.kda",
                                    "megakernel.mla", "megakernel.router", "megakernel.moe", "megakernel.misc")
@@ -33,6 +35,7 @@ OPCODE_MODULES: tuple[str, ...] = ("megakernel.operands", "megakernel.mma", "meg
 CONTRACTS: dict[str, tuple[str, ...]] = {
     "megakernel": ("contracts.isa", "contracts.meta", "contracts.addr", *OPCODE_MODULES, "common.trace"),
     **{m: ("contracts.meta",) for m in ("gemv", "router", "kda", "mla_decode", "moe", "attn_res")},
+    **{m: ("contracts.meta", "common.trace") for m in ("probe_bandwidth", "probe_latency", "probe_signal")},
 }
 # hashed into every kernel: the shared device helpers and the compile plumbing (target, options)
 COMMON: tuple[str, ...] = ("common.device", "toolchain.dsl")

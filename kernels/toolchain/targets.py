@@ -7,8 +7,8 @@ shape) and the device check's plan. Adding a pair here adds it to the export, th
 
 from __future__ import annotations
 
-__all__ = ["FUSED_TARGETS", "MEGAKERNEL_TARGETS", "MEGAKERNEL_MXFP4_TARGETS", "fused_cases", "megakernel_cases",
-           "megakernel_variants", "select"]
+__all__ = ["FUSED_TARGETS", "MEGAKERNEL_TARGETS", "MEGAKERNEL_MXFP4_TARGETS", "PROBE_TARGETS", "fused_cases",
+           "megakernel_cases", "megakernel_variants", "probe_variants", "select"]
 
 # (preset, batch, expert format) of every fused decode step that is exported
 FUSED_TARGETS: tuple[tuple[str, int, str], ...] = (
@@ -22,6 +22,25 @@ MEGAKERNEL_TARGETS: tuple[tuple[str, int], ...] = (("tiny", 1), ("k3-shard", 1),
 # (preset, batch) of the megakernel variants compiled for MXFP4 routed experts (``megakernel/<preset>/b<batch>-mxfp4``:
 # the program carries the experts as the K3 release stores them)
 MEGAKERNEL_MXFP4_TARGETS: tuple[tuple[str, int], ...] = (("tiny", 1), ("k3-shard", 1), ("k3-shard", 8))
+
+# registry names of the probe kernels exported for the device check's constants phase (scripts/devcheck/probes.py):
+# the bandwidth sweep (threads, loads in flight per thread, CTAs per SM), the pointer chase and the signal ping-pong
+PROBE_TARGETS: tuple[str, ...] = (
+    "probe.bandwidth/t128-l2-c1", "probe.bandwidth/t256-l2-c1", "probe.bandwidth/t256-l2-c2",
+    "probe.bandwidth/t256-l4-c2", "probe.bandwidth/t256-l8-c2", "probe.bandwidth/t256-l16-c2",
+    "probe.latency/chase", "probe.signal/pingpong",
+)
+
+
+def probe_variants(families: str = "") -> list[str]:
+    """Registry names of the exported probe kernels, restricted to comma-separated probe ``families`` ("" = all,
+    e.g. ``"probe.signal"``)."""
+    fams = [f for f in families.split(",") if f]
+    known = {n.partition("/")[0] for n in PROBE_TARGETS}
+    unknown = [f for f in fams if f not in known]
+    if unknown:
+        raise ValueError(f"no probe targets for famil(ies) {unknown}; known: {sorted(known)}")
+    return [n for n in PROBE_TARGETS if not fams or n.partition("/")[0] in fams]
 
 
 def fused_cases(expert_format: str = "bf16") -> list[tuple[str, int]]:
