@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU device check (scripts/device_check.py) as the one command for the device tool. It runs on the GPU
 # machine, from the repository root of the copy that travels there, writes its JSON files into $OUT as it goes
-# (00_provenance ... 05_bench, 06_megakernel_mxfp4, summary.json, measurements.json) and exits non-zero unless every planned GPU test
-# passed and every benchmark row agreed with naive (summary.json names each failure).
+# (00_provenance ... 11_megakernel, summary.json, measurements.json, children/) and exits non-zero unless everything
+# planned ran and agreed with naive (summary.json names each failure). Phases and budgets: docs/device-check.md.
 #
 # 1. Before the call, on a CPU machine with the CuTe DSL (`. .venv/bin/activate`), after any kernel change:
 #      python scripts/device_check.py --build-prebuilt prebuilt
@@ -20,9 +20,9 @@
 #        -d .whl apache-tvm-ffi==0.1.15.post2
 #    Delete prebuilt/libcute_dsl_runtime.so if a local load unpacked it (the .xz travels); the dry run reports the
 #    carried total (working tree + prebuilt + .whl), which must stay under 64 MiB.
-# 2. The call (about 5 minutes of device time):
+# 2. The call (270 s planned, inside a 6-minute window):
 #      run(command="bash scripts/device_check.sh", carry=["prebuilt", ".whl"], timeout_s=420)
-#    Add --quick (about 3 minutes: batch 1 kernels, fewer bench rows) when little device time is left.
+#    Add --quick (shorter budgets, fewer rows) when little device time is left.
 #    Then give_back unless rerunning at once.
 # 3. Afterwards: copy $OUT/measurements.json to data/measurements/<date>-h200.json and mark the rows of
 #    data/measurements/gpu_outstanding.json that it covers (data/measurements/README.md).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import pytest
@@ -40,6 +41,10 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     _emit({"collected": [item.nodeid for item in session.items], "rootdir": str(session.config.rootpath)})
+
+
+def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
+    _emit({"started": nodeid, "t": time.time()})  # a test that never reports is then the one that hung
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -37,10 +37,10 @@ def test_dry_run_executes_the_plan_for_tiny(tiny_prebuilt: Path, tmp_path: Path)
     summary, plan = r["summary"], r["plan"]
     assert code == 0 and summary["exit_status"] == 0 and summary["failures"] == [], summary["failures"]
     # every phase ran or says it was left out for its GPU launches
-    assert [p["phase"] for p in summary["phases"]] == ["copy_bandwidth", "tests", "kernels", "bench",
-                                                       "megakernel_mxfp4"]
-    assert summary["phases"][0]["status"].startswith("left out in the dry run")
-    assert all(p["status"] == "ok" for p in summary["phases"][1:])
+    assert [p["phase"] for p in summary["phases"]] == list(dc.PHASES)
+    assert {p["phase"] for p in summary["phases"] if p["status"] != "ok"} == {"copy_bandwidth"}
+    assert next(p for p in summary["phases"] if p["phase"] == "copy_bandwidth")["status"].startswith(
+        "left out in the dry run")
     assert all(p["estimate_s"] for p in summary["phases"])
     # the artefacts the run loads: all of the targets', each verified and loaded here
     pb = plan["prebuilt"]
@@ -74,6 +74,42 @@ def test_dry_run_executes_the_plan_for_tiny(tiny_prebuilt: Path, tmp_path: Path)
     else:
         assert ops == {"not_scored": f"design {CURRENT_DESIGN} does not describe MXFP4 experts"}, ops
     assert r["provenance"]["commit_source"] and r["provenance"]["kernel_source_hashes"]
+    # the child-process phases ran their CPU counterparts: the preflight of both megakernel variants, the
+    # megakernel's row (the interpreter, compared with naive) and its timing report (the model's own timeline)
+    assert {x["variant"]: x["status"] for x in r["preflight"]["results"]} == {
+        "megakernel/tiny/b1": "ok", "megakernel/tiny/b1-mxfp4": "ok"}
+    mk = {x["name"]: x for x in r["megakernel"]["results"]}
+    row = mk["megakernel bench b1 ctx16"]["row"]
+    assert row["stage"] == "megakernel-interp" and row["rel_err_vs_naive"] <= 3e-2
+    assert mk["megakernel opcodes b1"]["status"] == "ok" and mk["megakernel opcodes b1"]["opcodes"]["by_opcode"]
+    assert r["constants"]["results"][0]["status"] == "ok"
+
+
+PLANTS = {"preflight": "preflight megakernel/tiny/b1", "refuse": "preflight megakernel/tiny/b1-mxfp4",
+          "hang": "megakernel bench b1 ctx16", "fault": "megakernel opcodes b1", "wrong": "mxfp4 *"}
+
+
+def test_dry_run_names_each_planted_failure_and_runs_every_other_phase(tiny_prebuilt: Path, tmp_path: Path) -> None:
+    """A hang, a fault, a wrong result, a refused launch and a preflight mismatch planted into the child processes:
+    each is named in summary.json, every phase still ran and wrote its file, the exit status is non-zero."""
+    plants = [a for k, glob in PLANTS.items() for a in ("--plant", f"{k}:{glob}")]
+    code, r = _dry_run(tmp_path / "out", tiny_prebuilt, "--presets", "tiny", "--batches", "1", "--item-timeout",
+                       "20", *plants)
+    failures = r["summary"]["failures"]
+    assert code == 1 and r["summary"]["exit_status"] == 1
+    named = {
+        "preflight": "preflight megakernel/tiny/b1: preflight mismatch: registers: cubin = compile report",
+        "refuse": "preflight megakernel/tiny/b1-mxfp4: refused: LaunchRefused: planted",
+        "hang": "megakernel bench b1 ctx16: hang: no result after",
+        "fault": "megakernel opcodes b1: fault: the child died by SIGSEGV",
+        "wrong": "megakernel_mxfp4 megakernel/tiny/b1-mxfp4: interp vs naive rel err"}
+    for kind, text in named.items():
+        assert sum(f.startswith(text) for f in failures) == 1, (kind, failures)
+    assert len(failures) == len(named), failures
+    assert [p["phase"] for p in r["summary"]["phases"]] == list(dc.PHASES)
+    assert {p["phase"] for p in r["summary"]["phases"] if p["status"] != "ok"} == {"copy_bandwidth"}
+    assert set(dc.FILES) - {"measurements", "copy_bandwidth"} <= set(r), sorted(r)  # (no GPU: nothing to copy)
+    assert sorted(r["summary"]["planted"]) == sorted(f"{k}:{g}" for k, g in PLANTS.items())
 
 
 @pytest.mark.slow

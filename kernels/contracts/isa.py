@@ -19,7 +19,7 @@ __all__ = [
     "MAGIC", "VERSION", "HEADER_WORDS", "MAX_WAITS", "MAX_OPERANDS", "OPERAND_WORDS", "INSTR_WORDS",
     "BUFFER_WORDS", "COUNTER_WORDS", "POLICIES", "EXPERT_FORMATS", "MXFP4_OPERANDS", "DTYPE_CODES",
     "FFN_ROUTED", "FFN_MLP", "FFN_LATENT_NORM",
-    "ERROR_WORDS", "CTL_WORDS", "ERR_WATCHDOG", "ERR_BAD_PROGRAM", "CTA_THREADS", "BT_MAX",
+    "ERROR_WORDS", "CTL_WORDS", "ERR_WATCHDOG", "ERR_BAD_PROGRAM", "CTA_THREADS", "BT_MAX", "SMEM_CARVEOUT_PERCENT",
     "STAGE_BYTES", "STAGE_BUFFERS", "CHUNK_BYTES", "W_STAGE_OP", "W_STAGE_ROWS", "W_STAGE_CHUNKS", "W_NEXT_BUF",
     "W_NEXT_ELEM_LO", "W_NEXT_ELEM_HI", "W_NEXT_CHUNKS",
 ]
@@ -170,5 +170,9 @@ ERR_WATCHDOG, ERR_BAD_PROGRAM = 1, 2  # error[0]
 # the 168-register cap (65536 / 384) leaves room for the widest opcode; 512 threads (cap 128) spill. The host
 # refuses a program whose per-thread work assumes more (e.g. a KDA head wider than the CTA).
 CTA_THREADS = 384
+# the shared-memory carveout the launcher asks for, in percent of the SM's most: 0 prefers L1, so the driver takes
+# the smallest carveout that holds the CTA's shared memory and leaves the rest of the SM's L1/shared array as L1
+# (the MXFP4 expert opcodes' prefetch and the performance model count on that L1; the default may leave little)
+SMEM_CARVEOUT_PERCENT = 0
 BT_MAX = 4  # batch rows per GEMV pass of the device code (cap of MKConfig.bt): keeps the widest opcode's registers
 # low

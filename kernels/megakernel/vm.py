@@ -51,6 +51,7 @@ from kimik3.kernels.contracts.isa import (
     MAX_WAITS,
     OPERAND_WORDS,
     OW_BUF,
+    SMEM_CARVEOUT_PERCENT,
     STAGE_BUFFERS,
     STAGE_BYTES,
     VERSION,
@@ -434,7 +435,8 @@ def megakernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor, mTime:
     _check_static(cfg)
     megakernel_kernel(mProg, mBufs, mCtr, mTime, mErr, mCtl, cfg).launch(
         grid=[num_ctas, 1, 1], block=[NT, 1, 1], stream=stream, cooperative=True,
-        min_blocks_per_mp=1)  # .minnctapersm 1: without it ptxas may aim at 2 CTAs/SM and spill
+        min_blocks_per_mp=1,  # .minnctapersm 1: without it ptxas may aim at 2 CTAs/SM and spill
+        preferred_smem_carveout=SMEM_CARVEOUT_PERCENT)  # set, not left to the driver's default (isa.py)
 
 
 # ---------------------------------------------------------------------------------------------- host side

@@ -418,6 +418,18 @@ def build_program(cfg: ModelConfig | str, batch: int, num_sms: int, policy: str 
     else:
         queues, _ = assign_critical_path(costs["busy_ns"].tolist(), costs["prefetch_ns"].tolist(), gid, members,
                                          gdeps, num_sms)
+    prog = assemble(spec, queues, preds, (gid, members, names, gdeps), policy)
+    prog.costs = costs
+    return prog
+
+
+def assemble(spec: StepSpec, queues: Sequence[Sequence[int]], preds: Sequence[set[int]],
+             groups: tuple[Sequence[int], Sequence[Sequence[int]], Sequence[str], Sequence[set[int]]],
+             policy: str) -> Program:
+    """Waits, counters, queue places and weight stages of ``spec``'s instructions on ``queues``: the
+    :class:`Program` (``groups``: what :func:`_group_structure` returns for them)."""
+    gid, members, names, gdeps = groups
+    n = len(spec.instructions)
     waits = compute_waits(n, queues, preds, gid, members, gdeps)
     # counters: only groups somebody waits on get one (and only their members signal)
     used = sorted({g for ws in waits for g in ws})
@@ -434,7 +446,5 @@ def build_program(cfg: ModelConfig | str, batch: int, num_sms: int, policy: str 
             ins, waits=tuple((cid[w], len(members[w])) for w in waits[v]),
             signal=cid.get(g, -1), amount=1 if g in cid else 0, sm=sm_of[v], qpos=qpos[v]))
     # the weight stages are decided last: the next-stage words follow the final queue order
-    prog = assign_stages(Program(spec.buffers, instructions, [list(q) for q in queues], counters, batch, max_seq_len,
-                                 spec.cfg.num_hidden_layers, policy, spec.expert_format))
-    prog.costs = costs
-    return prog
+    return assign_stages(Program(spec.buffers, instructions, [list(q) for q in queues], counters, spec.batch,
+                                 spec.max_seq_len, spec.cfg.num_hidden_layers, policy, spec.expert_format))
