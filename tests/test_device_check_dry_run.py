@@ -94,7 +94,7 @@ def test_dry_run_names_each_planted_failure_and_runs_every_other_phase(tiny_preb
     each is named in summary.json, every phase still ran and wrote its file, the exit status is non-zero."""
     plants = [a for k, glob in PLANTS.items() for a in ("--plant", f"{k}:{glob}")]
     code, r = _dry_run(tmp_path / "out", tiny_prebuilt, "--presets", "tiny", "--batches", "1", "--item-timeout",
-                       "20", *plants)
+                       "30", *plants)
     failures = r["summary"]["failures"]
     assert code == 1 and r["summary"]["exit_status"] == 1
     named = {
