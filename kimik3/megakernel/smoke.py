@@ -95,19 +95,9 @@ def smoke_run(runner: Any, model: Any, seed: int = 0, position: int = 3) -> dict
     kwargs = {"poison_scratch": False} if "poison_scratch" in inspect.signature(runner.run_step).parameters else {}
     runner.run_step(ids, pos, **kwargs)
     out = {}
-    for name, box in written_boxes(p):
-        t = runner.tensors.get(name)
-        if t is None:
-            t = _state_tensor(runner, name)
-        out[f"{name}{[(b.start, b.stop) for b in box]}"] = t[box].float().cpu()
+    for name, box in written_boxes(p):  # (bind_state put the state buffers among the runner's tensors)
+        out[f"{name}{[(b.start, b.stop) for b in box]}"] = runner.tensors[name][box].float().cpu()
     return out
-
-
-def _state_tensor(runner: Any, name: str) -> torch.Tensor:
-    views = getattr(runner, "tensors", {})
-    if name in views:
-        return views[name]
-    raise KeyError(f"smoke run: buffer {name} is neither scratch nor bound state")
 
 
 def compare_smoke(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float) -> list[str]:

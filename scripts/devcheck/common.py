@@ -65,6 +65,22 @@ def write_json(path: Path, data: Any) -> Path:
     return path
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of a progress log written by a process that may have been killed mid-line (that line is
+    dropped); [] when the file is not there."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for ln in lines:
+        try:
+            out.append(json.loads(ln))
+        except ValueError:  # a line cut by a kill
+            continue
+    return out
+
+
 def read(out: Path, phase: str) -> dict[str, Any] | None:
     try:
         return json.loads((Path(out) / FILES[phase]).read_text())

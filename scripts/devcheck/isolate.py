@@ -6,7 +6,6 @@ docs/device-check.md."""
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from devcheck.common import CHILDREN_DIR, REPO, SCRIPTS, write_json
+from devcheck.common import CHILDREN_DIR, REPO, SCRIPTS, read_jsonl, write_json
 
 PLANT_ENV = "KIMIK3_DEVCHECK_PLANT"  # "kind:item-glob[;kind:item-glob...]"
 PLANT_KINDS = ("hang", "fault", "wrong", "refuse", "preflight")
@@ -51,20 +50,6 @@ def _signal_name(code: int) -> str:
         return signal.Signals(-code).name
     except ValueError:
         return f"signal {-code}"
-
-
-def _read_log(path: Path) -> list[dict[str, Any]]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    events = []
-    for ln in lines:
-        try:
-            events.append(json.loads(ln))
-        except ValueError:  # a line cut by a kill
-            continue
-    return events
 
 
 def _tail(path: Path, n: int = 3000) -> str:
@@ -114,7 +99,7 @@ def run_items(out: Path, job: str, items: Sequence[dict[str, Any]], *, context: 
         killed: str | None = None
         while proc.poll() is None:
             time.sleep(_POLL_S)
-            events = _read_log(log)
+            events = read_jsonl(log)
             started = [e for e in events if e.get("event") == "start"]
             finished = {e["item"] for e in events if e.get("event") == "done"}
             current = started[-1] if started and started[-1]["item"] not in finished else None
@@ -128,7 +113,7 @@ def run_items(out: Path, job: str, items: Sequence[dict[str, Any]], *, context: 
             if killed:
                 _kill(proc)
                 break
-        events = _read_log(log)
+        events = read_jsonl(log)
         done = {e["item"]: e["record"] for e in events if e.get("event") == "done"}
         started_names = [e["item"] for e in events if e.get("event") == "start"]
         in_flight = next((n for n in reversed(started_names) if n not in done), None)

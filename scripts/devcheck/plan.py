@@ -124,17 +124,9 @@ def prebuilt_status(prebuilt: Path | None, arch: str = "sm_90a",
                 stale.append(op.name)
             else:
                 names.append({"name": name, "shapes": op.shapes})
-    for name in megakernel_variants() if megakernels is None else megakernels:  # by registry name
-        v = get_variant(name)
-        seen.add(name)
-        entry = manifest.get("kernels", {}).get(name)
-        if entry is None or manifest.get("arch") != arch:
-            missing.append(name)
-        elif entry.get("source_hash") != kernel_source_hash("megakernel"):
-            stale.append(name)
-        else:
-            names.append({"name": name, "preset": v.preset, "batch": v.batch, "expert_format": v.expert_format})
-    for name in probe_variants():  # the probe kernels of phase 'constants'
+    # by registry name: the megakernel variants (dense and MXFP4), then the probe kernels of phase 'constants'
+    mk = megakernel_variants() if megakernels is None else megakernels
+    for name, is_mk in [(n, True) for n in mk] + [(n, False) for n in probe_variants()]:
         v = get_variant(name)
         seen.add(name)
         entry = manifest.get("kernels", {}).get(name)
@@ -142,8 +134,9 @@ def prebuilt_status(prebuilt: Path | None, arch: str = "sm_90a",
             missing.append(name)
         elif entry.get("source_hash") != kernel_source_hash(v.module_name):
             stale.append(name)
-        else:
-            names.append({"name": name, "shapes": v.shapes})
+        else:  # the megakernel's shapes follow from its preset and batch (verify_prebuilt), a probe's are its own
+            names.append({"name": name, "preset": v.preset, "batch": v.batch, "expert_format": v.expert_format}
+                         if is_mk else {"name": name, "shapes": v.shapes})
     size = sum(f.stat().st_size for f in prebuilt.iterdir() if f.is_file()) if prebuilt and prebuilt.is_dir() else 0
     unpacked = bool(prebuilt and (prebuilt / RUNTIME_LIB).exists())
     return {"dir": str(prebuilt) if prebuilt else None, "arch": arch, "manifest_found": bool(manifest),

@@ -5,7 +5,6 @@ fresh pytest process. docs/device-check.md."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import signal
 import subprocess
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from devcheck.common import OUTCOMES_PLUGIN, REPO, SCRIPTS, now, write
+from devcheck.common import OUTCOMES_PLUGIN, REPO, SCRIPTS, now, read_jsonl, write
 
 _RANK = {"passed": 0, "skipped": 1, "failed": 2, "timeout": 2, "hang": 2, "error": 3}
 
@@ -26,15 +25,7 @@ def _outcomes(path: Path) -> tuple[list[str], dict[str, dict[str, Any]], Path, l
     root = REPO
     results: dict[str, dict[str, Any]] = {}
     started: list[tuple[str, float]] = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return collected, results, root, started
-    for ln in lines:
-        try:
-            rec = json.loads(ln)
-        except ValueError:  # a line cut by a kill
-            continue
+    for rec in read_jsonl(path):
         if "collected" in rec:
             collected, root = rec["collected"], Path(rec.get("rootdir") or REPO)
         elif "started" in rec:
