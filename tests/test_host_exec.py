@@ -45,11 +45,14 @@ def _cases_ci() -> list[dict]:
     cases += [{"family": "gemv.plain", "preset": "k3-shard", "batch": 8, "row_blocks": "corners"},
               {"family": "gemv.residual", "preset": "k3-shard", "batch": 64, "row_blocks": "corners"},
               {"family": "gemv.f32out", "preset": "k3-shard", "batch": 8},
-              {"family": "moe.mxfp4", "preset": "k3-shard", "batch": 1, "shapes": {"E": 8, "topk": 4}}]
+              {"family": "moe.mxfp4", "preset": "k3-shard", "batch": 1, "shapes": {"E": 8, "topk": 4}},
+              # batch 1 at K = 7168 (4 steps): the software-pipelined step loop (next step's loads, then the use)
+              {"family": "gemv.rmsnorm", "preset": "k3-shard", "batch": 1, "row_blocks": "corners"},
+              {"family": "moe.bf16", "preset": "k3-shard", "batch": 1, "shapes": {"E": 8, "topk": 4}}]
     # the megakernel's tile-GEMV helper (device_fns.weight_row_dot): staged and global rows, a partial last lane
-    # round (K = 392: 49 chunks), batch tiles of 1 / 8 with unroll 4 / 2, with and without gamma
+    # round (K = 392: 49 chunks), batch tiles of 1 / 8 with unroll 6 / 8, with and without gamma
     cases += [_mk(1, 12, 392, 5, True), _mk(8, 12, 392, 5, False), _mk(64, 9, 2056, 0, True),
-              _mk(8, 40, 7168, 40, True)]
+              _mk(8, 40, 7168, 40, True), _mk(1, 12, 7168, 5, True)]  # batch 1: 4 full steps of 6 chunks
     # as compiled for sm_100a (MKConfig.arch: unroll 2): full steps, then a 1-chunk tail (K = 2056: 257 chunks)
     sm100 = _mk(8, 12, 2056, 5, False)
     sm100["shapes"]["arch"] = "sm_100a"
@@ -82,6 +85,13 @@ MUTANTS: dict[str, tuple[list, dict]] = {
     "gemv-lane-tail": (["fused.gemv", [["_dot_step(gW, gG, mX, x0, rounds * 32 + lane, acc, ssq, 1, BT)",
                                         "_dot_step(gW, gG, mX, x0, rounds * 32 + lane - 1, acc, ssq, 1, BT)"]]],
                        {"family": "gemv.rmsnorm", "preset": "tiny", "batch": 1}),
+    # the pipelined step loop (batch below ROW_LOOP_FROM) loads the current step again instead of the next one
+    "gemv-pipeline-next": (["fused.gemv", [["_load_w(gW, c0 + 32 * unroll, rn, unroll)",
+                                            "_load_w(gW, c0, rn, unroll)"]]],
+                           {"family": "gemv.rmsnorm", "preset": "k3-shard", "batch": 1, "row_blocks": "corners"}),
+    # the batch-row loop (ROW_LOOP_FROM rows or more) keeps accumulating into row 0's accumulator
+    "gemv-row-rotate": (["fused.gemv", [["acc[r] = acc[r + 1]", "acc[r] = acc[r]"]]],
+                        {"family": "gemv.plain", "preset": "micro", "batch": 8}),
     # the MXFP4 decode lives in common.device (shared with the megakernel's expert opcodes): the fused kernel runs with
     # the mutated helpers through its import (host_exec.load_case_mutant)
     "mxfp4-nibble-order": (["common.device", [["return 8 * j + s + 4 * hi", "return 8 * j + 2 * s + hi"]]],

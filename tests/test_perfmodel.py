@@ -320,7 +320,7 @@ def test_current_design_matches_the_compiled_kernels_ci_subset():
     slow). v1 described the kernels before the redesign: its compiled numbers were checked against that code and
     stay as its record."""
     from kimik3.kernels.contracts import isa
-    from kimik3.kernels.contracts.addr import GEMV_UNROLL, LM_HEAD_MMA, gemv_mma_unroll
+    from kimik3.kernels.contracts.addr import LM_HEAD_MMA, gemv_mma_unroll, gemv_unroll
 
     mk = _compiled("megakernel/k3-shard/b8")
     m = CUR["megakernel"]
@@ -336,9 +336,11 @@ def test_current_design_matches_the_compiled_kernels_ci_subset():
     for op, normed in (("NORM_PROJ", True), ("MLP_GATE_UP", True), ("O_PROJ_RESIDUAL", False), ("FFN_OUT", True),
                        ("LM_HEAD", None)):
         loads = m["opcodes"][op]["streams"][0]["loads"]
-        assert evaluate(loads, {"gbt": 1}) == GEMV_UNROLL, op
+        assert evaluate(loads, {"gbt": 1}) == gemv_unroll("sm_90a", 1), op
+        assert evaluate(loads, {"gbt": 4}) == gemv_unroll("sm_90a", 4), op
         mma = normed is not None and (op != "LM_HEAD" or LM_HEAD_MMA)
-        assert evaluate(loads, {"gbt": 8}) == (2 * gemv_mma_unroll("sm_90a", normed) if mma else GEMV_UNROLL), op
+        want = 2 * gemv_mma_unroll("sm_90a", normed) if mma else gemv_unroll("sm_90a", 8)
+        assert evaluate(loads, {"gbt": 8}) == want, op
     # prefetch_ahead with stage_wait = all: the own stage is waited one group behind the next one's copy
     assert m["prefetch_ahead"]["value"] and re.search(r"cp\.async\.wait_group\s+1;", mk["ptx"])
     g = _compiled("gemv.rmsnorm/k3-shard/b8")

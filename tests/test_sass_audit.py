@@ -4,8 +4,6 @@ violation of a real disassembly.
 
 The cubins come from the disk cache the compile tests fill in the same run (tests/test_kernels_compile.py,
 tests/test_megakernel_compile.py), so this file disassembles and reads; it compiles only on a cold cache.
-A check that a shipped kernel genuinely fails is listed in :data:`KNOWN_FINDINGS` and its case xfails with the
-findings in the reason (it must keep failing: a fixed one fails the test until its entry goes).
 """
 
 from __future__ import annotations
@@ -28,22 +26,6 @@ ARCH = "sm_90a"
 # the sm_90a megakernels tests/test_megakernel_compile.py builds in CI, and every fused CI variant
 MEGAKERNELS = ["megakernel/tiny/b1", "megakernel/k3-shard/b8", "megakernel/tiny/b1-mxfp4"]
 FUSED = [v.name for v in R.ci_variants()]
-
-_GEMV_STEP = ("ptxas consumes the first weight chunk of the fused GEMV step (row_dot) before it has issued the "
-              "step's GEMV_UNROLL weight loads (at batch 8 it interleaves the x rows' loads and conversions with them)")
-KNOWN_FINDINGS = {
-    ("megakernel/tiny/b1", "loads-in-flight"): "ptxas converts the first weight chunk of an 8-load GEMV / "
-    "gate-up step before issuing the step's last weight loads (the loops and instructions: the findings)",
-    ("megakernel/tiny/b1-mxfp4", "loads-in-flight"): "as megakernel/tiny/b1: the same GEMV opcode loops",
-    ("gemv.plain/k3-shard/b8", "loads-in-flight"): _GEMV_STEP,
-    ("gemv.rmsnorm/k3-shard/b8", "loads-in-flight"): _GEMV_STEP,
-    ("gemv.residual/k3-shard/b8", "loads-in-flight"): _GEMV_STEP,
-    ("gemv.f32out/k3-shard/b8", "loads-in-flight"): _GEMV_STEP,
-    ("gemv.lm_head/k3-shard/b8", "loads-in-flight"): _GEMV_STEP,
-    ("router/k3-shard/b8", "loads-in-flight"): _GEMV_STEP + " (the router's score GEMV is gemv_kernel)",
-    ("moe.bf16/k3-shard/b8", "loads-in-flight"): "ptxas consumes the first expert weight chunk of a bf16 step "
-    "before it has issued the step's UNROLL_BF16 (down) / 2 x UNROLL_BF16_GLU (gate/up) loads",
-}
 
 _BUILT: dict[str, tuple[B.BuildResult, str]] = {}
 _REPORTS: dict[str, dict] = {}
@@ -72,12 +54,7 @@ def _report(name: str) -> dict:
 @pytest.mark.parametrize("check", A.CHECKS)
 @pytest.mark.parametrize("name", MEGAKERNELS + FUSED)
 def test_shipped_kernels_pass(name: str, check: str) -> None:
-    findings = [str(x) for x in _report(name)[check]]
-    known = KNOWN_FINDINGS.get((name, check))
-    if known:
-        assert findings, f"{name}: {check} no longer finds anything: remove its KNOWN_FINDINGS entry"
-        pytest.xfail(f"{name} {check}: {known}: " + " | ".join(findings))
-    assert findings == []
+    assert [str(x) for x in _report(name)[check]] == []
 
 
 def test_audit_reads_the_megakernel() -> None:
@@ -289,6 +266,36 @@ def test_loads_in_flight_on_a_hand_written_loop() -> None:
     assert "but only 2 before" in msg and "four" in msg
     # a loop with fewer loads per trip than any promise is not held to it (a tail loop)
     assert A.loads_in_flight(funcs, [A.Promise(5, "five")])[0] == []
+
+
+def test_a_step_loop_around_a_row_loop_is_held_to_its_promise() -> None:
+    """A weight step whose batch rows are an inner loop of x loads (no weight loads inside) is the innermost loop of
+    its weight stream: its loads in flight are checked; a loop whose weight loads sit in an inner loop is not."""
+    loads = "\n".join(f"LDG.E.128.CONSTANT R{8 + 4 * k}, desc[UR4][R2.64+0x{k * 0x200:x}]" for k in range(4))
+    rows = ".L_x_1:\nLDG.E.128 R30, desc[UR4][R4.64]\nFFMA R40, R30, R9, R40\nISETP.NE.AND P1, PT, R40, RZ, PT\n" \
+           "@P1 BRA `(.L_x_1)"
+    body = (f".L_x_0:\n{loads}\nFFMA R41, R8, R12, R41\n{rows}\nISETP.NE.AND P0, PT, R41, RZ, PT\n"
+            "@P0 BRA `(.L_x_0)\nEXIT")
+    funcs = S.parse(_listing(body))
+    step = max(A.loop_loads(funcs[0]), key=lambda lp: lp.blocks)
+    assert step.innermost and (step.stream_loads, step.stream_in_flight) == (4, 4)
+    early = S.parse(_listing(body.replace("LDG.E.128.CONSTANT R16", "FADD R42, R8, R8\nLDG.E.128.CONSTANT R16")))
+    (msg,) = [x.message for x in A.loads_in_flight(early, [A.Promise(4, "four")])[0]]
+    assert "but only 2 before" in msg
+    nested = S.parse(_listing(body.replace("LDG.E.128 R30", "LDG.E.128.CONSTANT R30")))
+    assert not max(A.loop_loads(nested[0]), key=lambda lp: lp.blocks).innermost
+
+
+@pytest.mark.parametrize("second_guard, flagged", [("@P3", False), ("@P4", True), ("", True)])
+def test_reconvergence_reads_a_guarded_uniform_write(second_guard: str, flagged: bool) -> None:
+    """``@P3 LDS R3, [UR4]`` over a lane-dependent R3 leaves R3 uniform wherever P3 (uniform) holds: an instruction
+    under the same guard reads it as uniform; under another guard, or none, it reads the lane-dependent value."""
+    cond = ("LDS R3, [R0]\nLDS R7, [UR4+0x8]\nISETP.NE.AND P3, PT, R7, RZ, PT\nISETP.NE.AND P4, PT, R7, 0x1, PT\n"
+            "MOV R8, 0x1\n@P3 LDS R3, [UR4]\n" + f"{second_guard} LOP3.LUT R8, R3, 0x1, RZ, 0xc0, !PT\n".lstrip()
+            + "ISETP.NE.AND P0, PT, R8, RZ, PT")
+    shfl = "SHFL.BFLY PT, R5, R2, 0x10, 0x1f"
+    found = A.reconvergence(S.parse(_listing(_DIVERGE.format(cond=cond, inside=shfl, after="MOV R6, RZ"))))
+    assert bool(found) == flagged
 
 
 def test_bad_inputs() -> None:

@@ -3,7 +3,8 @@
 The device opcodes (``kernels/megakernel/``) call these on traced DSL integers (``wide=Int64``) to compute which
 rows, columns and elements an instruction touches; the host's address replay (``kernels/verify/addr_replay.py``)
 calls them on Python ints. They use nothing but ``+ - *`` (``// %`` by a positive divisor) and a ``wide`` cast, and
-import only the standard library and ``contracts/isa.py``. Design: ``docs/architecture.md`` (map, megakernel).
+import only the standard library, ``contracts/isa.py`` and ``contracts/meta.py``. Design: ``docs/architecture.md``
+(map, megakernel).
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["GEMV_BT", "GEMV_UNROLL", "GEMV_MMA_ROWS", "LM_HEAD_MMA", "gemv_unroll", "gemv_mma_unroll",
-           "gemv_batch_tile", "gemv_tile_rows", "lm_head_tile_rows", "gemv_tiles", "gemv_item", "elem_offset",
+from kimik3.kernels.contracts.meta import ROW_LOOP_FROM
+
+__all__ = ["GEMV_BT", "GEMV_UNROLL", "GEMV_UNROLL_X_UNROLLED", "GEMV_MMA_ROWS", "LM_HEAD_MMA", "gemv_unroll",
+           "gemv_mma_unroll", "gemv_batch_tile", "gemv_tile_rows", "lm_head_tile_rows", "gemv_tiles", "gemv_item",
+           "elem_offset",
            "tile_rows", "expert_row_offset", "FP4_GROUP", "FP4_GROUP_BYTES", "fp4_row_offsets", "absorb_cw",
            "VEC"]
 
@@ -31,14 +35,22 @@ FP4_GROUP_BYTES = FP4_GROUP // 2
 # (gemv_item; why: kernels/megakernel/gemv.py).
 GEMV_BT = 8
 GEMV_UNROLL = 8  # 16-byte weight loads in flight per lane per step: 12 warps x 32 lanes x 8 x 16 B = 48 KiB per SM
+# Passes below meta.ROW_LOOP_FROM rows load each weight chunk's x chunks next to it (4 registers each). With 8 weight
+# chunks per step, ptxas (sm_90a, under the 168-register cap) issued 6 weight + 6 x loads, consumed the first pair,
+# then issued the last 2: two load latencies per step, about 4 chunks in flight on average. With 6 every load of the
+# step is in flight before the first is consumed (the SASS audit, kernels/verify/sass_audit.py): 36 KiB per SM for
+# one latency per step.
+GEMV_UNROLL_X_UNROLLED = 6
 # sm_100a's ptxas spills the whole megakernel with 8 or 4 (it allocates the widest branch differently); 2 there
 GEMV_UNROLL_BY_ARCH = {"sm_100a": 2}
 
 
-def gemv_unroll(arch: str) -> int:
+def gemv_unroll(arch: str, bt: int = GEMV_BT) -> int:
     """16-byte weight loads in flight per lane per step of the GEMV opcodes for the compile target ``arch``
-    (``MKConfig.arch``)."""
-    return GEMV_UNROLL_BY_ARCH.get(arch, GEMV_UNROLL)
+    (``MKConfig.arch``) and a batch pass of ``bt`` rows."""
+    if arch in GEMV_UNROLL_BY_ARCH:
+        return GEMV_UNROLL_BY_ARCH[arch]
+    return GEMV_UNROLL if bt >= ROW_LOOP_FROM else GEMV_UNROLL_X_UNROLLED
 
 
 # A batch pass of GEMV_BT = 8 rows is the N of the tensor-core step (kernels/megakernel/mma.py, mma.sync m16n8k16):

@@ -15,7 +15,7 @@ from typing import Any
 
 __all__ = [
     "SUPPORTED_ARCHS", "VEC", "RMS_EPS",
-    "GEMV_WARPS", "GEMV_UNROLL", "LM_ROWS_PER_WARP", "LM_ROWS_PER_CTA", "KDA_THREADS", "KDA_QK_EPS",
+    "GEMV_WARPS", "GEMV_UNROLL", "ROW_LOOP_FROM", "LM_ROWS_PER_WARP", "LM_ROWS_PER_CTA", "KDA_THREADS", "KDA_QK_EPS",
     "ATTN_RES_KEEP_MAX_CANDIDATES", "ATTN_RES_CHUNK_BUDGET", "SITU_BETA", "SITU_BETA_LIN", "SITU_BETAS",
     "MOE_ORDER", "HEADS_ORDER", "ARG_ORDER", "mla_head_layout", "mla_default_splits", "attn_res_threads",
     "kda_layout", "kda_head_dim_ok", "head_routing",
@@ -32,6 +32,10 @@ RMS_EPS = 1e-5
 # ---------------------------------------------------------------------------------------------- gemv
 GEMV_WARPS = 4  # rows per CTA (one warp each)
 GEMV_UNROLL = 7  # 16-byte weight loads in flight per lane per loop step of the fused GEMVs
+# batch rows per GEMV step from which a step loops over its rows instead of unrolling them (fused gemv._dot_step,
+# moe._bf16_step, the megakernel's device_fns._dot_step): unrolled, ptxas interleaves the rows' x loads with the
+# step's weight loads and consumes the first weight chunk before the step's last weight loads are issued
+ROW_LOOP_FROM = 3
 LM_ROWS_PER_WARP = 8  # lm_head: rows per warp
 LM_ROWS_PER_CTA = GEMV_WARPS * LM_ROWS_PER_WARP  # one arg-max partial per 32 vocabulary rows
 

@@ -20,7 +20,7 @@ import torch
 from cutlass import BFloat16, Float32, Int32, const_expr
 from kimik3.kernels.common import device as C
 from kimik3.kernels.common.trace import evict_last
-from kimik3.kernels.contracts.meta import ARG_ORDER, GEMV_UNROLL, GEMV_WARPS, LM_ROWS_PER_WARP, RMS_EPS
+from kimik3.kernels.contracts.meta import ARG_ORDER, GEMV_UNROLL, GEMV_WARPS, LM_ROWS_PER_WARP, RMS_EPS, ROW_LOOP_FROM
 from kimik3.kernels.toolchain import dsl
 from kimik3.kernels.toolchain.source import kernel_source_hash
 
@@ -50,30 +50,80 @@ def resident_ctas(n: int) -> dict[str, int]:
 
 # ---------------------------------------------------------------------------------------------- device code
 @cute.jit
+def _load_w(gW: cute.Tensor, c0: Int32, rw: cute.Tensor, n: cutlass.Constexpr):
+    """The ``n`` weight loads of a step (chunks c0, c0+32, ...) into ``rw``, back to back; they stay packed (4
+    registers per 16 bytes in flight)."""
+    ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
+    for u in cutlass.range_constexpr(n):
+        cute.copy(ld_w, gW[(None, c0 + 32 * u)], rw[None, u])
+
+
+@cute.jit
+def _use_step(rw: cute.Tensor, gG: Any, mX: cute.Tensor, x0: Int32, c0: Int32, acc: cute.Tensor, ssq: Any,
+              n: cutlass.Constexpr, BT: cutlass.Constexpr):
+    """Accumulate a step's ``n`` loaded weight chunks ``rw`` (chunks c0, c0+32, ...; times gamma if given) against
+    BT rows of x; also Σ x² per row into ``ssq`` unless it is None.
+
+    Below ``ROW_LOOP_FROM`` rows every x load of the step is unrolled and one chunk at a time is widened to fp32.
+    From there on the rows are a real loop: unrolled, ptxas interleaved the rows' x loads with the weight loads and
+    consumed the first weight chunk after two of them were issued (``kernels/verify/sass_audit.py`` reads the
+    machine code). The step's weights are widened to fp32 once (times gamma) and reused by every row; row ``b``
+    accumulates into ``acc[0]`` (and ``ssq[0]``), and the accumulators rotate by one after each row, so register
+    indices stay static."""
+    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, **evict_last())
+    rg = cute.make_rmem_tensor((VEC,), BFloat16)
+    if const_expr(BT < ROW_LOOP_FROM):
+        rx = cute.make_rmem_tensor((VEC,), BFloat16)
+        for u in cutlass.range_constexpr(n):
+            w = rw[None, u].load().to(Float32)
+            if const_expr(gG is not None):
+                cute.copy(ld_x, gG[(None, c0 + 32 * u)], rg)
+                w = w * rg.load().to(Float32)
+            for b in cutlass.range_constexpr(BT):
+                gX = cute.zipped_divide(mX[x0 + b, None], (VEC,))
+                cute.copy(ld_x, gX[(None, c0 + 32 * u)], rx)
+                x = rx.load().to(Float32)
+                acc[b] = (w * x).reduce(cute.ReductionOp.ADD, acc[b], reduction_profile=0)
+                if const_expr(ssq is not None):
+                    ssq[b] = (x * x).reduce(cute.ReductionOp.ADD, ssq[b], reduction_profile=0)
+    else:
+        wf = cute.make_rmem_tensor((VEC, n), Float32)
+        for u in cutlass.range_constexpr(n):
+            w = rw[None, u].load().to(Float32)
+            if const_expr(gG is not None):
+                cute.copy(ld_x, gG[(None, c0 + 32 * u)], rg)
+                w = w * rg.load().to(Float32)
+            wf[None, u].store(w)
+        rx = cute.make_rmem_tensor((VEC, n), BFloat16)
+        for b in cutlass.range(BT, unroll=1):
+            gX = cute.zipped_divide(mX[x0 + b, None], (VEC,))
+            for u in cutlass.range_constexpr(n):
+                cute.copy(ld_x, gX[(None, c0 + 32 * u)], rx[None, u])
+            a = acc[0]
+            q = Float32(0.0)
+            if const_expr(ssq is not None):
+                q = ssq[0]
+            for u in cutlass.range_constexpr(n):
+                x = rx[None, u].load().to(Float32)
+                a = (wf[None, u].load() * x).reduce(cute.ReductionOp.ADD, a, reduction_profile=0)
+                if const_expr(ssq is not None):
+                    q = (x * x).reduce(cute.ReductionOp.ADD, q, reduction_profile=0)
+            for r in cutlass.range_constexpr(BT - 1):  # rotate: row b + 1's accumulator comes to acc[0]
+                acc[r] = acc[r + 1]
+                if const_expr(ssq is not None):
+                    ssq[r] = ssq[r + 1]
+            acc[BT - 1] = a
+            if const_expr(ssq is not None):
+                ssq[BT - 1] = q
+
+
+@cute.jit
 def _dot_step(gW: cute.Tensor, gG: Any, mX: cute.Tensor, x0: Int32, c0: Int32, acc: cute.Tensor, ssq: Any,
               n: cutlass.Constexpr, BT: cutlass.Constexpr):
-    """Accumulate ``n`` chunks (c0, c0+32, ...) of one W row (times gamma if given) against BT rows
-    of x; also Σ x² per row into ``ssq`` unless it is None. All n weight loads are issued first and
-    stay packed (4 registers per 16 bytes in flight); one chunk at a time is widened to fp32."""
-    ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
-    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, **evict_last())
+    """One step on its own: its ``n`` weight loads (:func:`_load_w`), then their use (:func:`_use_step`)."""
     rw = cute.make_rmem_tensor((VEC, n), BFloat16)
-    for u in cutlass.range_constexpr(n):  # all n weight loads issued back to back
-        cute.copy(ld_w, gW[(None, c0 + 32 * u)], rw[None, u])
-    rg = cute.make_rmem_tensor((VEC,), BFloat16)
-    rx = cute.make_rmem_tensor((VEC,), BFloat16)
-    for u in cutlass.range_constexpr(n):
-        w = rw[None, u].load().to(Float32)
-        if const_expr(gG is not None):
-            cute.copy(ld_x, gG[(None, c0 + 32 * u)], rg)
-            w = w * rg.load().to(Float32)
-        for b in cutlass.range_constexpr(BT):
-            gX = cute.zipped_divide(mX[x0 + b, None], (VEC,))
-            cute.copy(ld_x, gX[(None, c0 + 32 * u)], rx)
-            x = rx.load().to(Float32)
-            acc[b] = (w * x).reduce(cute.ReductionOp.ADD, acc[b], reduction_profile=0)
-            if const_expr(ssq is not None):
-                ssq[b] = (x * x).reduce(cute.ReductionOp.ADD, ssq[b], reduction_profile=0)
+    _load_w(gW, c0, rw, n)
+    _use_step(rw, gG, mX, x0, c0, acc, ssq, n, BT)
 
 
 @cute.jit
@@ -81,13 +131,28 @@ def row_dot(gW: cute.Tensor, gG: Any, mX: cute.Tensor, x0: Int32, lane: Int32, a
             NCH: cutlass.Constexpr, BT: cutlass.Constexpr, unroll: cutlass.Constexpr):
     """Per-lane partial dot products of one row (chunks in gW[(None, c)]) with x rows x0..x0+BT-1.
 
-    Full steps of 32 lanes x ``unroll`` chunks run in a real loop; the leftover full lane rounds are
-    one static step, and the final partial round (NCH % 32 chunks) is predicated on the lane.
+    Full steps of 32 lanes x ``unroll`` chunks run in a real loop; the leftover full lane rounds are one static
+    step, and the final partial round (NCH % 32 chunks) is predicated on the lane. Below ``ROW_LOOP_FROM`` rows the
+    step loop is software-pipelined: each trip issues the next step's weight loads, then uses the ones the trip
+    before issued, so all ``unroll`` are in flight before the first is consumed (issued next to their x loads,
+    ptxas consumed the first weight chunk after 2 to 6 of them); from there on the row loop of :func:`_use_step`
+    keeps the weight loads ahead by itself.
     """
     rounds = NCH // 32
     steps = rounds // unroll
-    for it in cutlass.range(steps, unroll=1):
-        _dot_step(gW, gG, mX, x0, it * (32 * unroll) + lane, acc, ssq, unroll, BT)
+    if const_expr(BT < ROW_LOOP_FROM and steps > 0):
+        rw = cute.make_rmem_tensor((VEC, unroll), BFloat16)
+        rn = cute.make_rmem_tensor((VEC, unroll), BFloat16)
+        _load_w(gW, lane, rw, unroll)
+        for it in cutlass.range(steps - 1, unroll=1):
+            c0 = it * (32 * unroll) + lane
+            _load_w(gW, c0 + 32 * unroll, rn, unroll)
+            _use_step(rw, gG, mX, x0, c0, acc, ssq, unroll, BT)
+            rw.store(rn.load())
+        _use_step(rw, gG, mX, x0, (steps - 1) * (32 * unroll) + lane, acc, ssq, unroll, BT)
+    else:
+        for it in cutlass.range(steps, unroll=1):
+            _dot_step(gW, gG, mX, x0, it * (32 * unroll) + lane, acc, ssq, unroll, BT)
     if const_expr(rounds % unroll > 0):
         _dot_step(gW, gG, mX, x0, steps * (32 * unroll) + lane, acc, ssq, rounds % unroll, BT)
     if const_expr(NCH % 32 > 0):

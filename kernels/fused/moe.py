@@ -20,7 +20,7 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Uint8, Uint32, const_expr
 from kimik3.kernels.common import device as C
 from kimik3.kernels.common.trace import evict_last
-from kimik3.kernels.contracts.meta import ARG_ORDER, HEADS_ORDER, MOE_ORDER, SITU_BETA, SITU_BETA_LIN
+from kimik3.kernels.contracts.meta import ARG_ORDER, HEADS_ORDER, MOE_ORDER, ROW_LOOP_FROM, SITU_BETA, SITU_BETA_LIN
 from kimik3.kernels.toolchain import dsl
 from kimik3.kernels.toolchain.source import kernel_source_hash
 
@@ -127,33 +127,79 @@ def moe_align_kernel(mIds: cute.Tensor, mSorted: cute.Tensor, mActE: cute.Tensor
 
 
 @cute.jit
-def _bf16_step(gA: cute.Tensor, gB: Any, mX: cute.Tensor, xrow: cute.Tensor, c0: Int32, accA: cute.Tensor,
-               accB: cute.Tensor, z: Uint32, n: cutlass.Constexpr, BT: cutlass.Constexpr):
-    """n chunks (c0, c0+32, ...) of the row(s): every weight load is issued first and kept packed (4 registers per
-    16 bytes), then one chunk at a time is widened to fp32 and applied to the BT rows of x, so the loads in flight
-    cost no more registers than their bytes."""
+def _bf16_load(gA: cute.Tensor, gB: Any, cz: Int32, ra: cute.Tensor, rb: cute.Tensor, n: cutlass.Constexpr):
+    """The ``n`` weight loads per matrix of a step (chunks cz, cz+32, ...) into ``ra`` (and ``rb``), back to back,
+    kept packed (4 registers per 16 bytes), so the loads in flight cost no more registers than their bytes."""
     ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
-    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, **evict_last())
-    ra = cute.make_rmem_tensor((VEC, n), BFloat16)
-    rb = cute.make_rmem_tensor((VEC, n), BFloat16)
-    cz = c0 + Int32(z)  # the same chunks, but not invariant in the token-tile loop (see expert_lane)
     for u in cutlass.range_constexpr(n):
         cute.copy(ld_w, gA[(None, cz + 32 * u)], ra[None, u])
         if const_expr(gB is not None):
             cute.copy(ld_w, gB[(None, cz + 32 * u)], rb[None, u])
-    rx = cute.make_rmem_tensor((VEC,), BFloat16)
-    for u in cutlass.range_constexpr(n):
-        wa = ra[None, u].load().to(Float32)
-        wb = wa
-        if const_expr(gB is not None):
-            wb = rb[None, u].load().to(Float32)
-        for t in cutlass.range_constexpr(BT):
-            gX = cute.zipped_divide(mX[xrow[t], None], (VEC,))
-            cute.copy(ld_x, gX[(None, c0 + 32 * u)], rx)
-            x = rx.load().to(Float32)
-            accA[t] = (wa * x).reduce(cute.ReductionOp.ADD, accA[t], reduction_profile=0)
-            if const_expr(gB is not None):
-                accB[t] = (wb * x).reduce(cute.ReductionOp.ADD, accB[t], reduction_profile=0)
+
+
+@cute.jit
+def _bf16_step(gA: cute.Tensor, gB: Any, mX: cute.Tensor, xrow: cute.Tensor, c0: Int32, accA: cute.Tensor,
+               accB: cute.Tensor, z: Uint32, n: cutlass.Constexpr, BT: cutlass.Constexpr):
+    """n chunks (c0, c0+32, ...) of the row(s) on their own: the weight loads (:func:`_bf16_load`), then their use
+    (:func:`_bf16_use`)."""
+    ra = cute.make_rmem_tensor((VEC, n), BFloat16)
+    rb = cute.make_rmem_tensor((VEC, n), BFloat16)
+    _bf16_load(gA, gB, c0 + Int32(z), ra, rb, n)  # the same chunks, but not invariant in the token-tile loop
+    _bf16_use(ra, rb, gB is not None, mX, xrow, c0, accA, accB, n, BT)
+
+
+@cute.jit
+def _bf16_use(ra: cute.Tensor, rb: cute.Tensor, GLU: cutlass.Constexpr, mX: cute.Tensor, xrow: cute.Tensor,
+              c0: Int32, accA: cute.Tensor, accB: cute.Tensor, n: cutlass.Constexpr, BT: cutlass.Constexpr):
+    """Apply a step's loaded weight chunks ``ra`` (and ``rb`` with ``GLU``) to the BT rows of x.
+
+    Below ``ROW_LOOP_FROM`` tokens one chunk at a time is widened to fp32 and applied to the BT rows, every x load
+    unrolled. From there on the tokens are a real loop (as ``gemv._use_step``: unrolled, ptxas interleaved the
+    tokens' x loads with the weight loads and consumed the first weight chunk after one or two of them were
+    issued, ``kernels/verify/sass_audit.py``): the step's weights are widened once and token ``t`` accumulates into
+    ``accA[0]`` / ``accB[0]``, the accumulators rotating by one after each token."""
+    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, **evict_last())
+    if const_expr(BT < ROW_LOOP_FROM):
+        rx = cute.make_rmem_tensor((VEC,), BFloat16)
+        for u in cutlass.range_constexpr(n):
+            wa = ra[None, u].load().to(Float32)
+            wb = wa
+            if const_expr(GLU):
+                wb = rb[None, u].load().to(Float32)
+            for t in cutlass.range_constexpr(BT):
+                gX = cute.zipped_divide(mX[xrow[t], None], (VEC,))
+                cute.copy(ld_x, gX[(None, c0 + 32 * u)], rx)
+                x = rx.load().to(Float32)
+                accA[t] = (wa * x).reduce(cute.ReductionOp.ADD, accA[t], reduction_profile=0)
+                if const_expr(GLU):
+                    accB[t] = (wb * x).reduce(cute.ReductionOp.ADD, accB[t], reduction_profile=0)
+    else:
+        fa = cute.make_rmem_tensor((VEC, n), Float32)
+        fb = cute.make_rmem_tensor((VEC, n), Float32)
+        for u in cutlass.range_constexpr(n):
+            fa[None, u].store(ra[None, u].load().to(Float32))
+            if const_expr(GLU):
+                fb[None, u].store(rb[None, u].load().to(Float32))
+        rx = cute.make_rmem_tensor((VEC, n), BFloat16)
+        for _ in cutlass.range(BT, unroll=1):
+            row = xrow[0]
+            gX = cute.zipped_divide(mX[row, None], (VEC,))
+            for u in cutlass.range_constexpr(n):
+                cute.copy(ld_x, gX[(None, c0 + 32 * u)], rx[None, u])
+            a = accA[0]
+            b = accB[0]
+            for u in cutlass.range_constexpr(n):
+                x = rx[None, u].load().to(Float32)
+                a = (fa[None, u].load() * x).reduce(cute.ReductionOp.ADD, a, reduction_profile=0)
+                if const_expr(GLU):
+                    b = (fb[None, u].load() * x).reduce(cute.ReductionOp.ADD, b, reduction_profile=0)
+            for r in cutlass.range_constexpr(BT - 1):  # rotate: token t + 1's accumulators and row come to [0]
+                accA[r] = accA[r + 1]
+                accB[r] = accB[r + 1]
+                xrow[r] = xrow[r + 1]
+            accA[BT - 1] = a
+            accB[BT - 1] = b
+            xrow[BT - 1] = row
 
 
 @cute.jit
@@ -203,16 +249,33 @@ def _walk_row(gA: cute.Tensor, gB: Any, gSA: Any, gSB: Any, mX: cute.Tensor, xro
               accA: cute.Tensor, accB: cute.Tensor, z: Uint32, NCH: cutlass.Constexpr, BT: cutlass.Constexpr,
               FP4: cutlass.Constexpr):
     """Traverse one weight row as NCH chunks (lane owns l, l+32, ...): full unrolled steps, a static
-    remainder step, then the predicated partial lane round (as gemv.row_dot)."""
+    remainder step, then the predicated partial lane round (as gemv.row_dot). The bf16 steps below
+    ``ROW_LOOP_FROM`` tokens are software-pipelined as ``gemv.row_dot``'s: each trip issues the next step's weight
+    loads before it uses the current ones, so every load of a step is in flight before the first is consumed."""
     unroll = (UNROLL_FP4_GLU if gB is not None else UNROLL_FP4) if FP4 else (
         UNROLL_BF16_GLU if gB is not None else UNROLL_BF16)
     rounds = NCH // 32
     steps = rounds // unroll
-    for it in cutlass.range(steps, unroll=1):
-        if const_expr(FP4):
-            _fp4_step(gA, gB, gSA, gSB, mX, xrow, it * (32 * unroll) + lane, accA, accB, z, unroll, BT)
-        else:
-            _bf16_step(gA, gB, mX, xrow, it * (32 * unroll) + lane, accA, accB, z, unroll, BT)
+    if const_expr(not FP4 and BT < ROW_LOOP_FROM and steps > 0):
+        ra = cute.make_rmem_tensor((VEC, unroll), BFloat16)
+        rb = cute.make_rmem_tensor((VEC, unroll), BFloat16)
+        na = cute.make_rmem_tensor((VEC, unroll), BFloat16)
+        nb = cute.make_rmem_tensor((VEC, unroll), BFloat16)
+        _bf16_load(gA, gB, lane + Int32(z), ra, rb, unroll)
+        for it in cutlass.range(steps - 1, unroll=1):
+            c0 = it * (32 * unroll) + lane
+            _bf16_load(gA, gB, c0 + 32 * unroll + Int32(z), na, nb, unroll)
+            _bf16_use(ra, rb, gB is not None, mX, xrow, c0, accA, accB, unroll, BT)
+            ra.store(na.load())
+            if const_expr(gB is not None):
+                rb.store(nb.load())
+        _bf16_use(ra, rb, gB is not None, mX, xrow, (steps - 1) * (32 * unroll) + lane, accA, accB, unroll, BT)
+    else:
+        for it in cutlass.range(steps, unroll=1):
+            if const_expr(FP4):
+                _fp4_step(gA, gB, gSA, gSB, mX, xrow, it * (32 * unroll) + lane, accA, accB, z, unroll, BT)
+            else:
+                _bf16_step(gA, gB, mX, xrow, it * (32 * unroll) + lane, accA, accB, z, unroll, BT)
     if const_expr(rounds % unroll > 0):
         c0 = steps * (32 * unroll) + lane
         if const_expr(FP4):

@@ -21,6 +21,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from kimik3.kernels.common.device import bf16_round, exp_fast, sigmoid, warp_argmax, warp_max, warp_sum
 from kimik3.kernels.contracts.isa import CTA_THREADS
+from kimik3.kernels.contracts.meta import ROW_LOOP_FROM
 from kimik3.kernels.megakernel.mma import CHUNK_REGS, MMA_ROWS, mma_chunk
 
 __all__ = [
@@ -50,7 +51,6 @@ NT = CTA_THREADS  # threads per CTA (isa.py: the host checks programs against it
 NW = NT // 32
 UNROLL = 4  # default 16-byte weight loads in flight per lane per row_dot step (the GEMV opcodes pass
 # mk_addr.GEMV_UNROLL, the MLA opcodes MKConfig.unroll)
-ROW_LOOP_FROM = 3  # batch rows per GEMV pass from which _dot_step loops over the rows (see there)
 RSTD_UNROLL = 8  # 16-byte x loads in flight per lane in the RMSNorm prologue (rstd_rows)
 VEC = 8  # bf16 per 16-byte chunk
 BIG = 2**31 - 1  # extent of the flat views (offsets are not bounds-checked: the program's boxes are)

@@ -55,7 +55,7 @@ def _tiling(cfg: Any) -> tuple[int, int, int]:
     """Trace-time constants of a GEMV opcode: batch rows per pass, 16-byte weight loads in flight per lane (for the
     compile target, ``cfg.arch``) and passes."""
     BT = mk_addr.gemv_batch_tile(cfg.B)
-    return BT, mk_addr.gemv_unroll(cfg.arch), cfg.B // BT
+    return BT, mk_addr.gemv_unroll(cfg.arch, BT), cfg.B // BT
 
 
 def _mma(cfg: Any, normed: bool = False) -> tuple[bool, int, int]:
@@ -74,8 +74,9 @@ def _mma(cfg: Any, normed: bool = False) -> tuple[bool, int, int]:
       box (the last tile's) are never stored.
     * other passes (1 to 7 rows), and LM_HEAD at every pass width (``mk_addr.LM_HEAD_MMA``: its tensor-core tiles make
       ptxas spill the batch-8 megakernels): CUDA cores, one weight row per item through ``device_fns.weight_row_dot``
-      (``mk_addr.GEMV_UNROLL`` (8) 16-byte weight loads in flight per lane per step: 384 threads x 8 x 16 B = 48 KiB per
-      SM), the warp sum, then the epilogue; gamma is folded into the weight in fp32 and rstd applied to the dot.
+      (``mk_addr.gemv_unroll``: 8 16-byte weight loads in flight per lane per step, 384 threads x 8 x 16 B = 48 KiB per
+      SM; 6 at passes of 1 or 2 rows, whose x chunks are loaded next to the weights), the warp sum, then the epilogue;
+      gamma is folded into the weight in fp32 and rstd applied to the dot.
 
     One flat item loop rather than a pass loop inside the row loop: the nested loops' state did not fit next to the dot
     step at batch 64 (ptxas spilled the megakernel)."""

@@ -517,7 +517,8 @@ def run_mk_tile_gemv(*, B: int, N: int, K: int, staged: int, gamma: bool, seed: 
     # every row, the unfilled part poisoned (a row read from the stage that the prefetch did not fill is NaN)
     stage = torch.full((N * nch, F.VEC), float("nan"), dtype=torch.bfloat16)
     stage[:staged * nch] = W[:staged].reshape(-1, F.VEC)
-    BT, U = mk_addr.gemv_batch_tile(B), mk_addr.gemv_unroll(arch)  # as the GEMV opcodes (kernels/megakernel/gemv.py)
+    BT = mk_addr.gemv_batch_tile(B)
+    U = mk_addr.gemv_unroll(arch, BT)  # as the GEMV opcodes (kernels/megakernel/gemv.py)
     part = torch.full((N, B // BT, LANES, BT), float("nan"))
     with host_trace():
         _mk_gemv_host(F)(_t(stage), staged, W.data_ptr(), x.data_ptr(), g.data_ptr(), N, nch, nch, B // BT,

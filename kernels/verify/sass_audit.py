@@ -69,7 +69,9 @@ def _is_stream_load(ins: S.Instr) -> bool:
 class LoopLoads:
     """One loop as compiled. ``in_flight``: global loads issued (from the header, in address order) before the
     first instruction that reads a destination of one of them; ``stream_in_flight``: the same for the 16-byte
-    read-only loads alone (the weight stream), ``first_consumer`` the instruction that ends that count."""
+    read-only loads alone (the weight stream), ``first_consumer`` the instruction that ends that count.
+    ``innermost``: no loop nested in it issues a 16-byte read-only load (a step loop whose batch rows are an inner
+    loop of x loads is the innermost loop of its weight stream)."""
 
     kernel: str
     function: str
@@ -111,7 +113,9 @@ def loop_loads(f: S.Function) -> list[LoopLoads]:
         head = f.blocks[h].start
         order = sorted(body, key=lambda b: (f.blocks[b].start < head, f.blocks[b].start))
         seq = [f.instrs[i] for b in order for i in range(f.blocks[b].start, f.blocks[b].end)]
-        innermost = not any(h2 != h and b2 < body for h2, b2 in loops)
+        nested = set().union(*[b2 for h2, b2 in loops if h2 != h and b2 < body])
+        innermost = not any(_is_stream_load(f.instrs[i]) for b in nested
+                            for i in range(f.blocks[b].start, f.blocks[b].end))
         n_all, _ = _in_flight(seq, _is_global_load)
         n_ro, stop = _in_flight(seq, _is_stream_load)
         out.append(LoopLoads(short_name(f.kernel), short_name(f.name), f.instrs[head].offset, len(body), innermost,
@@ -127,14 +131,15 @@ class Promise:
     source: str  # where the number is defined
 
 
-def promises_for(family: str, arch: str, expert_format: str = "dense") -> list[Promise]:
-    """The weight-stream depths a kernel family's source promises (imported from the constants the device code
-    itself uses, so the audit follows them)."""
+def promises_for(family: str, arch: str, expert_format: str = "dense", batch: int = 1) -> list[Promise]:
+    """The weight-stream depths a kernel family's source promises at ``batch`` rows (imported from the constants the
+    device code itself uses, so the audit follows them)."""
     if family == "megakernel":
-        from kimik3.kernels.contracts.addr import gemv_unroll
+        from kimik3.kernels.contracts.addr import gemv_batch_tile, gemv_unroll
         from kimik3.kernels.megakernel import moe as mk_moe
 
-        out = [Promise(gemv_unroll(arch), f"contracts.addr.gemv_unroll({arch!r}) (GEMV opcodes)")]
+        bt = gemv_batch_tile(batch)
+        out = [Promise(gemv_unroll(arch, bt), f"contracts.addr.gemv_unroll({arch!r}, {bt}) (GEMV opcodes)")]
         if expert_format == "dense":
             out += [Promise(2 * mk_moe.GATE_UP_LOADS, "2 x megakernel.moe.GATE_UP_LOADS (EXPERT_GATE_UP)"),
                     Promise(mk_moe.DOWN_LOADS, "megakernel.moe.DOWN_LOADS (EXPERT_DOWN)")]
@@ -155,8 +160,9 @@ def promises_for(family: str, arch: str, expert_format: str = "dense") -> list[P
 
 
 def loads_in_flight(funcs: list[S.Function], promises: Iterable[Promise]) -> tuple[list[Finding], list[LoopLoads]]:
-    """Every innermost loop whose trip issues at least as many 16-byte read-only loads as a promised depth keeps
-    that many in flight before the first of them is consumed (the deepest promise the trip covers applies).
+    """Every innermost loop (:class:`LoopLoads`) whose trip issues at least as many 16-byte read-only loads as a
+    promised depth keeps that many in flight before the first of them is consumed (the deepest promise the trip
+    covers applies).
     Returns the findings and the per-loop table."""
     promises = sorted(promises, key=lambda p: p.loads)
     findings, table = [], []
@@ -437,25 +443,36 @@ def _bit_mask(ins: S.Instr, cur: dict[str, int]) -> tuple[str, int] | None:
 _PRED_OP = re.compile(r"^P\d+$")
 
 
-def _transfer(ins: S.Instr, cur: dict[str, int], tid: set[str], diverged: bool, warp_x: bool) -> None:
+def _transfer(ins: S.Instr, cur: dict[str, int], tid: set[str], diverged: bool, warp_x: bool,
+              guarded: dict[str, str] | None = None) -> None:
     """Update the varying bits of each register ``cur`` (absent: uniform) and the thread-index copies ``tid`` over
-    one instruction."""
+    one instruction. ``guarded`` (within a block): registers a write under a uniform guard left uniform whenever
+    that guard holds (register -> the guard, ``@P3`` / ``@!P3``), so an instruction under the same guard, not
+    redefined since, reads them as uniform (``@P3 LDS R0, [..]`` then ``@P3 LOP3 R1, R0, ..``)."""
     dests, srcs = S.dests_sources(ins)
     dests = [d for d in dests if not d.startswith("U")]
+    if guarded is not None:  # a redefined guard ends the facts it carried
+        for r in [r for r, g in guarded.items() if g.lstrip("@!") in dests or r in dests]:
+            del guarded[r]
     if not dests:
         return
     guard = ins.pred.lstrip("@!") if ins.pred else None
-    packed = _bit_mask(ins, cur)
+    view = cur
+    if guarded and ins.pred:
+        view = {r: m for r, m in cur.items() if guarded.get(r) != ins.pred}
+    packed = _bit_mask(ins, view)
     masks: dict[str, int]
     if packed is not None:
         masks = {d: 0 for d in dests}
         masks[packed[0]] = packed[1]
     else:
-        fixed = _varying_result(ins, set(cur), tid)
-        vary = fixed if fixed is not None else any(cur.get(r) for r in srcs)
+        fixed = _varying_result(ins, set(view), tid)
+        vary = fixed if fixed is not None else any(view.get(r) for r in srcs)
         masks = {d: _ALL if vary else 0 for d in dests}
     if diverged or (guard and cur.get(guard)):
         masks = {d: _ALL for d in dests}
+    if guarded is not None and guard and ins.pred not in ("@PT", "@!PT"):
+        guarded.update({d: ins.pred for d, m in masks.items() if not m and d != guard})
     is_tid = warp_x and ins.pred is None and (
         (ins.op == "S2R" and ins.operands[1:] == ["SR_TID.X"])
         or (ins.op in ("MOV", "IMAD") and ins.operands[1:] in (srcs[:1], ["RZ", "RZ", srcs[0] if srcs else ""])
@@ -497,9 +514,9 @@ def uniformity(f: S.Function, divergent_blocks: set[int], warp_x: bool = True
         b = min(work, key=rank.__getitem__)
         work.discard(b)
         blk = f.blocks[b]
-        cur, tid = dict(state_in[b]), set(tid_in[b] or ())
+        cur, tid, guarded = dict(state_in[b]), set(tid_in[b] or ()), {}
         for i in range(blk.start, blk.end):
-            _transfer(f.instrs[i], cur, tid, b in divergent_blocks, warp_x)
+            _transfer(f.instrs[i], cur, tid, b in divergent_blocks, warp_x, guarded)
         for s in blk.succ:
             grew = _join(state_in[s], cur)
             new_tid = set(tid) if tid_in[s] is None else tid_in[s] & tid
@@ -522,9 +539,9 @@ def _nonuniform_at(f: S.Function, state: tuple[list[dict[str, int]], list[set[st
                    diverged: bool, warp_x: bool) -> set[str]:
     """The registers that may vary between lanes just before instruction ``i``."""
     blk = f.block_of(i)
-    cur, tid = dict(state[0][blk.index]), set(state[1][blk.index])
+    cur, tid, guarded = dict(state[0][blk.index]), set(state[1][blk.index]), {}
     for j in range(blk.start, i):
-        _transfer(f.instrs[j], cur, tid, diverged, warp_x)
+        _transfer(f.instrs[j], cur, tid, diverged, warp_x, guarded)
     return set(cur)
 
 
@@ -617,7 +634,8 @@ def audit(result: Any, *, sass_text: str | None = None, family: str | None = Non
     fam = family or result.name.split("/", 1)[0]
     fmt = expert_format or (result.name.rsplit("-", 1)[1] if re.search(r"/b\d+-\w+$", result.name) else "dense")
     ptx = result.ptx
-    lif, table = loads_in_flight(funcs, promises_for(fam, result.arch, fmt))
+    batch = int((result.shapes or {}).get("B", 1))
+    lif, table = loads_in_flight(funcs, promises_for(fam, result.arch, fmt, batch))
     return {"loads-in-flight": lif, "fences": fences(funcs, ptx), "read-only": read_only_path(funcs, ptx),
             "reconvergence": reconvergence(funcs, warps_along_x(ptx)), "loops": table}
 
