@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kimik3.util.args import positive_int
+from kimik3.util.args import name_list, output_folder, positive_int
 
 __all__ = ["main"]
 
@@ -28,7 +28,7 @@ def _export(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m kimik3 export", description=_export.__doc__)
     ap.add_argument("--preset", required=True, choices=kimik3.PRESET_NAMES)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, type=output_folder)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--expert-format", default="bf16", choices=["bf16", "mxfp4", "int4", "fp8"],
@@ -66,12 +66,12 @@ def _run_notebooks(argv: list[str]) -> int:
     from kimik3.notebook.runner import run_all
 
     ap = argparse.ArgumentParser(prog="python -m kimik3 run-notebooks")
-    ap.add_argument("--out", default="runs")
-    ap.add_argument("--only", default="", help="comma-separated notebook number prefixes, e.g. 01,03")
+    ap.add_argument("--out", default="runs", type=output_folder)
+    ap.add_argument("--only", default=None, type=name_list, help="comma-separated notebook number prefixes, e.g. 01,03")
     ap.add_argument("--small", action="store_true", help="the small CI parameters")
     a = ap.parse_args(argv)
     try:
-        done = run_all(a.out, only=[s for s in a.only.split(",") if s] or None, ci=a.small)
+        done = run_all(a.out, only=list(a.only) if a.only else None, ci=a.small)
     except ValueError as e:
         print(f"run-notebooks: {e}", file=sys.stderr)
         return 2

@@ -25,16 +25,21 @@ import torch
 from tqdm.auto import tqdm
 
 import kimik3
+from kimik3.model.config import load_config
 from kimik3.perf.cost import decode_cost
 from kimik3.perf.hardware import measure_bandwidth, measure_local, read_ceiling_Bps
 from kimik3.perf.profiling import Timing
 from kimik3.perf.provenance import provenance
+from kimik3.util.args import bounded_int, output_file, positive_int, positive_int_list
 from kimik3.util.clilog import compiler_output_to
 from kimik3.util.files import atomic_write_text, check_writable
 from kimik3.validation.metric import rel_error
 
 __all__ = ["run_bench", "provenance", "write_hf_deepseek_checkpoint", "strongest_compile_options", "main"]
 
+# torch.compile modes (torch's own list); None: strongest_compile_options for the device
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+MAX_STEPS = 100_000  # decode steps per timed run: far past any measurement's need, far below a cache's end
 CPU_SETTLE_S = 0.05  # pause before each timed CPU sample (OpenMP spin-wait of the stage before it)
 
 
@@ -295,31 +300,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", default=None,
                     help="an HF checkpoint dir instead of a preset; 'hf-dsv3-40m' writes one with transformers")
     ap.add_argument("--stages", default="naive,absorbed,compiled")
-    ap.add_argument("--batch", default="1")
-    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batch", type=positive_int_list, default=(1,), help="comma-separated batch sizes")
+    ap.add_argument("--context", type=positive_int, default=512)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=bounded_int(1, MAX_STEPS, "decode steps per timed run"), default=8)
+    ap.add_argument("--repeats", type=bounded_int(1, 1000, "timed runs per stage"), default=5)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer row")
-    ap.add_argument("--compile-mode", default=None, help="torch.compile mode for stage 'compiled' "
-                    "(default: the strongest for the device, see strongest_compile_options)")
+    ap.add_argument("--compile-mode", default=None, choices=COMPILE_MODES,
+                    help="torch.compile mode for stage 'compiled' (default: the strongest for the device, see "
+                    "strongest_compile_options)")
     ap.add_argument("--no-freeze", action="store_true", help="stage 'compiled' without Inductor freezing")
-    ap.add_argument("--out", default=None, help="JSON output path (default: runs/bench/<timestamp>.json)")
+    ap.add_argument("--out", type=output_file, default=None,
+                    help="JSON output path (default: runs/bench/<timestamp>.json)")
     a = ap.parse_args(argv)
     checkpoint = a.checkpoint
     tmp = None
     out = a.out or f"runs/bench/{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
     try:  # every argument checked before any work, and the output's folder before a run whose result it keeps
-        try:
-            batches = [int(b) for b in a.batch.split(",") if b.strip()]
-        except ValueError:
-            raise ValueError(f"--batch must be comma-separated integers, got {a.batch!r}") from None
+        batches = list(a.batch)
         check_bench_args([s for s in a.stages.split(",") if s], batches, a.context, a.device, a.dtype, a.steps,
                          a.repeats)
         check_writable(out)
         if checkpoint not in (None, "hf-dsv3-40m") and not Path(checkpoint).is_dir():
             raise ValueError(f"--checkpoint {checkpoint} is not a directory")
+        if checkpoint not in (None, "hf-dsv3-40m"):
+            load_config(checkpoint)  # a folder without a usable config.json is refused here, not after setup
     except ValueError as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2
@@ -337,10 +343,14 @@ def main(argv: list[str] | None = None) -> int:
             copts.pop("inductor_options", None)
     log = Path(out).with_suffix(".log")
     print(f"compiler and autotune output: {log}", flush=True)
-    with compiler_output_to(log) as terminal:  # the table below stays readable; the progress bar stays visible
-        df = run_bench(a.preset, [s for s in a.stages.split(",") if s], batches,
-                       a.context, a.device, a.dtype, a.steps, a.repeats, include_hf=not a.no_hf,
-                       checkpoint=checkpoint, out=out, compile_options=copts, progress=terminal)
+    try:
+        with compiler_output_to(log) as terminal:  # the table below stays readable; the progress bar stays visible
+            df = run_bench(a.preset, [s for s in a.stages.split(",") if s], batches,
+                           a.context, a.device, a.dtype, a.steps, a.repeats, include_hf=not a.no_hf,
+                           checkpoint=checkpoint, out=out, compile_options=copts, progress=terminal)
+    except ValueError as e:  # a model that does not fit, a checkpoint refused while loading
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         shown = df[[c for c in COLUMNS if c in df]].copy()
         if "status" in shown:  # a refusal's full reason is in the JSON; the table keeps its start

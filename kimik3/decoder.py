@@ -7,11 +7,16 @@ logits = dec.prefill(input_ids)          # [B, T] -> fp32 [B, vocab] at the last
 logits = dec.step(next_ids)              # [B]    -> fp32 [B, vocab]
 tokens = dec.generate(input_ids, max_new_tokens=16)   # greedy -> [B, T + 16]
 ```
-Right-padded batches pass ``lengths``: each sequence continues from its own length and padding never touches a
-cache or state. Every misuse is a ``ValueError`` that says what was wrong.
+Right-padded batches pass ``lengths``; every misuse is a ``ValueError`` that says what was wrong. A call that fails
+part-way (a hook's exception, Ctrl-C) leaves the Decoder refusing all but ``reset()``, saying why; a call while
+another thread's call runs is refused.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -38,19 +43,52 @@ class Decoder:
         self.max_seq_len = max_seq_len
         self.stage = get_stage(stage)(model, batch_size, max_seq_len, **stage_options)
         self.lengths: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        self._broken: str | None = None  # why the state can no longer be trusted (until reset)
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    @contextlib.contextmanager
+    def _call(self, what: str) -> Iterator[None]:
+        """One public call: refused while another thread's call runs, or (but ``reset``) after a call failed
+        part-way."""
+        if not self._lock.acquire(blocking=False):
+            raise ValueError(f"{what}() while another call on this Decoder is running (another thread?): a Decoder "
+                             "holds one batch's caches; use one Decoder per thread")
+        try:
+            if self._broken is not None and what != "reset":
+                raise ValueError(f"this Decoder's state is unusable: {self._broken}; call reset() and prefill again")
+            yield
+        finally:
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def _changing(self, what: str) -> Iterator[None]:
+        """The part of a call that changes caches and states (every check is done before it): if it raises, the
+        Decoder is marked unusable until :meth:`reset`."""
+        try:
+            yield
+        except BaseException as e:
+            self._broken = (f"{what}() failed part-way ({type(e).__name__}: {e}), after some layers' caches and "
+                            "states may have advanced")
+            raise
+
     def reset(self) -> None:
-        self.stage.reset()
-        self.lengths = None
+        """Forget every sequence (caches, states, lengths); also clears a failed call's mark."""
+        with self._call("reset"), self._changing("reset"):
+            self.lengths = None
+            self.stage.reset()
+            self._broken = None
 
     def _ids(self, ids: torch.Tensor, what: str, ndim: int) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor):
-            ids = torch.as_tensor(ids)
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            try:
+                ids = torch.as_tensor(ids)
+            except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+                raise ValueError(f"{what} must be integer token ids, got {type(ids).__name__} ({e})") from None
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise ValueError(f"{what} must be an integer tensor, got {ids.dtype}")
         if ids.dim() != ndim:
             raise ValueError(f"{what} must have {ndim} dimension(s) ({'[B, T]' if ndim == 2 else '[B]'}), "
@@ -87,19 +125,28 @@ class Decoder:
 
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         """Start (or restart) every sequence from its prompt; returns fp32 logits at each last prompt token."""
+        with self._call("prefill"):
+            return self._prefill(input_ids, lengths)
+
+    def _prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor | list[int] | None) -> torch.Tensor:
         ids = self._ids(input_ids, "input_ids", 2)
         B, T = ids.shape
         lens = self._prompt_lengths(ids, lengths)
         valid = torch.arange(T, device=ids.device)[None, :] < lens[:, None]
         self._check_vocab(ids[valid], "input_ids")
         ids = torch.where(valid, ids, torch.zeros_like(ids))  # padding values are never embedded into a state
-        self.lengths = None
-        logits = self.stage.prefill(ids, lens)
-        self.lengths = lens.clone()
+        with self._changing("prefill"):
+            self.lengths = None
+            logits = self.stage.prefill(ids, lens)
+            self.lengths = lens.clone()
         return logits
 
     def step(self, next_ids: torch.Tensor) -> torch.Tensor:
         """Append one token to every sequence; returns fp32 logits [B, vocab]."""
+        with self._call("step"):
+            return self._step(next_ids)
+
+    def _step(self, next_ids: torch.Tensor) -> torch.Tensor:
         if self.lengths is None:
             raise ValueError("step() called before prefill(): there is no sequence to continue")
         ids = self._ids(next_ids, "next_ids", 1)
@@ -107,8 +154,9 @@ class Decoder:
         if int(self.lengths.max()) + 1 > self.max_seq_len:
             raise ValueError(f"sequence would grow to {int(self.lengths.max()) + 1} tokens, past the cache "
                              f"(max_seq_len={self.max_seq_len}); call reset() or build a Decoder with a larger one")
-        logits = self.stage.step(ids, self.lengths)
-        self.lengths = self.lengths + 1
+        with self._changing("step"):
+            logits = self.stage.step(ids, self.lengths)
+            self.lengths = self.lengths + 1
         return logits
 
     @torch.no_grad()
@@ -116,6 +164,11 @@ class Decoder:
                  lengths: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         """Greedy decoding. Returns [B, T + max_new_tokens]: each row is its own prompt (``lengths[b]`` tokens)
         followed by its new tokens, then ``pad_token_id`` (0 if unset) up to the common width."""
+        with self._call("generate"):
+            return self._generate(input_ids, max_new_tokens, lengths)
+
+    def _generate(self, input_ids: torch.Tensor, max_new_tokens: int,
+                  lengths: torch.Tensor | list[int] | None) -> torch.Tensor:
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         ids = self._ids(input_ids, "input_ids", 2)
@@ -124,7 +177,7 @@ class Decoder:
         if longest + max_new_tokens > self.max_seq_len + 1:  # checked before prefill: a refusal changes nothing
             raise ValueError(f"{longest} prompt + {max_new_tokens} new tokens exceed "
                              f"max_seq_len={self.max_seq_len}")
-        logits = self.prefill(ids, lengths)
+        logits = self._prefill(ids, lengths)
         lens0 = self.lengths.clone()
         pad = self.model.config.pad_token_id or 0
         out = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=ids.device)
@@ -135,7 +188,7 @@ class Decoder:
             nxt = logits.argmax(-1)
             out[rows, lens0 + i] = nxt
             if i + 1 < max_new_tokens:
-                logits = self.step(nxt)
+                logits = self._step(nxt)
         return out
 
 

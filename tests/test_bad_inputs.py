@@ -85,7 +85,7 @@ def test_reexport_leaves_no_files_of_the_earlier_export(tmp_path, capsys):
     assert (out / "model.safetensors.index.json").exists()
     code, msg = run_cli(["export", "--preset", "micro", "--seed", "1", "--out", str(out)], capsys)
     assert code == 0, msg
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "kimik3-export.json", "model.safetensors"]
     seed1 = kimik3.from_preset("micro", seed=1, dtype=torch.bfloat16)
     loaded = kimik3.from_pretrained(out, dtype=torch.bfloat16)
     for (n, a), (_, b) in zip(seed1.named_parameters(), loaded.named_parameters()):
@@ -143,6 +143,52 @@ def test_export_refuses_a_foreign_folder_unless_overwrite(tmp_path, capsys):
         kimik3.save_pretrained(kimik3.from_preset("micro"), out)
     code, msg = run_cli(["export", "--preset", "micro", "--out", str(out), "--overwrite"], capsys)
     assert code == 0 and not (out / "thesis.tex").exists()
+
+
+@pytest.mark.parametrize("files", [
+    {"config.json": '{"model_type": "llama", "hidden_size": 4096}', "model.safetensors": "weights of a llama"},
+    {"config.json": '{"hand": "written"}'},
+    {"config.json": "{}", "model.safetensors.index.json": "{}", "model-00001-of-00002.safetensors": "x"},
+])
+def test_export_recognises_its_own_folders_by_content_not_names(tmp_path, capsys, files):
+    """Someone else's checkpoint uses the same file names: without the export's manifest (files and sizes) it is
+    not replaced unless --overwrite."""
+    out = tmp_path / "theirs"
+    out.mkdir()
+    for name, text in files.items():
+        (out / name).write_text(text)
+    code, msg = run_cli(["export", "--preset", "micro", "--out", str(out)], capsys)
+    assert code == 2 and "not empty" in msg and "--overwrite" in msg, msg
+    assert {p.name: p.read_text() for p in out.iterdir()} == files
+    with pytest.raises(ValueError, match="not empty"):
+        kimik3.save_pretrained(kimik3.from_preset("micro"), out)
+
+
+def test_an_export_changed_by_hand_is_no_longer_replaced_silently(tmp_path, capsys):
+    out = tmp_path / "D"
+    kimik3.save_pretrained(kimik3.from_preset("micro", seed=0), out)
+    assert run_cli(["export", "--preset", "micro", "--seed", "1", "--out", str(out)], capsys)[0] == 0
+    (out / "config.json").write_text((out / "config.json").read_text() + " ")  # edited after the export
+    code, msg = run_cli(["export", "--preset", "micro", "--out", str(out)], capsys)
+    assert code == 2 and "not empty" in msg, msg
+    (out / "notes.txt").write_text("mine")
+    (out / "config.json").write_text((out / "config.json").read_text()[:-1])
+    code, msg = run_cli(["export", "--preset", "micro", "--out", str(out)], capsys)
+    assert code == 2 and (out / "notes.txt").read_text() == "mine"
+
+
+def test_export_files_follow_the_umask(tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        out = kimik3.save_pretrained(kimik3.from_preset("micro"), tmp_path / "D", max_shard_bytes=2**20)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert set(modes.values()) == {0o644}, modes
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
 
 
 @pytest.mark.parametrize("argv,reason", [
@@ -418,11 +464,11 @@ def test_a_log_padded_with_zeros_loads(ckpt):
 
 
 @pytest.mark.parametrize("args,reason", [
-    (["--batch", "0"], "batch sizes must be positive"),
-    (["--batch", "x"], "comma-separated integers"),
-    (["--context", "0"], "context must be a positive"),
-    (["--steps", "0"], "steps must be a positive"),
-    (["--repeats", "0"], "repeats must be a positive"),
+    (["--batch", "0"], "--batch: must be positive integers"),
+    (["--batch", "x"], "comma-separated list of integers"),
+    (["--context", "0"], "--context: must be a positive integer"),
+    (["--steps", "0"], "--steps: must be in 1..100000"),
+    (["--repeats", "0"], "--repeats: must be in 1..1000"),
     (["--stages", "warp-drive"], "unknown stage"),
     (["--stages", ","], "no stages"),
     (["--out", "{file}/x.json"], "cannot write"),
@@ -452,11 +498,11 @@ def test_validate_cuda_without_a_gpu(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,reason", [
-    (["--stages", ","], "--stages is empty"),
+    (["--stages", ","], "--stages: must name at least one"),
     (["--stages", "nope"], "unknown stage"),
     (["--presets", "nope"], "unknown preset"),
-    (["--steps", "-1"], "--steps must be"),
-    (["--threads", "0"], "--threads must be"),
+    (["--steps", "-1"], "--steps: must be a non-negative integer"),
+    (["--threads", "0"], "--threads: must be a positive integer"),
     (["--device", "tpu"], "--device must be"),
     (["--out", "{file}/v"], "cannot write"),
 ])

@@ -243,6 +243,40 @@ def test_fuzz_from_pretrained(e2e_ckpt, workdir, data):
             assert torch.equal(a, w) or which == "config.json", n
 
 
+# ====================================================================== quantization_config patterns
+
+@pytest.fixture(scope="module")
+def quant_ckpt(workdir) -> Path:
+    d = workdir / "quant"
+    kimik3.save_pretrained(kimik3.from_preset("micro", seed=0), d, expert_format="mxfp4")
+    return d
+
+
+HOSTILE = ["(.*.*)*Z", "(a|aa)*b", "((x+)+)+y$", "(.*)*(.*)*(.*)*q", "([^.]*)*\\.Z", "(?=a)", "a{1,9}",
+           "(", "[", "\\", "x" * 5000]
+pattern_text = st.one_of(st.sampled_from(HOSTILE), st.text(alphabet="ab.*+?()|[]^$\\:-", max_size=24))
+
+
+@budget(40)
+@given(patterns=st.lists(pattern_text, min_size=1, max_size=3), key=st.sampled_from(["ignore", "targets"]))
+def test_fuzz_quantization_patterns(quant_ckpt, workdir, patterns, key):
+    """``re:`` patterns in a checkpoint's quantization_config (ignore, config_groups targets): the load finishes
+    (within the alarm: a backtracking regex would not) with a model or a ValueError."""
+    d = workdir / "quant-case"
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(quant_ckpt, d)
+    cfg = json.loads((d / "config.json").read_text())
+    qc = cfg.get("quantization_config") or cfg["text_config"]["quantization_config"]
+    entries = ["re:" + p for p in patterns]
+    if key == "ignore":
+        qc["ignore"] = list(qc.get("ignore") or ()) + entries
+    else:
+        for g in qc["config_groups"].values():
+            g["targets"] = list(g.get("targets") or ()) + entries
+    (d / "config.json").write_text(json.dumps(cfg))
+    only_value_error(lambda: kimik3.from_pretrained(d))
+
+
 # ====================================================================== the long run
 
 

@@ -33,6 +33,8 @@ from typing import Any
 from kimik3.kernels.toolchain.registry import EXPERT_FORMATS, FAMILIES, KernelVariant, get_variant, variants_for
 from kimik3.kernels.toolchain.source import kernel_source_hash
 
+from kimik3.util.args import positive_int_list
+
 __all__ = ["build_prebuilt", "load_prebuilt", "read_manifest", "PrebuiltKernel", "main", "MANIFEST", "FORMATS"]
 
 MANIFEST = "manifest.json"
@@ -328,7 +330,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--arch", required=True, choices=sorted(_ARCH_CC), help="target architecture")
     b.add_argument("--out", required=True, help="output directory (manifest.json + artefacts)")
     b.add_argument("--preset", action="append", help="config preset(s) to take shapes from (default: k3-shard)")
-    b.add_argument("--batch", default="1,8,64", help="comma-separated batch sizes (default: 1,8,64)")
+    b.add_argument("--batch", type=positive_int_list, default=(1, 8, 64),
+                   help="comma-separated batch sizes (default: 1,8,64)")
     b.add_argument("--family", action="append", help=f"kernel families (default: all of {sorted(FAMILIES)})")
     b.add_argument("--expert-format", action="append", choices=EXPERT_FORMATS,
                    help="routed-expert formats of the families built per format (the megakernel; default: dense)")
@@ -336,7 +339,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--ship-runtime", action="store_true", help="copy libcute_dsl_runtime.so (xz) into --out")
     ls = sub.add_parser("list", help="list the kernel variants of presets / batches")
     ls.add_argument("--preset", action="append")
-    ls.add_argument("--batch", default="1,8,64")
+    ls.add_argument("--batch", type=positive_int_list, default=(1, 8, 64))
     ls.add_argument("--expert-format", action="append", choices=EXPERT_FORMATS)
     return p
 
@@ -348,16 +351,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         args_in = args_in[1:]
     args = _parser().parse_args(args_in)
     presets = args.preset or ["k3-shard"]
-    try:
-        batches = [int(b) for b in args.batch.split(",") if b.strip()]
-    except ValueError:
-        raise SystemExit(f"--batch must be comma-separated integers, got {args.batch!r}") from None
+    batches = list(args.batch)
     formats = args.expert_format or ["dense"]
+    try:  # an unknown preset or family: one line, not a traceback
+        variants = variants_for(presets, batches, None if args.cmd == "list" else args.family, formats)
+    except ValueError as e:
+        print(f"kernels {args.cmd}: {e}", file=sys.stderr)
+        return 2
     if args.cmd == "list":
-        for v in variants_for(presets, batches, expert_formats=formats):
+        for v in variants:
             print(f"{v.name:34s} {v.spec.description}  {v.shapes}")
         return 0
-    variants = variants_for(presets, batches, args.family, formats)
     manifest = build_prebuilt(args.arch, args.out, variants, fmt=args.format, ship_runtime=args.ship_runtime)
     bad = {n: e["budget_violations"] for n, e in manifest["kernels"].items() if e["budget_violations"]}
     print(f"wrote {len(variants)} kernels for {args.arch} to {args.out}/{MANIFEST}"

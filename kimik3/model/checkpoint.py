@@ -218,8 +218,13 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device
         if not t.is_floating_point() or not torch.isfinite(t).all():
             kind = "non-finite values" if t.is_floating_point() else f"dtype {t.dtype}"
             raise ValueError(f"tensor {key!r} in {f.name} has {kind}; expected finite floating-point weights")
+        cast = t.to(p.dtype)
+        if cast.dtype != t.dtype and not torch.isfinite(cast).all():
+            big = t.abs().max().item()
+            raise ValueError(f"tensor {key!r} in {f.name} holds values up to {big:.4g}, beyond what {p.dtype} "
+                             f"represents (finite in {t.dtype}, inf once cast); load with a wider dtype")
         with torch.no_grad():
-            (p.data[e] if e is not None else p.data).copy_(t.to(p.dtype))
+            (p.data[e] if e is not None else p.data).copy_(cast)
         if e is None:
             filled.add(name)
         else:
@@ -399,15 +404,27 @@ def state_items(model: KimiForCausalLM, expert_format: str = "bf16") -> Iterator
                     yield from export_tensors(expert_format, key + ".weight", w, expert=True)
 
 
-_EXPORT_NAMES = re.compile(r"^(config\.json|model\.safetensors|model\.safetensors\.index\.json|"
-                           r"model-\d{5}-of-\d{5}\.safetensors)$")
+# written last into every export: its files and their sizes, so a folder is recognised as a kimik3 export by its
+# content, not by file names another tool's checkpoint also uses
+EXPORT_MANIFEST = "kimik3-export.json"
 
 
 def is_export(path: Path) -> bool:
-    """Whether ``path`` holds only what :func:`save_pretrained` writes (so replacing it loses nothing else)."""
-    entries = list(Path(path).iterdir())
-    return any(e.name == "config.json" for e in entries) and all(
-        _EXPORT_NAMES.match(e.name) and e.is_file() and not e.is_symlink() for e in entries)
+    """Whether ``path`` holds exactly what :func:`save_pretrained` wrote there (so replacing it loses nothing):
+    its manifest, and the files the manifest lists with their sizes, nothing else."""
+    try:
+        entries = {e.name: e for e in Path(path).iterdir()}
+        m = entries.get(EXPORT_MANIFEST)
+        if m is None or m.is_symlink() or not m.is_file() or m.stat().st_size > 1 << 20:
+            return False
+        doc = json.loads(m.read_text())
+        files = doc.get("files") if isinstance(doc, dict) and doc.get("kimik3_export") == 1 else None
+        if not isinstance(files, dict) or set(entries) != {*files, EXPORT_MANIFEST}:
+            return False
+        return all(not entries[n].is_symlink() and entries[n].is_file() and entries[n].stat().st_size == size
+                   for n, size in files.items())
+    except (OSError, ValueError):
+        return False
 
 
 def save_pretrained(model: KimiForCausalLM, path: str | Path, expert_format: str = "bf16",
@@ -445,6 +462,7 @@ def _write_checkpoint(model: KimiForCausalLM, path: Path, expert_format: str, ma
         size += nbytes
     if len(shards) == 1:
         save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        _write_manifest(path)
         return path
     weight_map = {}
     for i, shard in enumerate(shards):
@@ -453,7 +471,13 @@ def _write_checkpoint(model: KimiForCausalLM, path: Path, expert_format: str, ma
         weight_map.update({k: fname for k in shard})
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
                                                                   indent=1))
+    _write_manifest(path)
     return path
+
+
+def _write_manifest(path: Path) -> None:
+    files = {f.name: f.stat().st_size for f in sorted(path.iterdir())}
+    (path / EXPORT_MANIFEST).write_text(json.dumps({"kimik3_export": 1, "files": files}, indent=1) + "\n")
 
 
 def fp32_parameter_names(model: KimiForCausalLM) -> list[str]:

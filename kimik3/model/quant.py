@@ -13,11 +13,14 @@ docs/architecture.md#appendix-design-notes-by-room.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
 
 import torch
+
+from kimik3.model.patterns import Pattern, compile_pattern
 
 __all__ = [
     "E2M1_VALUES", "MXFP4_GROUP", "FP8_BLOCK", "FP8_MAX", "QUANT_SUFFIXES", "QuantSpec", "e8m0_to_float",
@@ -260,7 +263,7 @@ class QuantSpec:
         for target in patterns:
             for name in names:
                 if target.startswith("re:"):
-                    if re.match(target[3:], name):
+                    if _pattern(target[3:]).match(name):
                         return True
                 elif target == name:
                     return True
@@ -287,6 +290,28 @@ class QuantSpec:
             raise ValueError(f"{module}: {e}") from None
 
 
+@functools.lru_cache(maxsize=1024)
+def _pattern(text: str) -> Pattern:
+    return compile_pattern(text)
+
+
+def _module_names(qc: dict, key: str) -> tuple[str, ...]:
+    """``qc[key]`` (absent: empty), a list of module names and ``re:`` patterns, each pattern compiled now by the
+    linear-time matcher (``kimik3.model.patterns``): a pattern that could not be matched fails here, naming it."""
+    items = qc.get(key) or ()
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"quantization_config.{key} must be a list of module names, got {type(items).__name__}")
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise ValueError(f"quantization_config.{key}[{i}] must be a string, got {item!r}"[:300])
+        if item.startswith("re:"):
+            try:
+                _pattern(item[3:])
+            except ValueError as e:
+                raise ValueError(f"quantization_config.{key}[{i}]: {e}") from None
+    return tuple(items)
+
+
 def parse_quantization_config(qc: dict | None) -> QuantSpec | None:
     """A checkpoint's ``quantization_config`` -> :class:`QuantSpec` (None: nothing quantized). The forms read:
     ``{"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": [...]}`` (DeepSeek / K2),
@@ -306,7 +331,7 @@ def parse_quantization_config(qc: dict | None) -> QuantSpec | None:
         if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
                                                                               for b in block)):
             raise ValueError(f"quantization_config: fp8 needs weight_block_size [rows, cols], got {block!r}")
-        ignore = tuple(qc.get("modules_to_not_convert") or ()) + tuple(qc.get("ignore") or ())
+        ignore = _module_names(qc, "modules_to_not_convert") + _module_names(qc, "ignore")
         return QuantSpec("fp8", num_bits=8, group_size=None, block=(block[0], block[1]), ignore=ignore, raw=qc)
     if method not in (None, "compressed-tensors"):
         raise ValueError(f"quantization_config: unknown quant_method {method!r} "
@@ -328,8 +353,10 @@ def parse_quantization_config(qc: dict | None) -> QuantSpec | None:
     for k in ("num_bits", "group_size", "symmetric", "type", "strategy"):
         if k in qc and k not in args:
             args[k] = qc[k]
-    ignore = tuple(qc.get("ignore") or ())
-    targets = tuple(t for g in groups.values() if isinstance(g, dict) for t in (g.get("targets") or ()))
+    ignore = _module_names(qc, "ignore")
+    targets = tuple(t for name, g in groups.items() if isinstance(g, dict)
+                    for t in _module_names({f"config_groups.{name}.targets": g.get("targets")},
+                                           f"config_groups.{name}.targets"))
     if fmt == "mxfp4-pack-quantized":
         bad = {k: args[k] for k, want in (("num_bits", 4), ("group_size", MXFP4_GROUP), ("type", "float"))
                if k in args and args[k] != want}

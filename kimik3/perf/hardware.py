@@ -189,6 +189,10 @@ def measure_bandwidth(device: str | torch.device = "auto", nbytes: int | None = 
         raise ValueError(f"need nbytes >= 4 KiB, repeats >= 1, warmup >= 0; got {nbytes}, {repeats}, {warmup}")
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    from kimik3.model.checks import require_memory
+
+    require_memory(3 * nbytes, dev, f"the bandwidth probe's three buffers of {nbytes} bytes",
+                   "the step's working set this large cannot be measured here")
     n = nbytes // 4
     # several calls per sample on a GPU: one call there is short next to the events' resolution
     inner = 10 if gpu else 1
@@ -311,13 +315,25 @@ def _main(argv: list[str] | None = None) -> int:
     """``python -m kimik3.perf.hardware``: this machine's ceilings, and the read figure checked against a plain
     ``torch.sum`` over the same number of bytes timed in the same run (the two should agree within ~15 %)."""
     import argparse
+    import sys
+
+    from kimik3.util.args import output_file, positive_int
+    from kimik3.util.files import atomic_write_text, check_writable
 
     ap = argparse.ArgumentParser(prog="python -m kimik3.perf.hardware", description=_main.__doc__)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--quick", action="store_true", help="smaller buffers and fewer repeats")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", default=None, help="write the record as JSON here")
+    ap.add_argument("--threads", type=positive_int, default=None)
+    ap.add_argument("--out", type=output_file, default=None, help="write the record as JSON here")
     a = ap.parse_args(argv)
+    try:  # before measuring: a refused output should cost nothing
+        if a.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available on this machine")
+        if a.out:
+            check_writable(a.out)
+    except ValueError as e:
+        print(f"hardware: {e}", file=sys.stderr)
+        return 2
     m = measure_local(a.device, quick=a.quick, threads=a.threads)
     dev = torch.device(m["device"])
     x = torch.ones(m["bandwidth_buffer_bytes"] // 4, device=dev)
@@ -334,11 +350,7 @@ def _main(argv: list[str] | None = None) -> int:
     print(f"matmul {m['matmul_dtype']} n={m['matmul_n']}: {m['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; "
           f"threads {m['bandwidth_threads']}, load {m['load_average_1m']}, {m['device_name']}")
     if a.out:
-        p = Path(a.out)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(json.dumps(m, indent=1))
-        tmp.replace(p)  # atomic: a reader never sees half a record
+        atomic_write_text(a.out, json.dumps(m, indent=1))  # a reader never sees half a record
     return 0
 
 

@@ -4,12 +4,13 @@ the model is least sure of) and designs (``data/perf/designs/<name>.json``); doc
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from dataclasses import field as _dc_field
 from pathlib import Path
 from typing import Any
+
+from kimik3.util.files import read_json_file
 
 __all__ = ["PERF_DIR", "CURRENT_DESIGN", "SLOWER_WHEN_LARGER", "CORNERS", "Constants", "load_constants",
            "load_design", "design_names"]
@@ -133,8 +134,10 @@ class Constants:
 
 def load_constants(path: str | Path | None = None) -> Constants:
     p = Path(path) if path is not None else PERF_DIR / "constants.json"
-    data = json.loads(p.read_text())
-    entries = data.get("constants", {})
+    data = read_json_file(p, "constants file")
+    entries = data.get("constants", {}) if isinstance(data, dict) else None
+    if not isinstance(entries, dict):
+        raise ValueError(f"{p}: expected an object with a 'constants' object")
     missing = [k for k in _REQUIRED if k not in entries]
     if missing:
         raise ValueError(f"{p}: constants missing: {', '.join(missing)}")
@@ -168,17 +171,27 @@ def design_names() -> list[str]:
 
 def load_design(name_or_path: str | Path = CURRENT_DESIGN) -> dict[str, Any]:
     """A design by name (``data/perf/designs/<name>.json``) or path; its expressions are parsed (not run) here."""
-    from kimik3.perfmodel.expr import check
-
     p = Path(name_or_path)
     if not p.suffix:
         p = PERF_DIR / "designs" / f"{name_or_path}.json"
         if not p.exists():
             raise ValueError(f"unknown design {str(name_or_path)!r}; known: {', '.join(design_names())}")
-    d = json.loads(p.read_text())
+    d = read_json_file(p, "design")
+    if not isinstance(d, dict):
+        raise ValueError(f"design {p}: expected a JSON object, got {type(d).__name__}")
     for key in ("name", "megakernel", "fused"):
         if key not in d:
             raise ValueError(f"design {p}: missing {key!r}")
+    try:
+        _check_design(d, p)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise ValueError(f"design {p}: malformed ({type(e).__name__}: {e})") from None
+    return d
+
+
+def _check_design(d: dict[str, Any], p: Path) -> None:
+    from kimik3.perfmodel.expr import check
+
     for op, e in d["megakernel"]["opcodes"].items():
         for s in e.get("streams", []):
             for f in ("bytes", "threads", "loads", "load_bytes"):
@@ -191,7 +204,6 @@ def load_design(name_or_path: str | Path = CURRENT_DESIGN) -> dict[str, Any]:
             check(s["cycles"])
             if s["level"] not in ("hbm", "l2", "l1", "none"):
                 raise ValueError(f"design {p}: {op}: serial level {s['level']!r}")
-    return d
 
 
 def field(entry: Any) -> Any:

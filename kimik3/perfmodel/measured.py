@@ -10,7 +10,6 @@ time". Nothing here is used unless asked for (``measured_constants``, ``python -
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kimik3.perfmodel.data import PERF_DIR, SLOWER_WHEN_LARGER, Constants, load_constants
+from kimik3.util.files import read_json_file
 
 __all__ = ["MEASUREMENTS_DIR", "MEASURED_UNITS", "SWEEP", "Measured", "measured_path", "load_measured",
            "apply_measured", "measured_constants"]
@@ -126,12 +126,7 @@ def load_measured(path: str | Path, hardware: str | None = None) -> Measured:
     """Read and check a measured-constants file; ``hardware``: the hardware the model's constants describe
     (default: ``data/perf/constants.json``'s). Every problem is a ``ValueError`` naming the file and the key."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{p}: no such measured-constants file") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not valid JSON ({e})") from None
+    data = read_json_file(p, "measured-constants file")
     if not isinstance(data, dict):
         raise ValueError(f"{p}: must be a JSON object")
     for key in _TOP:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["atomic_write_text", "atomic_write_bytes", "atomic_path", "staged_directory", "check_writable"]
+__all__ = ["atomic_write_text", "atomic_write_bytes", "atomic_path", "staged_directory", "check_writable",
+           "check_output_file", "read_regular_text", "read_json_file"]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -37,11 +39,77 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
+def read_regular_text(path: str | Path, what: str = "file", max_bytes: int = 64 << 20) -> str:
+    """The text of ``path``, read only when it is a regular file (a FIFO would block the reader forever, a device
+    could stream without end) of at most ``max_bytes``; every problem a ``ValueError`` naming the file."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise ValueError(f"{what} {p}: no such file") from None
+    except OSError as e:
+        raise ValueError(f"{what} {p}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{what} {p} is not a regular file")
+    if st.st_size > max_bytes:
+        raise ValueError(f"{what} {p} is {st.st_size} bytes, more than the {max_bytes} such a file can be")
+    try:
+        return p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{what} {p}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def read_json_file(path: str | Path, what: str = "file", max_bytes: int = 64 << 20) -> object:
+    """:func:`read_regular_text` parsed as JSON (a ``ValueError`` naming the file and the position)."""
+    import json
+
+    text = read_regular_text(path, what, max_bytes)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+
+
+def check_output_file(path: str | Path) -> Path:
+    """Refuse, naming it, an output file path that is neither absent nor a regular file (or a symlink to one):
+    a device node (``/dev/null``), a FIFO, a socket, a folder, or a symlink to nothing. Replacing one of those
+    would destroy something that is not ours, or fail half-way."""
+    path = Path(path)
+    if str(path) in ("", "."):
+        raise ValueError(f"output path {str(path)!r} names no file")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return path
+    except OSError as e:
+        raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.stat(path)
+        except OSError:
+            raise ValueError(f"output {path} is a symlink to {os.readlink(path)!r}, which does not exist; remove "
+                             "the link or choose another path") from None
+        if not stat.S_ISREG(target.st_mode):
+            raise ValueError(f"output {path} is a symlink to something that is not a regular file; choose a file "
+                             "path")
+    elif stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"output {path} is a directory; expected a file path")
+    elif not stat.S_ISREG(st.st_mode):
+        kind = ("a device node" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
+                "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else
+                "not a regular file")
+        raise ValueError(f"output {path} is {kind}; only a regular file (or a new path) is replaced")
+    return path
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; when the block succeeds it is synced and renamed onto ``path``.
-    On any exception the temporary file is removed and ``path`` is left as it was."""
-    path = Path(path)
+    On any exception the temporary file is removed and ``path`` is left as it was. ``path`` must be absent or a
+    regular file (:func:`check_output_file`)."""
+    path = check_output_file(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -80,8 +148,8 @@ def check_writable(path: str | Path, is_dir: bool = False) -> Path:
     long run whose results would otherwise be lost at the end. Creates missing parent folders."""
     path = Path(path)
     folder = path if is_dir else path.parent
-    if not is_dir and path.is_dir():
-        raise ValueError(f"output {path} is a directory; expected a file path")
+    if not is_dir:
+        check_output_file(path)
     if is_dir and path.exists() and not path.is_dir():
         raise ValueError(f"output {path} exists and is not a directory")
     try:
@@ -103,6 +171,8 @@ def staged_directory(path: str | Path, overwrite: bool = False,
     An existing non-empty ``path`` is replaced only when ``replaceable(path)`` says it is one of ours or
     ``overwrite`` is true; otherwise ``ValueError`` before anything is written. ``path`` itself may be a symlink
     to a folder (the user's choice of location); nothing inside the old folder is ever written through."""
+    if isinstance(path, str) and not path.strip():
+        raise ValueError(f"output folder {path!r} names no folder")
     path = Path(os.path.abspath(path))  # "out/." or "." have no usable name for the sibling folders
     if path.is_symlink() and path.is_dir():
         path = path.resolve()
@@ -120,7 +190,8 @@ def staged_directory(path: str | Path, overwrite: bool = False,
     try:
         yield stage
         for f in stage.rglob("*"):
-            if f.is_file():
+            if f.is_file() and not f.is_symlink():
+                os.chmod(f, 0o666 & ~umask)  # some writers create their files private (0600) whatever the umask
                 _fsync_file(f)
         _fsync_dir(stage)
         if path.exists():

@@ -13,12 +13,27 @@ import torch
 
 from kimik3.model.config import PRESET_NAMES
 from kimik3.stages import get_stage
-from kimik3.util.args import int_list, name_list
+from kimik3.util.args import (
+    bounded_int,
+    choice_list,
+    name_list,
+    nonnegative_int,
+    output_folder,
+    positive_int,
+    positive_int_list,
+)
 from kimik3.util.files import check_writable
-from kimik3.validation.config import default_config, quick_config
+from kimik3.validation.config import DTYPE_NAMES, default_config, quick_config
 from kimik3.validation.matrix import run_validation
 
 __all__ = ["main"]
+
+_seed = bounded_int(0, 2**63 - 1, "a torch seed")
+
+
+def seed_list(text: str) -> tuple[int, ...]:
+    """Comma-separated seeds, each in 0..2**63 - 1."""
+    return tuple(_seed(x) for x in name_list(text))
 
 
 
@@ -29,17 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the CI subset: micro, one seed, 2 steps, short+long context")
     ap.add_argument("--presets", type=name_list, default=None, help="comma-separated, e.g. micro,tiny")
     ap.add_argument("--stages", type=name_list, default=None, help="comma-separated (default: every stage)")
-    ap.add_argument("--dtypes", type=name_list, default=None, help="float32,bfloat16")
-    ap.add_argument("--batch-sizes", type=int_list, default=None)
-    ap.add_argument("--seeds", type=int_list, default=None)
-    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--dtypes", type=choice_list(DTYPE_NAMES, "dtype"), default=None, help="float32,bfloat16")
+    ap.add_argument("--batch-sizes", type=positive_int_list, default=None)
+    ap.add_argument("--seeds", type=seed_list, default=None)
+    ap.add_argument("--steps", type=nonnegative_int, default=None)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads during the run (default 1)")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch threads during the run (default 1)")
     ap.add_argument("--no-determinism", action="store_true")
     ap.add_argument("--no-hazards", action="store_true")
     ap.add_argument("--no-ep", action="store_true", help="skip the expert-parallel processes")
-    ap.add_argument("--drift-tokens", type=int, default=None, help="0 skips the bf16 drift curve")
-    ap.add_argument("--out", default="runs/validate", help="run folder for report.html, cells.csv, summary.json")
+    ap.add_argument("--drift-tokens", type=nonnegative_int, default=None, help="0 skips the bf16 drift curve")
+    ap.add_argument("--out", default="runs/validate", type=output_folder,
+                    help="run folder for report.html, cells.csv, summary.json")
     ap.add_argument("--report-only", action="store_true", help="exit 0 whatever failed")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)

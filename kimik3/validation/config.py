@@ -20,6 +20,7 @@ __all__ = ["CHUNK_TOKENS", "ValidationConfig", "default_config", "quick_config"]
 CHUNK_TOKENS = 64
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_NAMES = tuple(_DTYPES)  # what --dtypes accepts
 _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 
 
