@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kimik3.util.args import name_list, output_folder, positive_int
+from kimik3.util.args import name_list, output_folder, positive_int, seed_int
+from kimik3.util.text import refuse
 
 __all__ = ["main"]
 
@@ -29,7 +30,7 @@ def _export(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m kimik3 export", description=_export.__doc__)
     ap.add_argument("--preset", required=True, choices=kimik3.PRESET_NAMES)
     ap.add_argument("--out", required=True, type=output_folder)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=seed_int, default=0)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--expert-format", default="bf16", choices=["bf16", "mxfp4", "int4", "fp8"],
                     help="mxfp4 / int4: routed experts quantized (K3 / K2-Thinking layout); fp8: every linear weight "
@@ -53,8 +54,7 @@ def _export(argv: list[str]) -> int:
         path = kimik3.save_pretrained(model, a.out, expert_format=a.expert_format, max_shard_bytes=shard,
                                       overwrite=a.overwrite)
     except ValueError as e:
-        print(f"export: {e}", file=sys.stderr)
-        return 2
+        return refuse("export", e)
     print(f"wrote {a.preset} (seed {a.seed}, {a.dtype}, experts {a.expert_format}) to {path}")
     return 0
 
@@ -73,8 +73,7 @@ def _run_notebooks(argv: list[str]) -> int:
     try:
         done = run_all(a.out, only=list(a.only) if a.only else None, ci=a.small)
     except ValueError as e:
-        print(f"run-notebooks: {e}", file=sys.stderr)
-        return 2
+        return refuse("run-notebooks", e)
     print(f"executed {len(done)} notebook(s) into {a.out}/")
     return 0
 

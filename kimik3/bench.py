@@ -33,6 +33,7 @@ from kimik3.perf.provenance import provenance
 from kimik3.util.args import bounded_int, output_file, positive_int, positive_int_list
 from kimik3.util.clilog import compiler_output_to
 from kimik3.util.files import atomic_write_text, check_writable
+from kimik3.util.text import refuse
 from kimik3.validation.metric import rel_error
 
 __all__ = ["run_bench", "provenance", "write_hf_deepseek_checkpoint", "strongest_compile_options", "main"]
@@ -327,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         if checkpoint not in (None, "hf-dsv3-40m"):
             load_config(checkpoint)  # a folder without a usable config.json is refused here, not after setup
     except ValueError as e:
-        print(f"bench: {e}", file=sys.stderr)
-        return 2
+        return refuse("bench", e)
     if checkpoint == "hf-dsv3-40m":
         tmp = tempfile.TemporaryDirectory()
         checkpoint = write_hf_deepseek_checkpoint(Path(tmp.name) / "dsv3-40m")
@@ -349,8 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                            a.context, a.device, a.dtype, a.steps, a.repeats, include_hf=not a.no_hf,
                            checkpoint=checkpoint, out=out, compile_options=copts, progress=terminal)
     except ValueError as e:  # a model that does not fit, a checkpoint refused while loading
-        print(f"bench: {e}", file=sys.stderr)
-        return 2
+        return refuse("bench", e)
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         shown = df[[c for c in COLUMNS if c in df]].copy()
         if "status" in shown:  # a refusal's full reason is in the JSON; the table keeps its start

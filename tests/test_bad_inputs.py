@@ -604,3 +604,16 @@ def test_kernels_build_without_the_dsl_gives_a_hint(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "CuTe DSL compiler is not installed" in p.stderr and "pip install" in p.stderr
+
+
+def test_a_full_size_model_off_the_meta_device_is_refused_with_the_gib_it_needs() -> None:
+    with pytest.raises(ValueError, match=r"the model 'kimi-k3' needs [0-9.]+ GiB, more than .* on cpu; build it on "
+                                         r"the meta device"):
+        kimik3.build_model("kimi-k3")
+    assert kimik3.build_model("kimi-k3", "meta").lm_head.weight.is_meta
+
+
+@pytest.mark.parametrize("seed", [2**70, -1, "x", 1.5, True])
+def test_a_seed_torch_cannot_take_is_refused_naming_it(seed) -> None:
+    with pytest.raises(ValueError, match=r"seed must be an integer in 0\.\.9223372036854775807, got"):
+        kimik3.from_preset("micro", seed=seed)

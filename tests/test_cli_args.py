@@ -25,6 +25,7 @@ from kimik3.__main__ import main
     (["validate", "--batch-sizes", "-1"], "must be positive integers"),
     (["validate", "--seeds", str(2**64)], "--seeds: must be in 0..9223372036854775807"),
     (["validate", "--threads", "0"], "--threads: must be a positive integer"),
+    (["export", "--preset", "micro", "--out", "x", "--seed", str(2**70)], "--seed: must be in 0..9223372036854775807"),
 ])
 def test_nonsense_is_refused_before_any_work(argv: list[str], says: str, capsys: pytest.CaptureFixture) -> None:
     try:
@@ -43,3 +44,12 @@ def test_hardware_checks_its_output_before_measuring(capsys: pytest.CaptureFixtu
     assert e.value.code == 2 and "is a device node" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _main(["--threads", "0"])
+
+
+def test_a_refusal_quoting_a_file_escapes_its_terminal_sequences(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    evil = tmp_path / "design\x1b]0;owned\x07\x1b[2J.json"
+    evil.write_text("{not json")
+    assert main(["predict", "--stage", "fused", "--design", str(evil)]) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err
+    assert "design\\x1b]0;owned\\x07\\x1b[2J.json" in err

@@ -135,7 +135,7 @@ def test_index_names_missing_shard(ckpt):
     (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00002.safetensors")
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
-    with pytest.raises(ValueError, match=r"lists shard\(s\) that do not exist: model-00002-of-00002"):
+    with pytest.raises(ValueError, match=r"lists 1 shard\(s\) that do not exist: 'model-00002-of-00002"):
         kimik3.from_pretrained(ckpt)
 
 

@@ -1,6 +1,7 @@
-"""Property-based fuzzing of what a checkpoint folder can hold: safetensors headers and bytes, index files and
-config.json. The property: every input either loads correctly or raises ``ValueError`` — never another exception,
-never a hang (each example runs under an alarm). CI runs a fixed-seed budget (``derandomize``); the ``slow``
+"""Property-based fuzzing of what a checkpoint folder can hold: safetensors headers and bytes, index files,
+config.json, quantization patterns, an index that contradicts its shards, links and permission modes. The property:
+every input either loads correctly or raises ``ValueError`` — never another exception, never a hang (each example
+runs under an alarm). CI runs a fixed-seed budget (``derandomize``); the ``slow``
 marker runs the same properties with many more examples."""
 
 from __future__ import annotations
@@ -8,11 +9,14 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 import signal
+import stat
 import struct
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -134,7 +138,7 @@ def test_fuzz_safetensors_bytes(workdir, muts):
 
 # ====================================================================== index files
 
-SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "dup.safetensors")
 names = st.one_of(st.sampled_from(SHARDS + ("../outside.safetensors", "/etc/passwd", "", ".", "..", "sub/x",
                                             "~/x", "a\x00b", "model.safetensors", "missing.safetensors")),
                   json_leaf)
@@ -151,7 +155,8 @@ def index_dir(workdir):
     d = workdir / "idx" / "ckpt"
     d.mkdir(parents=True)
     (d / SHARDS[0]).write_bytes(save({"a": torch.ones(2), "b": torch.zeros(3)}))
-    (d / SHARDS[1]).write_bytes(save({"c": torch.ones(1), "a": torch.ones(2)}))  # "a" twice across shards
+    (d / SHARDS[1]).write_bytes(save({"c": torch.ones(1)}))
+    (d / SHARDS[2]).write_bytes(save({"a": torch.ones(2)}))  # named with the first: "a" in two shards
     (d.parent / "outside.safetensors").write_bytes(save({"zz": torch.ones(1)}))
     return d
 
@@ -160,14 +165,16 @@ def index_dir(workdir):
 @given(index=index_strategy, raw=st.one_of(st.none(), st.binary(max_size=40)))
 def test_fuzz_index(index_dir, index, raw):
     (index_dir / "model.safetensors.index.json").write_bytes(json.dumps(index).encode() if raw is None else raw)
-    files = only_value_error(lambda: _shard_files(index_dir))
-    if files is not None:
+    found = only_value_error(lambda: _shard_files(index_dir))
+    if found is not None:
+        files, where = found
         for f in files:  # reads never leave the checkpoint folder
             assert f.resolve().parent == index_dir.resolve()
-        got = only_value_error(lambda: list(_iter_tensors(files)))
-        if got is not None:
+        got = only_value_error(lambda: list(_iter_tensors(files, index=where)))
+        if got is not None:  # loaded: the index and the shards agree, key by key
             keys = [k for _, k, _ in got]
             assert len(keys) == len(set(keys)), "a key loaded twice"
+            assert {k: f for f, k, _ in got} == where
 
 
 # ====================================================================== config.json
@@ -241,6 +248,96 @@ def test_fuzz_from_pretrained(e2e_ckpt, workdir, data):
         ref = kimik3.from_preset("micro", seed=0)
         for (n, a), (_, w) in zip(ref.named_parameters(), model.named_parameters()):
             assert torch.equal(a, w) or which == "config.json", n
+
+
+# ====================================================================== index / shard contradictions, links, modes
+
+@pytest.fixture(scope="module")
+def sharded_ckpt(workdir) -> Path:
+    d = workdir / "sharded"
+    kimik3.save_pretrained(kimik3.from_preset("micro", seed=0), d, max_shard_bytes=300_000)
+    return d
+
+
+INDEX = "model.safetensors.index.json"
+folder_edit = st.tuples(st.sampled_from(["move", "ghost", "drop", "missing", "chmod", "link", "dangling"]),
+                        st.integers(0, 10**6), st.integers(0, 0o777))
+
+
+@contextlib.contextmanager
+def unreadable_as_its_owner_sees_it():
+    """Root reads a file whatever its mode: there, opening a file whose owner-read bit is clear fails the way it
+    would for anyone else."""
+    if os.geteuid() != 0:
+        yield
+        return
+    real_open = open
+
+    def owner_open(file, *args, **kwargs):
+        if isinstance(file, (str, Path)) and os.path.isfile(file) and not os.stat(file).st_mode & stat.S_IRUSR:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    with mock.patch("builtins.open", owner_open):
+        yield
+
+
+@budget(25)
+@given(edits=st.lists(folder_edit, min_size=1, max_size=3))
+def test_fuzz_checkpoint_folder(sharded_ckpt, workdir, edits):
+    """An index that contradicts its shards, files made unreadable or replaced by links: the load refuses with a
+    ValueError exactly when something is wrong, and otherwise gives the original weights."""
+    d = workdir / "folder-case"
+    outside = workdir / "folder-outside"
+    for x in (d, outside):
+        shutil.rmtree(x, ignore_errors=True)
+    shutil.copytree(sharded_ckpt, d)
+    outside.mkdir()
+    index = json.loads((d / INDEX).read_text())
+    wm = index["weight_map"]
+    shards = sorted(set(wm.values()))
+    files = ["config.json", INDEX, *shards]
+    broken = False
+    for op, i, mode in edits:
+        keys = sorted(wm)
+        if op in ("move", "drop") and keys:
+            key = keys[i % len(keys)]
+            if op == "move":
+                wm[key] = shards[(shards.index(wm[key]) + 1) % len(shards)] if wm[key] in shards else shards[0]
+            else:
+                del wm[key]
+            broken = True
+        elif op == "ghost":
+            wm[f"model.layers.0.ghost{i}.weight"] = shards[i % len(shards)]
+            broken = True
+        elif op == "missing" and keys:
+            wm[keys[i % len(keys)]] = f"model-gone-{i}.safetensors"
+            broken = True
+        elif op == "chmod":
+            f = d / files[i % len(files)]
+            if f.exists():
+                f.chmod(mode)
+                broken |= not mode & stat.S_IRUSR
+        elif op in ("link", "dangling"):
+            f = d / files[i % len(files)]
+            if f.exists() and not f.is_symlink():
+                target = outside / f"{f.name}.{i}"
+                if op == "link":
+                    shutil.copy2(f, target)  # (with f's mode: an unreadable file stays unreadable)
+                f.unlink()
+                f.symlink_to(target)
+                broken |= op == "dangling"
+    if (d / INDEX).exists() and not (d / INDEX).is_symlink() and os.access(d / INDEX, os.W_OK):
+        (d / INDEX).write_text(json.dumps(index))
+    elif wm != json.loads((sharded_ckpt / INDEX).read_text())["weight_map"]:
+        return  # the index was made read-only or linked away before its edits could be written: not this case
+    with unreadable_as_its_owner_sees_it():
+        model = only_value_error(lambda: kimik3.from_pretrained(d))
+    assert (model is None) == broken, f"{edits}: {'refused' if model is None else 'loaded'}"
+    if model is not None:
+        ref = kimik3.from_preset("micro", seed=0)
+        for (n, a), (_, w) in zip(ref.named_parameters(), model.named_parameters()):
+            assert torch.equal(a, w), n
 
 
 # ====================================================================== quantization_config patterns

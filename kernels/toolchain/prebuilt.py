@@ -34,6 +34,7 @@ from kimik3.kernels.toolchain.registry import EXPERT_FORMATS, FAMILIES, KernelVa
 from kimik3.kernels.toolchain.source import kernel_source_hash
 
 from kimik3.util.args import positive_int_list
+from kimik3.util.text import refuse
 
 __all__ = ["build_prebuilt", "load_prebuilt", "read_manifest", "PrebuiltKernel", "main", "MANIFEST", "FORMATS"]
 
@@ -356,8 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # an unknown preset or family: one line, not a traceback
         variants = variants_for(presets, batches, None if args.cmd == "list" else args.family, formats)
     except ValueError as e:
-        print(f"kernels {args.cmd}: {e}", file=sys.stderr)
-        return 2
+        return refuse(f"kernels {args.cmd}", e)
     if args.cmd == "list":
         for v in variants:
             print(f"{v.name:34s} {v.spec.description}  {v.shapes}")

@@ -44,6 +44,7 @@ from kimik3.model.random_init import build_model
 from kimik3.model.safetensors_reader import read_header, read_index, read_json_file, require_regular_file
 from kimik3.model.subset import k3_shard_selection, select
 from kimik3.util.files import staged_directory
+from kimik3.util.text import escaped_errors
 
 __all__ = ["from_pretrained", "save_pretrained", "load_k3_shard", "mxfp4_quantize", "mxfp4_dequantize", "E2M1_VALUES",
            "MXFP4_GROUP", "e8m0_to_float"]
@@ -87,24 +88,29 @@ def _internal_name(key: str, cfg: ModelConfig) -> tuple[str, int | None, str] | 
 # ====================================================================== reading
 
 
-def _shard_files(path: Path) -> list[Path]:
+def _shard_files(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
+    """The shards to read, and the index's {tensor key: shard} when there is an index (checked against what the
+    shards hold as they are read)."""
     index = path / "model.safetensors.index.json"
     if index.exists() or index.is_symlink():
-        files = sorted(set(read_index(index, path).values()))
+        where = read_index(index, path)
+        files = sorted(set(where.values()))
         missing = [f.name for f in files if not f.exists()]
         if missing:
-            raise ValueError(f"{index} lists shard(s) that do not exist: {', '.join(missing)}")
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ValueError(f"{index} lists {len(missing)} shard(s) that do not exist: "
+                             f"{', '.join(map(repr, missing[:5]))}{more}")
         for f in files:
             require_regular_file(f, "safetensors shard")
-        return files
+        return files, where
     if (path / "model.safetensors").exists():
-        return [path / "model.safetensors"]
+        return [path / "model.safetensors"], None
     files = sorted(path.glob("model-*-of-*.safetensors")) or sorted(path.glob("*.safetensors"))
     if not files:
         bad = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
         hint = f" (found {', '.join(bad)}: pickle-based formats are refused)" if bad else ""
         raise ValueError(f"no *.safetensors files in {path}{hint}")
-    return files
+    return files, None
 
 
 def _check_shard(f: Path) -> None:
@@ -112,10 +118,12 @@ def _check_shard(f: Path) -> None:
     read_header(f)
 
 
-def _iter_tensors(files: list[Path], wanted: Callable[[str], bool] | None = None, progress: bool = False
-                  ) -> Iterator[tuple[Path, str, torch.Tensor]]:
+def _iter_tensors(files: list[Path], wanted: Callable[[str], bool] | None = None, progress: bool = False,
+                  index: Mapping[str, Path] | None = None) -> Iterator[tuple[Path, str, torch.Tensor]]:
     """(shard, key, tensor) for every tensor ``wanted(key)`` accepts, shard by shard. safe_open memory-maps the
-    shard, so a tensor that is not fetched is never read."""
+    shard, so a tensor that is not fetched is never read. With ``index``, every key must sit in the shard the
+    index names for it, and every key the index names must be found: an index that contradicts its shards is
+    refused (which of two disagreeing sources is right cannot be known)."""
     seen: dict[str, Path] = {}
     bar = tqdm(files, desc="loading shards", unit="shard", disable=not progress)
     for f in bar:
@@ -125,6 +133,9 @@ def _iter_tensors(files: list[Path], wanted: Callable[[str], bool] | None = None
                 for key in fh.keys():
                     if key in seen:  # which copy wins would depend on file order: refuse instead
                         raise ValueError(f"tensor {key!r} appears in both {seen[key].name} and {f.name}")
+                    if index is not None and index.get(key) != f:
+                        said = f"in {index[key].name}" if key in index else "nowhere (it does not list it)"
+                        raise ValueError(f"tensor {key!r} is in {f.name}, but the checkpoint index puts it {said}")
                     seen[key] = f
                     if wanted is None or wanted(key):
                         yield f, key, fh.get_tensor(key)
@@ -132,6 +143,11 @@ def _iter_tensors(files: list[Path], wanted: Callable[[str], bool] | None = None
             raise
         except Exception as e:  # safetensors raises its own error types
             raise ValueError(f"{f}: cannot read safetensors ({e})") from None
+    if index is not None and len(seen) < len(index):
+        lost = [k for k in index if k not in seen]
+        more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
+        raise ValueError(f"the checkpoint index lists {len(lost)} tensor(s) its shards do not hold: "
+                         f"{', '.join(f'{k!r} (in {index[k].name})' for k in lost[:5])}{more}")
 
 
 def _a_log(t: torch.Tensor, nh: int, key: str, f: Path) -> torch.Tensor:
@@ -145,6 +161,7 @@ def _a_log(t: torch.Tensor, nh: int, key: str, f: Path) -> torch.Tensor:
                      f"[1, 1, {nh}, 1] or a longer vector whose entries past {nh} are zero")
 
 
+@escaped_errors
 def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     layers: Iterable[int] | None = None,
                     experts: Iterable[int] | Mapping[int, Iterable[int]] | None = None,
@@ -178,7 +195,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device
     raw = read_json_file(path / "config.json", "config")
     text = raw.get("text_config", raw)
     cfg = cfg.replace(extra={"num_nextn_predict_layers": int(text.get("num_nextn_predict_layers") or 0)})
-    files = _shard_files(path)
+    files, index = _shard_files(path)
     quant = _quant_spec(raw)
     keep = quantized_experts == "keep"
     if keep and (quant is None or quant.method != "mxfp4-pack-quantized"):
@@ -257,7 +274,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device
 
     pending: dict[tuple[str, int | None], tuple[str, Path, dict[str, torch.Tensor]]] = {}
     show = progress if progress is not None else len(files) > 1
-    for f, orig_key, t in ((f, k, t) for f, key0, t0 in _iter_tensors(files, wanted, show)
+    for f, orig_key, t in ((f, k, t) for f, key0, t0 in _iter_tensors(files, wanted, show, index)
                            for k, t in to_release(key0, t0)):
         if not wanted(orig_key):
             continue  # a part of a fused tensor the subset does not keep
@@ -484,6 +501,7 @@ def fp32_parameter_names(model: KimiForCausalLM) -> list[str]:
     return [n for n, _ in model.named_parameters() if keeps_fp32(n)]
 
 
+@escaped_errors
 def load_k3_shard(path: str | Path, rank: int, first_layer: int | None = None, **kwargs) -> torch.nn.Module:
     """The ``k3-shard`` benchmark model cut from a K3-layout checkpoint (the real release: real weights) for
     expert-parallel ``rank``; ``kwargs`` go to :func:`kimik3.from_pretrained` (``dtype``, ``device``, ...)."""

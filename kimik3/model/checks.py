@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["resolve_dtype", "check_hf_fields", "check_config_values", "FLOAT_DTYPES"]
+from kimik3.util.args import MAX_SEED
+
+__all__ = ["resolve_dtype", "check_seed", "check_hf_fields", "check_config_values", "FLOAT_DTYPES", "MAX_SEED"]
 
 FLOAT_DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32, "float": torch.float32,
@@ -21,6 +23,13 @@ FLOAT_DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
     "float64": torch.float64, "fp64": torch.float64, "f64": torch.float64, "double": torch.float64,
 }
+
+
+def check_seed(seed: Any, what: str = "seed") -> int:
+    """A random seed: an int in 0..2**63 - 1 (torch's own errors for others say neither which argument nor why)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"{what} must be an integer in 0..{MAX_SEED}, got {seed!r}")
+    return seed
 
 
 def resolve_dtype(dtype: Any, what: str = "dtype") -> torch.dtype:

@@ -11,6 +11,7 @@ are 1-based; the parser converts them (spec §1.1, pitfall 16).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 from kimik3.model.checks import check_config_values, check_hf_fields
 from kimik3.model.layer_kinds import ffn_rule, kda_from_layer_types
+from kimik3.util.text import escaped_errors
 
 __all__ = [
     "ModelConfig",
@@ -241,7 +243,7 @@ def config_from_hf(raw: dict, name: str = "") -> ModelConfig:
             raise ValueError("kimi_k3 config.json has no 'text_config' object")
         if text.get("model_type", "kimi_linear") != "kimi_linear":
             raise ValueError(f"kimi_k3 text_config.model_type must be 'kimi_linear', got {text.get('model_type')!r}")
-        raw = text
+        raw = _k3_text(raw, text)
         check_hf_fields(raw, "text_config.")
     elif model_type not in ("kimi_linear", "deepseek_v3", "kimi_k2"):
         raise ValueError(
@@ -255,6 +257,21 @@ def config_from_hf(raw: dict, name: str = "") -> ModelConfig:
         return _kimi_linear_family(raw, family, name)
     except KeyError as e:
         raise ValueError(f"config.json ({model_type}) is missing required field {e.args[0]!r}") from None
+
+
+def _k3_text(raw: dict, text: dict) -> dict:
+    """K3's text_config, with the top-level ``tie_word_embeddings`` (where transformers' composite configs keep
+    it) folded in; the two disagreeing is refused rather than one silently winning."""
+    if "tie_word_embeddings" not in raw:
+        return text
+    top = raw["tie_word_embeddings"]
+    if type(top) is not bool:
+        raise ValueError(f"field 'tie_word_embeddings' must be true or false, got {top!r}")
+    inner = text.get("tie_word_embeddings", top)
+    if inner != top:
+        raise ValueError(f"config.json says tie_word_embeddings={str(top).lower()} at the top level but "
+                         f"{json.dumps(inner)} in text_config: the two must agree")
+    return dict(text, tie_word_embeddings=top)
 
 
 def _ffn_fields(raw: dict) -> dict:
@@ -389,13 +406,12 @@ def _kimi_linear_family(raw: dict, family: str, name: str) -> ModelConfig:
     )
 
 
+@escaped_errors
 def load_config(path: str | Path) -> ModelConfig:
     """Read ``config.json`` from a checkpoint directory (or the file itself)."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    if not p.exists():
-        raise FileNotFoundError(f"no config.json at {p}")
     from kimik3.model.safetensors_reader import read_json_file  # (the untrusted-file rules: regular file, size, JSON)
 
     raw = read_json_file(p, "config")

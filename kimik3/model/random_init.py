@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from kimik3.model.checks import require_memory, resolve_dtype
+from kimik3.model.checks import check_seed, require_memory, resolve_dtype
 from kimik3.model.config import ModelConfig, get_preset
 from kimik3.model.modeling import KimiForCausalLM
 
@@ -25,8 +25,15 @@ RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "routed_expert_up_proj.
 
 
 def build_model(cfg: ModelConfig | str, device: str | torch.device = "cpu") -> KimiForCausalLM:
-    """An uninitialised model on ``device`` (use ``"meta"`` to count parameters of full-size presets)."""
+    """An uninitialised model on ``device`` (use ``"meta"`` to count parameters of full-size presets). One that
+    ``device`` cannot hold is refused with the GiB it needs, before anything is allocated."""
     cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
+    if torch.device(device).type != "meta":
+        with torch.device("meta"):
+            shape = KimiForCausalLM(cfg)
+        require_memory(sum(t.numel() * t.element_size() for t in (*shape.parameters(), *shape.buffers())), device,
+                       f"the model {cfg.name or 'of this config'!r}",
+                       'build it on the meta device to count or inspect it: build_model(cfg, "meta")')
     with torch.device(device):
         return KimiForCausalLM(cfg)
 
@@ -39,7 +46,7 @@ def init_weights(model: KimiForCausalLM, seed: int = 0, device: str | torch.devi
     machine; a GPU generator fills a k3-shard-sized model in seconds instead of minutes of CPU sampling, with the
     same rules and scales but other values (nothing that times a step depends on which)."""
     dev = torch.device(device)
-    gen = torch.Generator(device=dev).manual_seed(seed)
+    gen = torch.Generator(device=dev).manual_seed(check_seed(seed))
 
     def normal(shape, std: float) -> torch.Tensor:
         return torch.randn(shape, generator=gen, device=dev) * std
@@ -90,6 +97,7 @@ def from_preset(name: str | ModelConfig, seed: int = 0, dtype: torch.dtype = tor
     (see :func:`init_weights`; ``init_device=device`` on a GPU is the fast path, with other weights than the CPU's).
     """
     dtype = resolve_dtype(dtype)
+    check_seed(seed)
     cfg = get_preset(name)
     model = build_model(cfg, "meta").cast_(dtype)
     require_memory(sum(p.numel() * p.element_size() for p in model.parameters()), device,

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import stat
 import struct
 from pathlib import Path, PurePosixPath
 from typing import Any
+
+from kimik3.util.files import read_regular_bytes, require_regular_file
 
 __all__ = ["require_regular_file", "read_json_file", "read_index", "read_header", "safe_member", "DTYPE_BYTES"]
 
@@ -28,19 +28,6 @@ MAX_JSON_BYTES = 64_000_000  # config.json / index files are kilobytes to a few 
 
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
-def require_regular_file(path: Path, what: str = "file") -> os.stat_result:
-    """``path`` must exist and be a regular file (after following a symlink)."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise ValueError(f"{what} {path} does not exist") from None
-    except OSError as e:
-        raise ValueError(f"{what} {path} cannot be read: {e.strerror or e}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{what} {path} is not a regular file (a FIFO, device or folder is refused)")
-    return st
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
@@ -67,11 +54,7 @@ def _loads(data: bytes | str, where: str) -> Any:
 
 def read_json_file(path: Path, what: str = "file") -> Any:
     """Parse a small JSON file (config.json, an index), refusing non-regular files and absurd sizes."""
-    st = require_regular_file(path, what)
-    if st.st_size > MAX_JSON_BYTES:
-        raise ValueError(f"{path}: {st.st_size} bytes is too large for a {what}")
-    with open(path, "rb") as fh:
-        return _loads(fh.read(MAX_JSON_BYTES + 1), str(path))
+    return _loads(read_regular_bytes(path, what, MAX_JSON_BYTES), str(path))
 
 
 def safe_member(root: Path, name: Any, where: str) -> Path:
@@ -103,7 +86,11 @@ def read_header(f: Path) -> dict[str, dict]:
     """Validate a safetensors file's header against its size; returns {key: entry} without ``__metadata__``."""
     st = require_regular_file(f, "safetensors shard")
     size = st.st_size
-    with open(f, "rb") as fh:
+    try:
+        fh = open(f, "rb")
+    except OSError as e:
+        raise ValueError(f"safetensors shard {f} cannot be read: {e.strerror or e}") from None
+    with fh:
         head = fh.read(8)
         if len(head) < 8:
             raise ValueError(f"{f}: truncated safetensors file ({size} bytes, no header)")

@@ -315,10 +315,10 @@ def _main(argv: list[str] | None = None) -> int:
     """``python -m kimik3.perf.hardware``: this machine's ceilings, and the read figure checked against a plain
     ``torch.sum`` over the same number of bytes timed in the same run (the two should agree within ~15 %)."""
     import argparse
-    import sys
 
     from kimik3.util.args import output_file, positive_int
     from kimik3.util.files import atomic_write_text, check_writable
+    from kimik3.util.text import refuse
 
     ap = argparse.ArgumentParser(prog="python -m kimik3.perf.hardware", description=_main.__doc__)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -332,8 +332,7 @@ def _main(argv: list[str] | None = None) -> int:
         if a.out:
             check_writable(a.out)
     except ValueError as e:
-        print(f"hardware: {e}", file=sys.stderr)
-        return 2
+        return refuse("hardware", e)
     m = measure_local(a.device, quick=a.quick, threads=a.threads)
     dev = torch.device(m["device"])
     x = torch.ones(m["bandwidth_buffer_bytes"] // 4, device=dev)

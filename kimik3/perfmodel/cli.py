@@ -10,6 +10,7 @@ import json
 import sys
 
 from kimik3.util.args import positive_int
+from kimik3.util.text import refuse
 
 __all__ = ["main"]
 
@@ -52,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"(--measured {found} uses it)", file=sys.stderr)
         r = predict(a.preset, a.stage, a.batch, a.design, a.context, constants=consts, experts=a.experts)
     except ValueError as e:
-        print(f"predict: {e}", file=sys.stderr)
-        return 2
+        return refuse("predict", e)
     if a.json:
         print(json.dumps(r, indent=1))
     else:

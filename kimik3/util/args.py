@@ -9,7 +9,9 @@ import argparse
 from collections.abc import Callable, Iterable
 
 __all__ = ["positive_int", "nonnegative_int", "bounded_int", "int_list", "positive_int_list", "name_list",
-           "choice_list", "output_file", "output_folder"]
+           "choice_list", "output_file", "output_folder", "seed_int", "MAX_SEED"]
+
+MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes without wrapping
 
 
 def _int(text: str, what: str) -> int:
@@ -104,3 +106,6 @@ def output_folder(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError(f"must name a folder, got {text!r}")
     return text
+
+
+seed_int = bounded_int(0, MAX_SEED, "a torch seed")

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 __all__ = ["atomic_write_text", "atomic_write_bytes", "atomic_path", "staged_directory", "check_writable",
-           "check_output_file", "read_regular_text", "read_json_file"]
+           "check_output_file", "require_regular_file", "read_regular_bytes", "read_regular_text", "read_json_file"]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -39,26 +39,39 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
-def read_regular_text(path: str | Path, what: str = "file", max_bytes: int = 64 << 20) -> str:
-    """The text of ``path``, read only when it is a regular file (a FIFO would block the reader forever, a device
-    could stream without end) of at most ``max_bytes``; every problem a ``ValueError`` naming the file."""
-    p = Path(path)
+def require_regular_file(path: str | Path, what: str = "file") -> os.stat_result:
+    """``path`` must exist and be a regular file (after following a symlink): a FIFO would block its reader
+    forever, a device could stream without end. Every problem a ``ValueError`` naming the file."""
     try:
-        st = os.stat(p)
+        st = os.stat(path)
     except FileNotFoundError:
-        raise ValueError(f"{what} {p}: no such file") from None
+        raise ValueError(f"{what} {path} does not exist") from None
     except OSError as e:
-        raise ValueError(f"{what} {p}: {e.strerror or e}") from None
+        raise ValueError(f"{what} {path} cannot be read: {e.strerror or e}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{what} {p} is not a regular file")
+        raise ValueError(f"{what} {path} is not a regular file (a FIFO, device or folder is refused)")
+    return st
+
+
+def read_regular_bytes(path: str | Path, what: str = "file", max_bytes: int = 64 << 20) -> bytes:
+    """The bytes of ``path``, read only when it is a regular file of at most ``max_bytes``."""
+    st = require_regular_file(path, what)
     if st.st_size > max_bytes:
-        raise ValueError(f"{what} {p} is {st.st_size} bytes, more than the {max_bytes} such a file can be")
+        raise ValueError(f"{what} {path} is {st.st_size} bytes, more than the {max_bytes} such a file can be")
     try:
-        return p.read_text(encoding="utf-8")
+        with open(path, "rb") as fh:
+            return fh.read(max_bytes + 1)
     except OSError as e:
-        raise ValueError(f"{what} {p}: {e.strerror or e}") from None
+        raise ValueError(f"{what} {path} cannot be read: {e.strerror or e}") from None
+
+
+def read_regular_text(path: str | Path, what: str = "file", max_bytes: int = 64 << 20) -> str:
+    """:func:`read_regular_bytes` decoded as UTF-8."""
+    data = read_regular_bytes(path, what, max_bytes)
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{what} {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise ValueError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def read_json_file(path: str | Path, what: str = "file", max_bytes: int = 64 << 20) -> object:

@@ -14,28 +14,25 @@ import torch
 from kimik3.model.config import PRESET_NAMES
 from kimik3.stages import get_stage
 from kimik3.util.args import (
-    bounded_int,
     choice_list,
     name_list,
     nonnegative_int,
     output_folder,
     positive_int,
     positive_int_list,
+    seed_int,
 )
 from kimik3.util.files import check_writable
+from kimik3.util.text import refuse
 from kimik3.validation.config import DTYPE_NAMES, default_config, quick_config
 from kimik3.validation.matrix import run_validation
 
 __all__ = ["main"]
 
-_seed = bounded_int(0, 2**63 - 1, "a torch seed")
-
 
 def seed_list(text: str) -> tuple[int, ...]:
     """Comma-separated seeds, each in 0..2**63 - 1."""
-    return tuple(_seed(x) for x in name_list(text))
-
-
+    return tuple(seed_int(x) for x in name_list(text))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_cli_args(a)
     except ValueError as e:
-        print(f"validate: {e}", file=sys.stderr)
-        return 2
+        return refuse("validate", e)
     over: dict[str, Any] = {}
     for key, val in (("stages", a.stages), ("dtypes", a.dtypes), ("batch_sizes", a.batch_sizes), ("seeds", a.seeds),
                      ("steps", a.steps), ("drift_tokens", a.drift_tokens)):
