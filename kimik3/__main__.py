@@ -25,7 +25,7 @@ def _export(argv: list[str]) -> int:
 
     import kimik3
     from kimik3.model.checkpoint import is_export
-    from kimik3.util.files import check_writable
+    from kimik3.util.files import check_output_folder, check_writable
 
     ap = argparse.ArgumentParser(prog="python -m kimik3 export", description=_export.__doc__)
     ap.add_argument("--preset", required=True, choices=kimik3.PRESET_NAMES)
@@ -43,11 +43,7 @@ def _export(argv: list[str]) -> int:
 
     out = Path(a.out)
     try:  # before building the model: a refused --out should cost nothing
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--out {out} exists and is not a directory")
-        if out.is_dir() and any(out.iterdir()) and not a.overwrite and not is_export(out):
-            raise ValueError(f"--out {out} is not empty and does not hold a kimik3 export; choose an empty or "
-                             "new folder, or pass --overwrite to replace its contents")
+        check_output_folder(out, is_export, a.overwrite, "a kimik3 export")
         check_writable(out.resolve().parent, is_dir=True)
         model = kimik3.from_preset(a.preset, seed=a.seed, dtype=getattr(torch, a.dtype))
         shard = a.max_shard_mb * 2**20 if a.max_shard_mb else None
@@ -102,9 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         "kernels": _kernels,
         "predict": lambda rest: __import__("kimik3.perfmodel.cli", fromlist=["main"]).main(rest),
     }
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+    if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        return 0
+    if argv[0] not in commands:
+        print(__doc__, file=sys.stderr)
+        return refuse("kimik3", ValueError(f"unknown command {argv[0]!r}; the commands: {', '.join(commands)}"))
     return int(commands[argv[0]](argv[1:]) or 0)
 
 

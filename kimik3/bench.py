@@ -25,12 +25,14 @@ import torch
 from tqdm.auto import tqdm
 
 import kimik3
+from kimik3.decoder import check_state_fits
+from kimik3.model.checks import require_memory
 from kimik3.model.config import load_config
 from kimik3.perf.cost import decode_cost
 from kimik3.perf.hardware import measure_bandwidth, measure_local, read_ceiling_Bps
 from kimik3.perf.profiling import Timing
 from kimik3.perf.provenance import provenance
-from kimik3.util.args import bounded_int, output_file, positive_int, positive_int_list
+from kimik3.util.args import MAX_STEPS, bounded_int, output_file, positive_int, positive_int_list
 from kimik3.util.clilog import compiler_output_to
 from kimik3.util.files import atomic_write_text, check_writable
 from kimik3.util.text import refuse
@@ -40,7 +42,6 @@ __all__ = ["run_bench", "provenance", "write_hf_deepseek_checkpoint", "strongest
 
 # torch.compile modes (torch's own list); None: strongest_compile_options for the device
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-MAX_STEPS = 100_000  # decode steps per timed run: far past any measurement's need, far below a cache's end
 CPU_SETTLE_S = 0.05  # pause before each timed CPU sample (OpenMP spin-wait of the stage before it)
 
 
@@ -121,6 +122,9 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
         source = preset
     cfg = model.config
     hf_ok = include_hf and checkpoint is not None and cfg.family in ("deepseek_v3", "kimi_k2", "kimi_linear")
+    for batch in batches:  # every batch's prompt and decode state fit, or nothing is measured
+        require_memory(batch * context * 8, dev, f"the prompt of batch {batch} x context {context}")
+        check_state_fits(model, batch, context + steps * (repeats + warmup) + 2)
     ceiling = measure_local(device=dev, quick=True)  # STREAM-style; decode's ceiling is the read bandwidth
     read_bw = read_ceiling_Bps(ceiling)
     rows = []

@@ -24,7 +24,7 @@ from kimik3.model.checks import require_memory
 from kimik3.model.modeling import DecodeState, KimiForCausalLM
 from kimik3.stages import get_stage
 
-__all__ = ["Decoder"]
+__all__ = ["Decoder", "check_state_fits"]
 
 
 class Decoder:
@@ -36,7 +36,7 @@ class Decoder:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
             raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
-        _check_state_fits(model, batch_size, max_seq_len)
+        check_state_fits(model, batch_size, max_seq_len)
         self.model = model
         self.stage_name = stage
         self.batch_size = batch_size
@@ -90,6 +90,8 @@ class Decoder:
                 raise ValueError(f"{what} must be integer token ids, got {type(ids).__name__} ({e})") from None
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise ValueError(f"{what} must be an integer tensor, got {ids.dtype}")
+        if ids.is_meta:
+            raise ValueError(f"{what} is a meta tensor (a shape without values): token ids need values")
         if ids.dim() != ndim:
             raise ValueError(f"{what} must have {ndim} dimension(s) ({'[B, T]' if ndim == 2 else '[B]'}), "
                              f"got shape {list(ids.shape)}")
@@ -110,7 +112,12 @@ class Decoder:
         if lengths is None:
             lens = torch.full((B,), T, dtype=torch.long, device=ids.device)
         else:
-            raw = lengths if isinstance(lengths, torch.Tensor) else torch.as_tensor(lengths)
+            try:
+                raw = lengths if isinstance(lengths, torch.Tensor) else torch.as_tensor(lengths)
+            except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+                raise ValueError(f"lengths must be integers, one per sequence, got {lengths!r} ({e})") from None
+            if raw.is_meta:
+                raise ValueError("lengths is a meta tensor (a shape without values)")
             if raw.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
                 # a float length would be truncated silently: 5.7 -> 5
                 raise ValueError(f"lengths must be integers, got dtype {raw.dtype}")
@@ -192,7 +199,7 @@ class Decoder:
         return out
 
 
-def _check_state_fits(model: KimiForCausalLM, batch_size: int, max_seq_len: int) -> None:
+def check_state_fits(model: KimiForCausalLM, batch_size: int, max_seq_len: int) -> None:
     """Refuse, with the figure, a cache that cannot fit in the device's memory — instead of a raw allocator error
     or (on Linux, where allocation is lazy) the process being killed halfway through filling it."""
     states = [layer.self_attn.new_state(batch_size, "meta", model.dtype) if layer.kind == "kda"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -501,8 +502,9 @@ def test_validate_cuda_without_a_gpu(tmp_path, capsys):
     (["--stages", ","], "--stages: must name at least one"),
     (["--stages", "nope"], "unknown stage"),
     (["--presets", "nope"], "unknown preset"),
-    (["--steps", "-1"], "--steps: must be a non-negative integer"),
-    (["--threads", "0"], "--threads: must be a positive integer"),
+    (["--steps", "-1"], "--steps: must be in 0..100000"),
+    (["--steps", "1000000000"], "--steps: must be in 0..100000"),
+    (["--threads", "0"], "--threads: must be in 1..1024"),
     (["--device", "tpu"], "--device must be"),
     (["--out", "{file}/v"], "cannot write"),
 ])
@@ -617,3 +619,54 @@ def test_a_full_size_model_off_the_meta_device_is_refused_with_the_gib_it_needs(
 def test_a_seed_torch_cannot_take_is_refused_naming_it(seed) -> None:
     with pytest.raises(ValueError, match=r"seed must be an integer in 0\.\.9223372036854775807, got"):
         kimik3.from_preset("micro", seed=seed)
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: kimik3.from_preset("micro", device="tpu9"), "device 'tpu9' is not a device torch knows"),
+    (lambda: kimik3.build_model("micro", "tpu9"), "device 'tpu9' is not a device torch knows"),
+    (lambda: kimik3.build_model(123), "preset must be a preset name or a ModelConfig, got 123"),
+    (lambda: kimik3.get_preset(["micro"]), "preset must be a preset name or a ModelConfig"),
+    (lambda: kimik3.Decoder(kimik3.from_preset("micro"), stage=["naive"]), "stage must be a stage name"),
+    (lambda: kimik3.save_pretrained(kimik3.from_preset("micro"), "unused", expert_format="nf4"),
+     "expert_format must be one of"),
+])
+def test_wrong_kinds_of_argument_are_refused_naming_the_argument(call, says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        call()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_a_cuda_device_without_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="no CUDA device is available"):
+        kimik3.from_preset("micro", device="cuda")
+
+
+def test_save_pretrained_of_something_else_is_a_type_error(tmp_path) -> None:
+    with pytest.raises(TypeError, match="writes a kimik3 model .*got str"):
+        kimik3.save_pretrained("notamodel", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_ids_and_lengths_without_values_are_refused() -> None:
+    dec = kimik3.Decoder(kimik3.from_preset("micro"), batch_size=1, max_seq_len=16)
+    with pytest.raises(ValueError, match="input_ids is a meta tensor"):
+        dec.prefill(torch.tensor([[1, 2, 3]], device="meta"))
+    with pytest.raises(ValueError, match=r"lengths must be integers, one per sequence, got \['3'\]"):
+        dec.prefill(torch.tensor([[1, 2, 3]]), lengths=["3"])
+    assert dec.prefill(torch.tensor([[1, 2, 3]])).isfinite().all()
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_in_a_config(ckpt) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["text_config"]["pad_token_id"] = 10**6
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"pad_token_id.*a token id in the vocabulary \[0, "):
+        kimik3.from_pretrained(ckpt)
+
+
+def test_an_export_that_would_not_fit_in_memory_is_refused_before_writing(tmp_path, monkeypatch) -> None:
+    model = kimik3.from_preset("micro")
+    monkeypatch.setattr("kimik3.model.checks.device_memory", lambda device: (1000, "available memory"))
+    with pytest.raises(ValueError, match=r"writing a 1-shard export .* needs .* GiB.*max_shard_bytes"):
+        kimik3.save_pretrained(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

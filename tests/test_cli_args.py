@@ -24,7 +24,12 @@ from kimik3.__main__ import main
     (["validate", "--batch-sizes", "0"], "must be positive integers"),
     (["validate", "--batch-sizes", "-1"], "must be positive integers"),
     (["validate", "--seeds", str(2**64)], "--seeds: must be in 0..9223372036854775807"),
-    (["validate", "--threads", "0"], "--threads: must be a positive integer"),
+    (["validate", "--threads", "0"], "--threads: must be in 1..1024"),
+    (["bogus"], "unknown command 'bogus'"),
+    (["predict", "--preset", "kimi-k3", "--stage", "megakernel"], "more than the 141 GB of one h200"),
+    (["predict", "--stage", "megakernel", "--batch", "1000000000"], "--batch: must be in 1..4096"),
+    (["kernels", "build", "--arch", "sm_90a", "--out", ""], "--out: must name a folder"),
+    (["validate", "--drift-tokens", "1000000000"], "--drift-tokens: must be in 0..100000"),
     (["export", "--preset", "micro", "--out", "x", "--seed", str(2**70)], "--seed: must be in 0..9223372036854775807"),
 ])
 def test_nonsense_is_refused_before_any_work(argv: list[str], says: str, capsys: pytest.CaptureFixture) -> None:
@@ -53,3 +58,51 @@ def test_a_refusal_quoting_a_file_escapes_its_terminal_sequences(tmp_path, capsy
     err = capsys.readouterr().err
     assert "\x1b" not in err and "\x07" not in err
     assert "design\\x1b]0;owned\\x07\\x1b[2J.json" in err
+
+
+def test_hardware_refuses_a_million_threads(capsys: pytest.CaptureFixture) -> None:
+    from kimik3.perf.hardware import _main
+
+    with pytest.raises(SystemExit) as e:
+        _main(["--quick", "--threads", "1000000"])
+    assert e.value.code == 2 and "--threads: must be in 1..1024" in capsys.readouterr().err
+
+
+def _someone_elses(folder) -> dict:
+    folder.mkdir()
+    files = {"summary.json": '{"mine": true}', "manifest.json": '{"mine": true}', "notes.txt": "my notes"}
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return files
+
+
+@pytest.mark.parametrize("argv", [
+    ["validate", "--quick", "--presets", "micro", "--no-ep", "--no-hazards", "--out", "{out}"],
+    ["kernels", "build", "--arch", "sm_90a", "--preset", "micro", "--batch", "1", "--family", "router",
+     "--out", "{out}"],
+    ["export", "--preset", "micro", "--out", "{out}"],
+])
+def test_a_folder_of_someone_elses_files_is_refused_as_out(tmp_path, capsys: pytest.CaptureFixture,
+                                                           argv: list[str]) -> None:
+    out = tmp_path / "mine"
+    files = _someone_elses(out)
+    assert main([a.format(out=out) for a in argv]) == 2
+    assert "is not empty and does not hold" in capsys.readouterr().err
+    assert {f.name: f.read_text() for f in out.iterdir()} == files
+
+
+@pytest.mark.parametrize("argv", [
+    ["export", "--preset", "micro", "--out", "{out}"],
+    ["run-notebooks", "--only", "01", "--out", "{out}"],
+    ["validate", "--quick", "--out", "{out}"],
+    ["kernels", "build", "--arch", "sm_90a", "--out", "{out}"],
+])
+def test_a_dangling_symlink_as_out_is_refused(tmp_path, capsys: pytest.CaptureFixture, argv: list[str]) -> None:
+    out = tmp_path / "link"
+    out.symlink_to(tmp_path / "nowhere" / "x")
+    try:
+        code = main([a.format(out=out) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2 and "which does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "nowhere").exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -75,17 +76,69 @@ def test_predict_on_a_fifo_design_says_so(fifo: Path, alarm: None, capsys: pytes
     assert "not a regular file" in capsys.readouterr().err
 
 
+def _stream(d: dict) -> dict:
+    return d["megakernel"]["opcodes"]["NORM_PROJ"]["streams"][0]
+
+
 @pytest.mark.parametrize("mutate, why", [
-    (lambda d: d["megakernel"].pop("opcodes"), "malformed .*opcodes"),
-    (lambda d: d["megakernel"]["opcodes"]["NORM_PROJ"]["streams"][0].pop("loads"), "malformed .*loads"),
-    (lambda d: d["megakernel"].update(opcodes=[1, 2]), "malformed"),
+    (lambda d: d["megakernel"].pop("opcodes"), r"megakernel: missing 'opcodes'"),
+    (lambda d: _stream(d).pop("loads"), r"megakernel.opcodes.NORM_PROJ.streams\[0\]: missing 'loads'"),
+    (lambda d: d["megakernel"].update(opcodes=[1, 2]), r"megakernel.opcodes: must be an object"),
+    (lambda d: d["megakernel"].pop("threads"), r"megakernel: missing 'threads'"),
+    (lambda d: d["megakernel"].update(threads={"value": 0}), r"megakernel.threads: must be an integer in 1..1024"),
+    (lambda d: d["megakernel"].update(threads={"value": None}), r"megakernel.threads: must be an integer"),
+    (lambda d: d["megakernel"].update(ctas_per_sm={"value": 0}), r"megakernel.ctas_per_sm: must be an integer"),
+    (lambda d: d["megakernel"].update(stage_bytes={"value": 1e308}), r"megakernel.stage_bytes: must be an integer"),
+    (lambda d: d["megakernel"].update(registers={"value": "many"}), r"megakernel.registers: must be an integer"),
+    (lambda d: d["megakernel"].update(shared_bytes={"value": {"1": -5}}), r"megakernel.shared_bytes\[1\]"),
+    (lambda d: d["megakernel"]["opcodes"].update(WARP_DRIVE={}),
+     r"megakernel.opcodes: unknown opcode\(s\) 'WARP_DRIVE'"),
+    (lambda d: _stream(d).update(threads=0), r"streams\[0\].threads: must be > 0"),
+    (lambda d: _stream(d).update(bytes="-4096"), r"streams\[0\].bytes: must be >= 0"),
+    (lambda d: _stream(d).update(bytes="1 < 2"), r"streams\[0\].bytes: .*a condition"),
+    (lambda d: _stream(d).update(bytes="1/0"), r"streams\[0\].bytes: .*ZeroDivisionError"),
+    (lambda d: _stream(d).update(bytes="min()"), r"streams\[0\].bytes: .*TypeError"),
+    (lambda d: _stream(d).update(bytes="(" * 5000 + "1" + ")" * 5000),
+     r"streams\[0\].bytes: .* \(10001 characters\) is longer than 1000 characters"),
+    (lambda d: _stream(d).update(bytes="-" * 998 + "1"), r"streams\[0\].bytes: .*RecursionError"),
+    (lambda d: _stream(d).update(bytes="*".join(["9" * 300] * 3)), r"streams\[0\].bytes: .*OverflowError"),
+    (lambda d: d["megakernel"]["opcodes"]["NORM_PROJ"].update(issue_per_fma=0), r"issue_per_fma: must be > 0"),
+    (lambda d: d.update(name="\x1b[31mEVIL"), r"name: must be a short plain name"),
+    (lambda d: d["fused"]["families"]["gemv"]["kernels"][0].update(threads="0"), r"kernels\[0\].threads: must be"),
 ])
-def test_a_malformed_design_names_its_file(tmp_path: Path, mutate: Callable[[dict], object], why: str) -> None:
+def test_a_malformed_design_names_its_file_and_field(tmp_path: Path, mutate: Callable[[dict], object],
+                                                     why: str) -> None:
     from kimik3.perfmodel.data import PERF_DIR, load_design
 
     d = json.loads((PERF_DIR / "designs" / "v2.json").read_text())
     mutate(d)
     p = tmp_path / "bad.json"
     p.write_text(json.dumps(d))
-    with pytest.raises(ValueError, match=rf"design {p}: {why}"):
+    with pytest.raises(ValueError, match=rf"design {p}: ([\w.]+\.)?{why}") as err:
         load_design(p)
+    assert len(str(err.value)) < 600
+
+
+@pytest.mark.parametrize("stage, mutate, why", [
+    ("megakernel", lambda d: _stream(d).update(bytes="weight_bytes / (rows - rows)"),
+     r"opcode NORM_PROJ .*ZeroDivisionError"),
+    ("megakernel", lambda d: _stream(d).update(threads="NT - NT"), r"opcode NORM_PROJ .*keeps 0 bytes in flight"),
+    ("megakernel", lambda d: _stream(d).update(bytes="-weight_bytes"),
+     r"opcode NORM_PROJ .*is -[\d.e+]+ here; a count"),
+    ("fused", lambda d: d["fused"]["families"]["gemv"]["kernels"][0].update(threads="B - B"),
+     r"fused family gemv kernel gemv .*must all be > 0"),
+])
+def test_a_design_that_fails_for_one_instruction_names_it(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                          stage: str, mutate: Callable[[dict], object],
+                                                          why: str) -> None:
+    from kimik3.__main__ import main
+    from kimik3.perfmodel.data import PERF_DIR
+
+    d = json.loads((PERF_DIR / "designs" / "v2.json").read_text())
+    mutate(d)
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(d))
+    assert main(["predict", "--stage", stage, "--design", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"predict: design v2: {why}", err), err
+    assert "Traceback" not in err

@@ -109,3 +109,27 @@ def test_a_bad_pattern_in_a_checkpoint_is_named(tmp_path: Path) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"quantization_config.ignore\[0\]: module pattern 'a\{2,3\}': counted"):
         kimik3.from_pretrained(d)
+
+
+def test_groups_nested_past_the_limit_are_refused_not_recursed_into() -> None:
+    from kimik3.model.patterns import MAX_DEPTH
+
+    assert compile_pattern("(" * MAX_DEPTH + "a" + ")" * MAX_DEPTH).match("a")
+    with pytest.raises(ValueError, match=f"nested more than {MAX_DEPTH} deep"):
+        compile_pattern("(" * 250 + "a" + ")" * 250)
+
+
+def test_a_long_list_is_matched_quickly_and_too_many_patterns_are_refused() -> None:
+    from kimik3.model.quant import MAX_PATTERNS, parse_quantization_config
+
+    names = [f"model.layers.{i}.self_attn.q_proj" for i in range(20_000)]
+    qc = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "ignore": names,
+          "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 32,
+                                                                     "type": "float", "symmetric": True}}}}
+    spec = parse_quantization_config(qc)
+    t0 = time.perf_counter()
+    hits = sum(spec.ignored(f"model.layers.{i}.mlp.experts.{e}.w1") for i in range(200) for e in range(50))
+    assert hits == 0 and spec.ignored(names[-1]) and time.perf_counter() - t0 < 10
+    qc["ignore"] = [f"re:model\\.layers\\.{i}\\." for i in range(MAX_PATTERNS + 1)]
+    with pytest.raises(ValueError, match=rf"holds {MAX_PATTERNS + 1} 're:' patterns, more than the {MAX_PATTERNS}"):
+        parse_quantization_config(qc)

@@ -60,10 +60,17 @@ PROMISES: dict[str, list[str]] = {
                                                  "test_bad_inputs.py::test_reexport_leaves_no_files_of_the_earlier_export"],
     "a non-empty `--out` that is not a kimik3 export is refused unless `--overwrite`":
         ["test_bad_inputs.py::test_export_refuses_a_foreign_folder_unless_overwrite",
-         "test_bad_inputs.py::test_export_recognises_its_own_folders_by_content_not_names"],
-    "Commands check their arguments before any work": ["test_cli_args.py::test_nonsense_is_refused_before_any_work",
-                                                       "test_bad_inputs.py::test_bench_arguments",
-                                                       "test_bad_inputs.py::test_validate_arguments"],
+         "test_bad_inputs.py::test_export_recognises_its_own_folders_by_content_not_names",
+         "test_cli_args.py::test_a_folder_of_someone_elses_files_is_refused_as_out"],
+    "an output path that is a device, a FIFO or a symlink to nothing is refused":
+        ["test_file_edges.py::test_output_paths_that_are_not_regular_files_are_refused",
+         "test_cli_args.py::test_a_dangling_symlink_as_out_is_refused"],
+    "a model or state that would not fit refused with the GiB it needs":
+        ["test_bad_inputs.py::test_a_full_size_model_off_the_meta_device_is_refused_with_the_gib_it_needs",
+         "test_bad_inputs.py::test_an_export_that_would_not_fit_in_memory_is_refused_before_writing"],
+    "Commands check their arguments (counts and sizes bounded":
+        ["test_cli_args.py::test_nonsense_is_refused_before_any_work", "test_bad_inputs.py::test_bench_arguments",
+         "test_bad_inputs.py::test_validate_arguments"],
     "exit non-zero when they measured or validated nothing": [
         "test_bad_inputs.py::test_bench_nothing_measured_exits_nonzero",
         "test_bad_inputs.py::test_validate_nothing_validated_is_not_a_pass"],

@@ -33,7 +33,8 @@ from typing import Any
 from kimik3.kernels.toolchain.registry import EXPERT_FORMATS, FAMILIES, KernelVariant, get_variant, variants_for
 from kimik3.kernels.toolchain.source import kernel_source_hash
 
-from kimik3.util.args import positive_int_list
+from kimik3.util.args import output_folder, positive_int_list
+from kimik3.util.files import check_output_folder
 from kimik3.util.text import refuse
 
 __all__ = ["build_prebuilt", "load_prebuilt", "read_manifest", "PrebuiltKernel", "main", "MANIFEST", "FORMATS"]
@@ -189,6 +190,21 @@ class _Report:  # the two attributes check_budget reads
     kernels: list[dict[str, Any]]
 
 
+def holds_prebuilt(out: Path) -> bool:
+    """Whether ``out`` holds only what :func:`build_prebuilt` wrote there: its manifest and the files the manifest
+    lists (so building into it again loses nothing of anyone else's)."""
+    try:
+        m = json.loads((Path(out) / MANIFEST).read_text())
+        if not (isinstance(m, dict) and "format_version" in m and isinstance(m.get("kernels"), dict)):
+            return False
+        listed = {MANIFEST, f"{RUNTIME_LIB}.xz"}
+        for entry in m["kernels"].values():
+            listed.update(entry["files"].values())
+        return {e.name for e in Path(out).iterdir()} <= listed
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return False
+
+
 def _existing_manifest(out: Path, arch: str) -> dict[str, Any]:
     try:
         m = json.loads((out / MANIFEST).read_text())
@@ -329,7 +345,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="compile and export kernels ahead of time (no GPU needed)")
     b.add_argument("--arch", required=True, choices=sorted(_ARCH_CC), help="target architecture")
-    b.add_argument("--out", required=True, help="output directory (manifest.json + artefacts)")
+    b.add_argument("--out", required=True, type=output_folder, help="output directory (manifest.json + artefacts)")
+    b.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out that does not hold an earlier build's kernels")
     b.add_argument("--preset", action="append", help="config preset(s) to take shapes from (default: k3-shard)")
     b.add_argument("--batch", type=positive_int_list, default=(1, 8, 64),
                    help="comma-separated batch sizes (default: 1,8,64)")
@@ -354,8 +372,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     presets = args.preset or ["k3-shard"]
     batches = list(args.batch)
     formats = args.expert_format or ["dense"]
-    try:  # an unknown preset or family: one line, not a traceback
+    try:  # an unknown preset or family, an --out of someone else's files: one line, not a traceback
         variants = variants_for(presets, batches, None if args.cmd == "list" else args.family, formats)
+        if args.cmd == "build":
+            check_output_folder(args.out, holds_prebuilt, args.overwrite, "an earlier build's kernels")
     except ValueError as e:
         return refuse(f"kernels {args.cmd}", e)
     if args.cmd == "list":

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from kimik3.model.checks import require_memory, resolve_dtype
+from kimik3.model.checks import check_device, require_memory, resolve_dtype
 from kimik3.model.config import ModelConfig, load_config, to_hf_dict
 from kimik3.model.hf_layouts import is_fused, to_release
 from kimik3.model.modeling import KimiForCausalLM, keeps_fp32
@@ -187,6 +187,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device
     dequantised."""
     path = Path(path)
     dtype = resolve_dtype(dtype)
+    check_device(device)
     if quantized_experts not in QUANTIZED_EXPERTS:
         raise ValueError(f"quantized_experts must be one of {QUANTIZED_EXPERTS}, got {quantized_experts!r}")
     if not path.is_dir():
@@ -452,6 +453,10 @@ def save_pretrained(model: KimiForCausalLM, path: str | Path, expert_format: str
     The export is built in a temporary sibling folder and swapped in whole: an earlier export at ``path`` is
     replaced, never mixed with the new files, and an interrupted export leaves it intact. A non-empty ``path``
     that is not a kimik3 export is refused unless ``overwrite``."""
+    if not isinstance(model, KimiForCausalLM):
+        raise TypeError(f"save_pretrained writes a kimik3 model (KimiForCausalLM), got {type(model).__name__}")
+    if expert_format not in EXPORT_FORMATS:
+        raise ValueError(f"expert_format must be one of {EXPORT_FORMATS}, got {expert_format!r}")
     if max_shard_bytes is not None and (isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int)
                                         or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes must be a positive int or None, got {max_shard_bytes!r}")
@@ -477,6 +482,9 @@ def _write_checkpoint(model: KimiForCausalLM, path: Path, expert_format: str, ma
             size = 0
         shards[-1][key] = t
         size += nbytes
+    biggest = max(sum(t.numel() * t.element_size() for t in shard.values()) for shard in shards)
+    require_memory(biggest, "cpu", f"writing a {len(shards)}-shard export (the safetensors writer holds a copy of "
+                   "each shard's bytes)", "write smaller shards: max_shard_bytes= (--max-shard-mb)")
     if len(shards) == 1:
         save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
         _write_manifest(path)

@@ -15,7 +15,8 @@ import torch
 
 from kimik3.util.args import MAX_SEED
 
-__all__ = ["resolve_dtype", "check_seed", "check_hf_fields", "check_config_values", "FLOAT_DTYPES", "MAX_SEED"]
+__all__ = ["resolve_dtype", "check_seed", "check_device", "check_hf_fields", "check_config_values", "FLOAT_DTYPES",
+           "MAX_SEED"]
 
 FLOAT_DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32, "float": torch.float32,
@@ -204,8 +205,8 @@ def check_config_values(cfg: Any) -> None:
                                                    for i in cfg.kda_layers), "kda_layers", "a tuple of ints")
     for f in ("bos_token_id", "eos_token_id", "pad_token_id"):
         v = getattr(cfg, f)
-        need(v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v), f,
-             "None or a non-negative token id")
+        need(v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < cfg.vocab_size), f,
+             f"None or a token id in the vocabulary [0, {cfg.vocab_size})")
     need(cfg.rope_scaling is None or isinstance(cfg.rope_scaling, dict), "rope_scaling", "None or a dict")
 
 
@@ -220,9 +221,38 @@ def device_memory(device: Any) -> tuple[int, str] | None:
     if dev.type == "cuda" and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info(dev)
         return free, "free GPU memory"
-    if dev.type == "cpu" and hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+    if dev.type != "cpu":
+        return None
+    try:  # Linux: what can be allocated now without swapping (free memory plus reclaimable caches)
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "available memory"
+    except (OSError, ValueError, IndexError):
+        pass
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory"
     return None
+
+
+def check_device(device: Any, what: str = "device") -> torch.device:
+    """``device`` as a ``torch.device`` this machine has: a name torch does not know, or a CUDA device without
+    one, is a ``ValueError`` saying so (torch's own errors are an assertion or an unhelpful ``RuntimeError``)."""
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"{what} must be a device name such as 'cpu' or 'cuda' (or a torch.device), got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{what} {device!r} is not a device torch knows (e.g. 'cpu', 'cuda', 'cuda:1', 'meta')") \
+            from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{what} {device!r}: no CUDA device is available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{what} {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type not in ("cpu", "meta"):
+        raise ValueError(f"{what} {device!r}: only 'cpu', 'cuda' and 'meta' devices are supported")
+    return dev
 
 
 def require_memory(nbytes: int, device: Any, what: str, hint: str = "") -> None:

@@ -607,6 +607,9 @@ def get_preset(name: str) -> ModelConfig:
     """The named preset's config. Unknown names raise ValueError listing the known ones."""
     if isinstance(name, ModelConfig):
         return name
+    if not isinstance(name, str):
+        raise ValueError(f"preset must be a preset name or a ModelConfig, got {name!r}; known presets: "
+                         f"{', '.join(PRESET_NAMES)}")
     try:
         return PRESETS[name]()
     except KeyError:

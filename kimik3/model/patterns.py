@@ -5,7 +5,8 @@ backtrack without end, as Python's ``re`` would. Map: docs/architecture.md (map,
 The syntax is the part of regular expressions such configs use: literals, ``.``, classes (``[a-z_]``, ``[^.]``),
 escapes (``\\.``, ``\\d``, ``\\w``, ``\\s``), groups (``(...)``, ``(?:...)``), ``|``, ``*``, ``+``, ``?``, and ``^`` /
 ``$`` at the ends. Anything else (counted repeats, lookarounds, backreferences, flags) is refused by name, as is a
-pattern over :data:`MAX_PATTERN`. Matching is ``re.match``'s: anchored at the start, at the end only with ``$``.
+pattern over :data:`MAX_PATTERN` or nesting groups deeper than :data:`MAX_DEPTH`. Matching is ``re.match``'s:
+anchored at the start, at the end only with ``$``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 __all__ = ["MAX_PATTERN", "Pattern", "compile_pattern"]
 
 MAX_PATTERN = 512  # characters: real ignore entries are well under 200
+MAX_DEPTH = 32  # nested groups: real patterns nest two or three; the parser recurses once per level
+MAX_DFA = 4096  # memoised (state set, character) steps per pattern: the NFA simulated once per step, then looked up
 _END = object()  # the test of a '$' state: passable only at the end of the name
 _CLASSES = {"d": lambda c: c.isdigit(), "w": lambda c: c.isalnum() or c == "_", "s": lambda c: c.isspace()}
 
@@ -105,6 +108,8 @@ class Pattern:
                 self._pos += 2
             elif self._peek() == "?":
                 self._refuse("lookarounds, named groups and inline flags are not supported")
+            if self._depth >= MAX_DEPTH:
+                self._refuse(f"groups nested more than {MAX_DEPTH} deep")
             self._depth += 1
             inner = self._alternation()
             self._depth -= 1
@@ -191,17 +196,31 @@ class Pattern:
                         stack.append(n)
         return seen
 
+    def _step(self, cur: frozenset[int], ch: str, last: bool) -> frozenset[int]:
+        """The state set after reading ``ch`` (``last``: it ends the name), memoised: a lazily built DFA, so a
+        long list of names costs a dictionary lookup per character once the common steps are known."""
+        key = (cur, ch, last)
+        hit = self._dfa.get(key)
+        if hit is None:
+            nxt = {n for s in cur if self._states[s].test not in (None, _END) and self._states[s].test(ch)
+                   for n in self._states[s].out}
+            hit = frozenset(self._closure(nxt, last)) if nxt else frozenset()
+            if len(self._dfa) < MAX_DFA:
+                self._dfa[key] = hit
+        return hit
+
     def match(self, name: str) -> bool:
         """Whether ``name`` starts with a match (``$`` matching only at its end)."""
-        cur = self._closure({self._start}, not name)
+        if not hasattr(self, "_dfa"):
+            self._dfa: dict[tuple[frozenset[int], str, bool], frozenset[int]] = {}
+            self._first = {end: frozenset(self._closure({self._start}, end)) for end in (False, True)}
+        cur = self._first[not name]
         for i, ch in enumerate(name):
             if self._accept in cur:
                 return True
-            nxt = {n for s in cur if self._states[s].test not in (None, _END) and self._states[s].test(ch)
-                   for n in self._states[s].out}
-            if not nxt:
+            cur = self._step(cur, ch, i == len(name) - 1)
+            if not cur:
                 return False
-            cur = self._closure(nxt, i == len(name) - 1)
         return self._accept in cur
 
 

@@ -56,6 +56,8 @@ def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     if C % MXFP4_GROUP or tuple(scale.shape) != (R, C // MXFP4_GROUP):
         raise ValueError(f"MXFP4 scale shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)} "
                          f"(expected [{R}, {C // MXFP4_GROUP}] and a width that is a multiple of {MXFP4_GROUP})")
+    if bool((scale == 255).any()):
+        raise ValueError("weight_scale holds the E8M0 NaN byte 255; expected finite scales")
     codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(R, C).long()
     vals = E2M1_VALUES.to(packed.device)[codes]
     return (vals * e8m0_to_float(scale).repeat_interleave(MXFP4_GROUP, 1)).to(dtype)
@@ -252,22 +254,10 @@ class QuantSpec:
         """Whether ``module`` is outside the quantized set: in the ignore list, or matched by none of the
         targets when the targets name modules (a bare class name such as "Linear" matches every linear layer).
         compressed-tensors rule: an entry is a module name, or ``re:`` + a regex matched at the start."""
-        by_name = [t for t in self.targets if t.startswith("re:") or "." in t]
-        if by_name and len(by_name) == len(self.targets) and not self._matches(module, by_name):
+        by_name = tuple(t for t in self.targets if t.startswith("re:") or "." in t)
+        if by_name and len(by_name) == len(self.targets) and not _matcher(self.targets).matches(module):
             return True
-        return self._matches(module, self.ignore)
-
-    @staticmethod
-    def _matches(module: str, patterns: tuple[str, ...] | list[str]) -> bool:
-        names = {module, module.removeprefix("language_model.")}
-        for target in patterns:
-            for name in names:
-                if target.startswith("re:"):
-                    if _pattern(target[3:]).match(name):
-                        return True
-                elif target == name:
-                    return True
-        return False
+        return _matcher(self.ignore).matches(module)
 
     def dequantize(self, module: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """One module's stored tensors -> its fp32 weight; errors name the module."""
@@ -290,9 +280,40 @@ class QuantSpec:
             raise ValueError(f"{module}: {e}") from None
 
 
-@functools.lru_cache(maxsize=1024)
+MAX_PATTERNS = 1024  # ``re:`` entries in one list: real configs have a handful (plain names are not limited)
+
+
+@functools.lru_cache(maxsize=4 * MAX_PATTERNS)
 def _pattern(text: str) -> Pattern:
     return compile_pattern(text)
+
+
+class _Matcher:
+    """One ignore / targets list, split once into plain names (a set lookup) and compiled patterns."""
+
+    def __init__(self, entries: tuple[str, ...]) -> None:
+        self.entries = entries
+        self.names = frozenset(e for e in entries if not e.startswith("re:"))
+        self.patterns = tuple(_pattern(e[3:]) for e in entries if e.startswith("re:"))
+
+    def matches(self, module: str) -> bool:
+        for name in {module, module.removeprefix("language_model.")}:
+            if name in self.names or any(p.match(name) for p in self.patterns):
+                return True
+        return False
+
+
+_MATCHERS: dict[int, _Matcher] = {}
+
+
+def _matcher(entries: tuple[str, ...]) -> _Matcher:
+    """The matcher of a spec's list, built on first use (keyed by the tuple itself: the spec is immutable)."""
+    m = _MATCHERS.get(id(entries))
+    if m is None or m.entries is not entries:
+        if len(_MATCHERS) > 64:
+            _MATCHERS.clear()
+        m = _MATCHERS[id(entries)] = _Matcher(entries)
+    return m
 
 
 def _module_names(qc: dict, key: str) -> tuple[str, ...]:
@@ -301,6 +322,10 @@ def _module_names(qc: dict, key: str) -> tuple[str, ...]:
     items = qc.get(key) or ()
     if not isinstance(items, (list, tuple)):
         raise ValueError(f"quantization_config.{key} must be a list of module names, got {type(items).__name__}")
+    n_patterns = sum(isinstance(item, str) and item.startswith("re:") for item in items)
+    if n_patterns > MAX_PATTERNS:
+        raise ValueError(f"quantization_config.{key} holds {n_patterns} 're:' patterns, more than the {MAX_PATTERNS} "
+                         "a config may hold (list module names instead)")
     for i, item in enumerate(items):
         if not isinstance(item, str):
             raise ValueError(f"quantization_config.{key}[{i}] must be a string, got {item!r}"[:300])

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from kimik3.model.checks import check_seed, require_memory, resolve_dtype
+from kimik3.model.checks import check_device, check_seed, require_memory, resolve_dtype
 from kimik3.model.config import ModelConfig, get_preset
 from kimik3.model.modeling import KimiForCausalLM
 
@@ -27,8 +27,8 @@ RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "routed_expert_up_proj.
 def build_model(cfg: ModelConfig | str, device: str | torch.device = "cpu") -> KimiForCausalLM:
     """An uninitialised model on ``device`` (use ``"meta"`` to count parameters of full-size presets). One that
     ``device`` cannot hold is refused with the GiB it needs, before anything is allocated."""
-    cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
-    if torch.device(device).type != "meta":
+    cfg = get_preset(cfg)
+    if torch.device(check_device(device)).type != "meta":
         with torch.device("meta"):
             shape = KimiForCausalLM(cfg)
         require_memory(sum(t.numel() * t.element_size() for t in (*shape.parameters(), *shape.buffers())), device,
@@ -98,10 +98,17 @@ def from_preset(name: str | ModelConfig, seed: int = 0, dtype: torch.dtype = tor
     """
     dtype = resolve_dtype(dtype)
     check_seed(seed)
+    check_device(device)
+    check_device(init_device, "init_device")
     cfg = get_preset(name)
     model = build_model(cfg, "meta").cast_(dtype)
-    require_memory(sum(p.numel() * p.element_size() for p in model.parameters()), device,
-                   f"the weights of preset {cfg.name or name!r} in {dtype}")
+    draw = max(p.numel() for p in model.parameters()) * 4  # one tensor at a time drawn in fp32 on init_device
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    same = torch.device(init_device) == torch.device(device)
+    require_memory(weights + (draw if same else 0), device, f"the weights of preset {cfg.name or name!r} in {dtype}"
+                   + (" (and one tensor drawn in fp32)" if same else ""))
+    if not same:
+        require_memory(draw, init_device, "drawing one weight tensor in fp32")
     model = model.to_empty(device=device)
     model.reset_buffers()
     init_weights(model, seed, device=init_device)

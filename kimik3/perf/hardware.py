@@ -316,14 +316,14 @@ def _main(argv: list[str] | None = None) -> int:
     ``torch.sum`` over the same number of bytes timed in the same run (the two should agree within ~15 %)."""
     import argparse
 
-    from kimik3.util.args import output_file, positive_int
+    from kimik3.util.args import MAX_THREADS, bounded_int, output_file
     from kimik3.util.files import atomic_write_text, check_writable
     from kimik3.util.text import refuse
 
     ap = argparse.ArgumentParser(prog="python -m kimik3.perf.hardware", description=_main.__doc__)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--quick", action="store_true", help="smaller buffers and fewer repeats")
-    ap.add_argument("--threads", type=positive_int, default=None)
+    ap.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=None)
     ap.add_argument("--out", type=output_file, default=None, help="write the record as JSON here")
     a = ap.parse_args(argv)
     try:  # before measuring: a refused output should cost nothing

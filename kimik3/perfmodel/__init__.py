@@ -33,6 +33,9 @@ __all__ = ["STAGES", "EXPERT_DTYPES", "PERF_DIR", "CURRENT_DESIGN", "Constants",
            "stream_ns", "instruction_times", "simulate_model", "fused_times"]
 
 STAGES = ("megakernel", "fused")
+MAX_BATCH = 4096  # decode rows per step: far past the kernels' 64, short of a program too big to build
+
+
 def _check_experts(experts: str) -> None:
     """``experts``: how the routed experts are stored, as the fused stage names it (bf16, or MXFP4 — the K3
     release's format; for the megakernel program the expert format "mxfp4")."""
@@ -131,13 +134,31 @@ def _check(preset: str, stage: str, batch: int, context_len: int, experts: str =
     _check_experts(experts)
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r} for the performance model; expected one of {', '.join(STAGES)}")
-    if not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a positive integer, got {batch!r}")
+    if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= MAX_BATCH:
+        raise ValueError(f"batch must be an integer in 1..{MAX_BATCH} (the batches the model is built for), "
+                         f"got {batch!r}")
     if not isinstance(context_len, int) or not 1 <= context_len <= 4096:
         raise ValueError(f"context must be between 1 and 4096 (the modelled cache capacity), got {context_len!r}")
     from kimik3.model.config import get_preset
 
     get_preset(preset)  # a clear ValueError for an unknown preset
+
+
+def _check_fits(preset: str, experts: str, c: Constants) -> None:
+    """The model scores one GPU's program: a preset whose weights that GPU cannot hold is refused (the full K3 is
+    served across a rack; ``k3-shard`` is one rank's share), rather than simulated for minutes to a meaningless
+    figure."""
+    from kimik3.perf.cost import parameter_counts
+    from kimik3.perf.hardware import get_hardware
+
+    cap = get_hardware(c.hardware).hbm_capacity
+    n = parameter_counts(preset)
+    per_expert = 2.0 if experts == "bf16" else 17 / 32  # MXFP4: half a byte per weight, a scale byte per 32
+    need = (n["total"] - n["routed_experts"]) * 2 + n["routed_experts"] * per_expert
+    if cap is not None and need > cap:
+        raise ValueError(f"preset {preset!r} holds {need / 1e9:.0f} GB of weights ({experts} experts), more than "
+                         f"the {cap / 1e9:.0f} GB of one {c.hardware}: the performance model scores one GPU's "
+                         "program (k3-shard is one expert-parallel rank's share of Kimi K3)")
 
 
 def _step(preset: str, stage: str, batch: int, d: dict[str, Any], c: Constants, context_len: int, experts: str
@@ -178,6 +199,7 @@ def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1,
     ``constants_recalled``: which constants a measured file set and which are still constants.json's."""
     _check(preset, stage, batch, context_len, experts)
     c = constants or load_constants()
+    _check_fits(preset, experts, c)
     d = load_design(design)
     roof = roofline_ms(preset, batch, context_len, c, experts)
     predicted, by, extra = _step(preset, stage, batch, d, c, context_len, experts)

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from kimik3.util.args import positive_int
+from kimik3.util.args import bounded_int, positive_int
 from kimik3.util.text import refuse
 
 __all__ = ["main"]
@@ -17,12 +17,12 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kimik3.perfmodel import CURRENT_DESIGN, EXPERT_DTYPES, STAGES, design_names, predict
+    from kimik3.perfmodel import CURRENT_DESIGN, EXPERT_DTYPES, MAX_BATCH, STAGES, design_names, predict
 
     ap = argparse.ArgumentParser(prog="python -m kimik3 predict", description=__doc__)
     ap.add_argument("--preset", default="k3-shard")
     ap.add_argument("--stage", required=True, choices=STAGES)
-    ap.add_argument("--batch", type=positive_int, default=1)
+    ap.add_argument("--batch", type=bounded_int(1, MAX_BATCH, "decode rows per step"), default=1)
     ap.add_argument("--design", default=CURRENT_DESIGN,
                     help=f"a design in data/perf/designs ({', '.join(design_names())}; default {CURRENT_DESIGN}: "
                          "today's kernels)")

@@ -190,20 +190,9 @@ def load_design(name_or_path: str | Path = CURRENT_DESIGN) -> dict[str, Any]:
 
 
 def _check_design(d: dict[str, Any], p: Path) -> None:
-    from kimik3.perfmodel.expr import check
+    from kimik3.perfmodel.schema import check_design
 
-    for op, e in d["megakernel"]["opcodes"].items():
-        for s in e.get("streams", []):
-            for f in ("bytes", "threads", "loads", "load_bytes"):
-                check(s[f])
-        for r in e.get("rereads", []):
-            check(r["bytes"])
-            check(r["footprint"])
-        for s in e.get("serial", []):
-            check(s["trips"])
-            check(s["cycles"])
-            if s["level"] not in ("hbm", "l2", "l1", "none"):
-                raise ValueError(f"design {p}: {op}: serial level {s['level']!r}")
+    check_design(d, p)
 
 
 def field(entry: Any) -> Any:

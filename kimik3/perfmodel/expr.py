@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["evaluate", "check"]
+__all__ = ["evaluate", "amount", "check", "constant", "MAX_EXPR"]
 
 _FUNCS = {"min": min, "max": max, "ceil": math.ceil, "floor": math.floor, "cdiv": lambda a, b: -(-a // b)}
 _BIN = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
@@ -23,12 +23,24 @@ _CMP = {ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b, ast.Gt: lambda
         ast.GtE: lambda a, b: a >= b, ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b}
 
 
+MAX_EXPR = 1000  # characters: the longest design expression is a few hundred; a bound keeps parsing cheap
+
+
+def _shown(text: str) -> str:
+    """The expression as a message quotes it: whole when short, its start otherwise."""
+    return repr(text) if len(text) <= 120 else f"{text[:100]!r}... ({len(text)} characters)"
+
+
 @lru_cache(maxsize=4096)
 def _parse(text: str) -> ast.Expression:
+    if len(text) > MAX_EXPR:
+        raise ValueError(f"design expression {_shown(text)} is longer than {MAX_EXPR} characters")
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError as e:
-        raise ValueError(f"design expression {text!r} is not valid: {e.msg}") from None
+        raise ValueError(f"design expression {_shown(text)} is not valid: {e.msg}") from None
+    except (RecursionError, MemoryError):
+        raise ValueError(f"design expression {_shown(text)} is nested too deeply") from None
     for node in ast.walk(tree):
         ok = isinstance(node, (ast.Expression, ast.Constant, ast.Name, ast.Load, ast.BinOp, ast.UnaryOp, ast.USub,
                                ast.UAdd, ast.Not, ast.Compare, ast.BoolOp, ast.And, ast.Or, ast.IfExp, ast.Call,
@@ -39,7 +51,7 @@ def _parse(text: str) -> ast.Expression:
                                                and not node.keywords):
             ok = False
         if not ok:
-            raise ValueError(f"design expression {text!r}: {type(node).__name__} is not allowed")
+            raise ValueError(f"design expression {_shown(text)}: {type(node).__name__} is not allowed")
     return tree
 
 
@@ -51,7 +63,8 @@ def _eval(node: ast.AST, env: Mapping[str, Any], text: str) -> Any:
     if isinstance(node, ast.Name):
         if node.id in env:
             return env[node.id]
-        raise ValueError(f"design expression {text!r}: unknown name {node.id!r} (known: {', '.join(sorted(env))})")
+        raise ValueError(f"design expression {_shown(text)}: unknown name {node.id!r} "
+                         f"(known: {', '.join(sorted(env))})")
     if isinstance(node, ast.BinOp):
         return _BIN[type(node.op)](_eval(node.left, env, text), _eval(node.right, env, text))
     if isinstance(node, ast.UnaryOp):
@@ -83,7 +96,34 @@ def evaluate(expr: str | int | float, env: Mapping[str, Any]) -> float:
         return float(expr)
     if not isinstance(expr, str):
         raise ValueError(f"design entry must be a number or an expression string, got {expr!r}")
-    return float(_eval(_parse(expr), env, expr))
+    try:
+        v = _eval(_parse(expr), env, expr)
+        if isinstance(v, bool):
+            raise ValueError(f"design expression {_shown(expr)} is a condition (true or false), not a number")
+        v = float(v)
+    except (ArithmeticError, TypeError, RecursionError, MemoryError) as e:  # 1/0, min(), max(1), 9**999 as float
+        raise ValueError(f"design expression {_shown(expr)}: {type(e).__name__}: {e}") from None
+    if not math.isfinite(v):
+        raise ValueError(f"design expression {_shown(expr)} evaluates to {v}, not a finite number")
+    return float(v)
+
+
+def amount(expr: str | int | float, env: Mapping[str, Any]) -> float:
+    """:func:`evaluate` of a count or a size (bytes, trips): a negative value is a design error, not zero."""
+    v = evaluate(expr, env)
+    if v < 0:
+        raise ValueError(f"design expression {_shown(str(expr))} is {v:g} here; a count or size must be >= 0")
+    return v
+
+
+def constant(expr: str | int | float) -> float | None:
+    """The value of an entry that names no symbol (a number, or an expression of numbers alone); None otherwise."""
+    try:
+        return evaluate(expr, {})
+    except ValueError as e:
+        if "unknown name" in str(e):
+            return None
+        raise
 
 
 def check(expr: str | int | float) -> None:

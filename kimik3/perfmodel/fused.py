@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from kimik3.perfmodel.data import Constants
-from kimik3.perfmodel.expr import evaluate
+from kimik3.perfmodel.expr import amount, evaluate
 
 __all__ = ["SYMBOLS", "fused_program", "fused_times", "batch_tile"]
 
@@ -82,7 +82,7 @@ def fused_times(preset: str, batch: int, design: dict[str, Any], consts: Constan
             suffix = next((k for k in sorted(glue, key=len, reverse=True) if str(ln["launch"]).endswith(k)), None)
             if suffix is None:
                 raise ValueError(f"design {design['name']}: no glue kernel count for launch {ln['launch']!r}")
-            n = int(glue[suffix])
+            n = evaluate(glue[suffix], {})
             t = n * (consts.kernel_boundary_ns + lat) + nbytes / consts.achievable_Bps * 1e9
             rows.append({"launch": ln["launch"], "family": "glue", "kernel": suffix, "ns": t, "bytes": nbytes,
                          "limited_by": "kernel boundaries"})
@@ -98,32 +98,38 @@ def fused_times(preset: str, batch: int, design: dict[str, Any], consts: Constan
             env["nsplit"] = float(mla_default_splits(B, int(sh["nh"]), int(sh["S"])))
         name, spec = _family_spec(design, fam)
         for k in spec["kernels"]:
-            share = float(k["share"])
-            threads = evaluate(k["threads"], env)
-            loads = evaluate(k["loads"], env)
-            width = evaluate(k["load_bytes"], env)
-            ctas = max(1.0, evaluate(k["ctas"], env))
-            regs = _registers(k, fam, spec, B, fmt)
-            alloc = math.ceil(regs / consts.register_alloc_granularity) * consts.register_alloc_granularity
-            resident = max(1.0, min(consts.max_ctas_per_sm, consts.max_threads_per_sm // threads,
-                                    consts.registers_per_sm // (threads * alloc)))
-            active = min(float(S), ctas)
-            per_sm = min(resident, math.ceil(ctas / S))
-            inflight = consts.inflight(per_sm * threads * loads * width)
-            bw = min(active * min(consts.rate_Bps(inflight, lat), consts.sm_max_Bps), consts.achievable_Bps)
-            b = share * nbytes
-            mem = lat + b / bw * 1e9 if b > 0 else lat
-            fma = share * flops / 2 * evaluate(spec.get("issue_per_fma", 1.0), env) / (
-                active * consts.issue_slots_per_sm_cycle * consts.sm_clock_Hz) * 1e9
-            l2 = sum(max(0.0, evaluate(r["bytes"], env)) for r in spec.get("rereads", [])) * share
-            reread = l2 / (active * consts.l2_share_Bps) * 1e9
-            serial = sum(max(0.0, evaluate(s["trips"], env)) * (consts.latency_ns(s["level"]) + evaluate(
-                s["cycles"], env) * consts.cycle_ns) for s in k.get("serial", []))
-            t = consts.kernel_boundary_ns + max(mem, fma, reread) + serial
-            parts = {"hbm stream": mem, "FMA issue": fma, "L2 re-reads": reread}
-            rows.append({"launch": ln["launch"], "family": name if name != "gemv" else fam, "kernel": k["name"],
-                         "ns": t, "bytes": b, "ctas": ctas, "resident_ctas": resident,
-                         "inflight_bytes_per_sm": inflight, "bandwidth_Bps": bw,
-                         "limited_by": max(parts, key=parts.get) if max(parts.values()) > consts.kernel_boundary_ns
-                         else "kernel boundary"})
+            try:  # an entry that cannot be evaluated for this launch is named with its family and kernel
+                share = float(k["share"])
+                threads = evaluate(k["threads"], env)
+                loads = evaluate(k["loads"], env)
+                width = evaluate(k["load_bytes"], env)
+                if min(threads, loads, width) <= 0:
+                    raise ValueError(f"threads {threads:g} x loads {loads:g} x load_bytes {width:g} must all be > 0")
+                ctas = max(1.0, evaluate(k["ctas"], env))
+                regs = _registers(k, fam, spec, B, fmt)
+                alloc = math.ceil(regs / consts.register_alloc_granularity) * consts.register_alloc_granularity
+                resident = max(1.0, min(consts.max_ctas_per_sm, consts.max_threads_per_sm // threads,
+                                        consts.registers_per_sm // (threads * alloc)))
+                active = min(float(S), ctas)
+                per_sm = min(resident, math.ceil(ctas / S))
+                inflight = consts.inflight(per_sm * threads * loads * width)
+                bw = min(active * min(consts.rate_Bps(inflight, lat), consts.sm_max_Bps), consts.achievable_Bps)
+                b = share * nbytes
+                mem = lat + b / bw * 1e9 if b > 0 else lat
+                fma = share * flops / 2 * evaluate(spec.get("issue_per_fma", 1.0), env) / (
+                    active * consts.issue_slots_per_sm_cycle * consts.sm_clock_Hz) * 1e9
+                l2 = sum(amount(r["bytes"], env) for r in spec.get("rereads", [])) * share
+                reread = l2 / (active * consts.l2_share_Bps) * 1e9
+                serial = sum(amount(s["trips"], env) * (consts.latency_ns(s["level"]) + evaluate(
+                    s["cycles"], env) * consts.cycle_ns) for s in k.get("serial", []))
+                t = consts.kernel_boundary_ns + max(mem, fma, reread) + serial
+                parts = {"hbm stream": mem, "FMA issue": fma, "L2 re-reads": reread}
+                rows.append({"launch": ln["launch"], "family": name if name != "gemv" else fam, "kernel": k["name"],
+                             "ns": t, "bytes": b, "ctas": ctas, "resident_ctas": resident,
+                             "inflight_bytes_per_sm": inflight, "bandwidth_Bps": bw,
+                             "limited_by": max(parts, key=parts.get) if max(parts.values()) > consts.kernel_boundary_ns
+                             else "kernel boundary"})
+            except ValueError as e:
+                raise ValueError(f"design {design['name']}: fused family {name} kernel {k['name']} "
+                                 f"({ln['launch']}): {e}") from None
     return pd.DataFrame(rows)

@@ -23,7 +23,7 @@ import torch
 from kimik3.kernels.contracts.addr import gemv_batch_tile
 from kimik3.megakernel.instructions import Kind, Mode, Op, Program
 from kimik3.perfmodel.data import Constants, field
-from kimik3.perfmodel.expr import evaluate
+from kimik3.perfmodel.expr import amount, evaluate
 
 __all__ = ["SYMBOLS", "instruction_symbols", "stream_ns", "instruction_times", "simulate_model"]
 
@@ -163,6 +163,17 @@ def program_cfg(program: Program) -> Any:
     return cfg
 
 
+def _in_flight(stream: dict[str, Any], env: dict[str, Any], nbytes: float) -> float:
+    """The bytes one CTA keeps in flight for a stream: threads x loads x load_bytes, which must be positive when the
+    stream has bytes to move."""
+    parts = {f: evaluate(stream[f], env) for f in ("threads", "loads", "load_bytes")}
+    total = parts["threads"] * parts["loads"] * parts["load_bytes"]
+    if nbytes > 0 and total <= 0:
+        raise ValueError(f"a stream of {nbytes:.0f} bytes keeps {total:g} bytes in flight (threads "
+                         f"{parts['threads']:g} x loads {parts['loads']:g} x load_bytes {parts['load_bytes']:g})")
+    return total
+
+
 def instruction_times(program: Program, design: dict[str, Any], consts: Constants, context_len: int
                       ) -> pd.DataFrame:
     """Per instruction: fetch, stage, wait round trips, body (its parts) and signal, in ns, plus the bytes."""
@@ -191,44 +202,47 @@ def instruction_times(program: Program, design: dict[str, Any], consts: Constant
             what = "MXFP4 experts" if key.endswith(".mxfp4") else "this opcode"
             raise ValueError(f"design {design['name']}: no entry for opcode {key} (the design does not describe "
                              f"{what})")
-        if host_stage:  # the host decided (instruction words W_STAGE_*): read it, do not re-derive it
-            staged = float(ins.stage[2] * 16) if ins.stage[0] >= 0 else 0.0
-        else:
-            staged, _ = _staged_bytes(program, ins, stage_bytes)
-        staged = min(staged, env["weight_bytes"]) if env["weight_bytes"] > 0 else 0.0
-        fetch = evaluate(field(mk["fetch_round_trips_hbm"]), env) * lat + \
-            evaluate(field(mk["fetch_round_trips_l2"]), env) * consts.l2_latency_ns
-        stage = stream_ns(staged, staged, lat, share)
-        waits = evaluate(field(mk["wait_round_trips_l2"]), env) * consts.sync_round_trip_ns
-        signal = evaluate(field(mk["signal_round_trips_l2"]), env) * consts.sync_round_trip_ns
-        barriers = (evaluate(field(mk["barriers"]), env) + evaluate(spec.get("barriers", 0), env)) * consts.barrier_ns
-        hbm_ns = 0.0
-        left_staged = staged
-        for s in spec.get("streams", []):
-            nbytes = max(0.0, evaluate(s["bytes"], env))
-            if s["bytes"] == "weight_bytes" or "weight_bytes" in str(s["bytes"]):
-                take = min(left_staged, nbytes)  # the staged rows are read from shared memory
-                nbytes -= take
-                left_staged -= take
-            inflight = consts.inflight(evaluate(s["threads"], env) * evaluate(s["loads"], env)
-                                       * evaluate(s["load_bytes"], env))
-            hbm_ns += stream_ns(nbytes, inflight, lat, share / ctas, consts.rate_Bps(inflight, lat, ctas))
-        l1_bytes = l2_bytes = 0.0
-        for r in spec.get("rereads", []):
-            nbytes = max(0.0, evaluate(r["bytes"], env))
-            if evaluate(r["footprint"], env) <= l1_free:
-                l1_bytes += nbytes
+        try:  # a design entry that cannot be evaluated here is named with its opcode
+            if host_stage:  # the host decided (instruction words W_STAGE_*): read it, do not re-derive it
+                staged = float(ins.stage[2] * 16) if ins.stage[0] >= 0 else 0.0
             else:
-                l2_bytes += nbytes
-        act_ns = env["act_bytes"] / consts.l2_share_Bps * 1e9
-        reread_ns = l1_bytes / consts.l1_Bps * 1e9 + l2_bytes / consts.l2_share_Bps * 1e9
-        fmas = evaluate(spec.get("fmas", 0), env)
-        fma_ns = fmas * evaluate(spec.get("issue_per_fma", 1.0), env) / (consts.issue_slots_per_sm_cycle
-                                                                 * consts.sm_clock_Hz) * 1e9
-        serial_ns = 0.0
-        for s in spec.get("serial", []):
-            trips = max(0.0, evaluate(s["trips"], env))
-            serial_ns += trips * (consts.latency_ns(s["level"]) + evaluate(s["cycles"], env) * consts.cycle_ns)
+                staged, _ = _staged_bytes(program, ins, stage_bytes)
+            staged = min(staged, env["weight_bytes"]) if env["weight_bytes"] > 0 else 0.0
+            fetch = evaluate(field(mk["fetch_round_trips_hbm"]), env) * lat + \
+                evaluate(field(mk["fetch_round_trips_l2"]), env) * consts.l2_latency_ns
+            stage = stream_ns(staged, staged, lat, share)
+            waits = evaluate(field(mk["wait_round_trips_l2"]), env) * consts.sync_round_trip_ns
+            signal = evaluate(field(mk["signal_round_trips_l2"]), env) * consts.sync_round_trip_ns
+            barriers = (evaluate(field(mk["barriers"]), env)
+                        + evaluate(spec.get("barriers", 0), env)) * consts.barrier_ns
+            hbm_ns = 0.0
+            left_staged = staged
+            for s in spec.get("streams", []):
+                nbytes = amount(s["bytes"], env)
+                if s["bytes"] == "weight_bytes" or "weight_bytes" in str(s["bytes"]):
+                    take = min(left_staged, nbytes)  # the staged rows are read from shared memory
+                    nbytes -= take
+                    left_staged -= take
+                inflight = consts.inflight(_in_flight(s, env, nbytes))
+                hbm_ns += stream_ns(nbytes, inflight, lat, share / ctas, consts.rate_Bps(inflight, lat, ctas))
+            l1_bytes = l2_bytes = 0.0
+            for r in spec.get("rereads", []):
+                nbytes = amount(r["bytes"], env)
+                if evaluate(r["footprint"], env) <= l1_free:
+                    l1_bytes += nbytes
+                else:
+                    l2_bytes += nbytes
+            act_ns = env["act_bytes"] / consts.l2_share_Bps * 1e9
+            reread_ns = l1_bytes / consts.l1_Bps * 1e9 + l2_bytes / consts.l2_share_Bps * 1e9
+            fmas = evaluate(spec.get("fmas", 0), env)
+            fma_ns = fmas * evaluate(spec.get("issue_per_fma", 1.0), env) / (consts.issue_slots_per_sm_cycle
+                                                                     * consts.sm_clock_Hz) * 1e9
+            serial_ns = 0.0
+            for s in spec.get("serial", []):
+                trips = amount(s["trips"], env)
+                serial_ns += trips * (consts.latency_ns(s["level"]) + evaluate(s["cycles"], env) * consts.cycle_ns)
+        except ValueError as e:
+            raise ValueError(f"design {design['name']}: opcode {key} ({ins.label()}): {e}") from None
         mem_ns = max(hbm_ns, act_ns, reread_ns)
         body = max(mem_ns, fma_ns) + serial_ns + barriers
         rows.append({"op": ins.op.name, "layer": ins.layer, "label": ins.label(), "fetch_ns": fetch,

@@ -34,10 +34,12 @@ _LAZY_STAGES = {"expert-parallel": "kimik3.scale.expert_parallel", "megakernel-i
 
 
 def get_stage(name: str) -> type[Stage]:
+    known = list(STAGES) + [n for n in _LAZY_STAGES if n not in STAGES]
+    if not isinstance(name, str):
+        raise ValueError(f"stage must be a stage name, got {name!r}; known stages: {', '.join(known)}")
     if name not in STAGES and name in _LAZY_STAGES:
         importlib.import_module(_LAZY_STAGES[name])
     try:
         return STAGES[name]
     except KeyError:
-        known = list(STAGES) + [n for n in _LAZY_STAGES if n not in STAGES]
         raise ValueError(f"unknown stage {name!r}; known stages: {', '.join(known)}") from None

@@ -9,9 +9,12 @@ import argparse
 from collections.abc import Callable, Iterable
 
 __all__ = ["positive_int", "nonnegative_int", "bounded_int", "int_list", "positive_int_list", "name_list",
-           "choice_list", "output_file", "output_folder", "seed_int", "MAX_SEED"]
+           "choice_list", "output_file", "output_folder", "seed_int", "MAX_SEED", "MAX_STEPS",
+           "MAX_THREADS"]
 
 MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes without wrapping
+MAX_STEPS = 100_000  # decode steps per run: far past any measurement's need, far below a cache's end
+MAX_THREADS = 1024  # CPU threads: past any machine here, short of what would exhaust memory in thread stacks
 
 
 def _int(text: str, what: str) -> int:
@@ -102,9 +105,17 @@ def output_file(text: str) -> str:
 
 
 def output_folder(text: str) -> str:
-    """A path to write a folder to: not empty."""
+    """A path to write a folder to: absent or a folder (or a symlink to one); never empty text, a file or a symlink
+    to nothing. Whether a non-empty folder may be written into is the command's to say
+    (``kimik3.util.files.check_output_folder``)."""
+    from kimik3.util.files import check_output_folder
+
     if not text.strip():
         raise argparse.ArgumentTypeError(f"must name a folder, got {text!r}")
+    try:
+        check_output_folder(text, overwrite=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 __all__ = ["atomic_write_text", "atomic_write_bytes", "atomic_path", "staged_directory", "check_writable",
-           "check_output_file", "require_regular_file", "read_regular_bytes", "read_regular_text", "read_json_file"]
+           "check_output_file", "check_output_folder", "require_regular_file", "read_regular_bytes",
+           "read_regular_text", "read_json_file"]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -175,6 +176,29 @@ def check_writable(path: str | Path, is_dir: bool = False) -> Path:
     return path
 
 
+def check_output_folder(path: str | Path, ours: Callable[[Path], bool] | None = None, overwrite: bool = False,
+                        what: str = "an earlier output of this command") -> Path:
+    """Refuse, naming it, an output folder that is not absent, empty, or ``what`` (``ours(path)`` says so, by
+    its content, not by file names): a file, a symlink to nothing or to a file, or a folder of someone else's
+    files, which writing into would destroy. ``overwrite`` (``--overwrite``) accepts a non-empty folder."""
+    if isinstance(path, str) and not path.strip():
+        raise ValueError(f"output folder {path!r} names no folder")
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"output {path} is a symlink to {os.readlink(path)!r}, which does not exist; remove the "
+                         "link or choose another folder")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"output {path} exists and is not a directory")
+    try:
+        nonempty = path.is_dir() and any(path.iterdir())
+    except OSError as e:
+        raise ValueError(f"output folder {path} cannot be read: {e.strerror or e}") from None
+    if nonempty and not overwrite and not (ours is not None and ours(path)):
+        raise ValueError(f"output folder {path} is not empty and does not hold {what}; choose an empty or new "
+                         "folder, or pass overwrite=True (--overwrite) to write into it")
+    return path
+
+
 @contextlib.contextmanager
 def staged_directory(path: str | Path, overwrite: bool = False,
                      replaceable: Callable[[Path], bool] | None = None) -> Iterator[Path]:
@@ -184,16 +208,10 @@ def staged_directory(path: str | Path, overwrite: bool = False,
     An existing non-empty ``path`` is replaced only when ``replaceable(path)`` says it is one of ours or
     ``overwrite`` is true; otherwise ``ValueError`` before anything is written. ``path`` itself may be a symlink
     to a folder (the user's choice of location); nothing inside the old folder is ever written through."""
-    if isinstance(path, str) and not path.strip():
-        raise ValueError(f"output folder {path!r} names no folder")
+    path = check_output_folder(path, replaceable, overwrite, "a kimik3 export")
     path = Path(os.path.abspath(path))  # "out/." or "." have no usable name for the sibling folders
     if path.is_symlink() and path.is_dir():
         path = path.resolve()
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"output {path} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not overwrite and not (replaceable and replaceable(path)):
-        raise ValueError(f"output folder {path} is not empty and does not hold a kimik3 export; choose an empty "
-                         "or new folder, or pass overwrite=True (--overwrite) to replace its contents")
     check_writable(path.parent, is_dir=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".staging", dir=path.parent))
     umask = os.umask(0)

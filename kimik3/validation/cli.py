@@ -14,18 +14,20 @@ import torch
 from kimik3.model.config import PRESET_NAMES
 from kimik3.stages import get_stage
 from kimik3.util.args import (
+    MAX_STEPS,
+    MAX_THREADS,
+    bounded_int,
     choice_list,
     name_list,
-    nonnegative_int,
     output_folder,
-    positive_int,
     positive_int_list,
     seed_int,
 )
-from kimik3.util.files import check_writable
+from kimik3.util.files import check_output_folder, check_writable
 from kimik3.util.text import refuse
 from kimik3.validation.config import DTYPE_NAMES, default_config, quick_config
 from kimik3.validation.matrix import run_validation
+from kimik3.validation.report import is_report_folder
 
 __all__ = ["main"]
 
@@ -44,15 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", type=choice_list(DTYPE_NAMES, "dtype"), default=None, help="float32,bfloat16")
     ap.add_argument("--batch-sizes", type=positive_int_list, default=None)
     ap.add_argument("--seeds", type=seed_list, default=None)
-    ap.add_argument("--steps", type=nonnegative_int, default=None)
+    ap.add_argument("--steps", type=bounded_int(0, MAX_STEPS, "decode steps per cell"), default=None)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--threads", type=positive_int, default=None, help="torch threads during the run (default 1)")
+    ap.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=None,
+                    help="torch threads during the run (default 1)")
     ap.add_argument("--no-determinism", action="store_true")
     ap.add_argument("--no-hazards", action="store_true")
     ap.add_argument("--no-ep", action="store_true", help="skip the expert-parallel processes")
-    ap.add_argument("--drift-tokens", type=nonnegative_int, default=None, help="0 skips the bf16 drift curve")
+    ap.add_argument("--drift-tokens", type=bounded_int(0, MAX_STEPS, "decoded tokens"), default=None,
+                    help="0 skips the bf16 drift curve")
     ap.add_argument("--out", default="runs/validate", type=output_folder,
                     help="run folder for report.html, cells.csv, summary.json")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="write into a non-empty --out that does not hold an earlier validation report")
     ap.add_argument("--report-only", action="store_true", help="exit 0 whatever failed")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
@@ -80,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dataclasses.replace(cfg, presets=a.presets, not_run=extra)
     else:
         cfg = default_config(a.presets, a.device, **over)
-    report = run_validation(cfg, a.out, progress=not a.no_progress)
+    try:
+        report = run_validation(cfg, a.out, progress=not a.no_progress)
+    except ValueError as e:  # what only the matrix's own checks can tell (a cache that would not fit)
+        return refuse("validate", e)
     s = report.summary()
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_colwidth", 160):
         print(s.to_string())
@@ -122,7 +131,5 @@ def _check_cli_args(a: argparse.Namespace) -> None:
             raise ValueError(f"--presets: unknown preset {p!r}; known: {', '.join(PRESET_NAMES)}")
     for st in a.stages or ():
         get_stage(st)
-    for name, v in (("--steps", a.steps), ("--threads", a.threads), ("--drift-tokens", a.drift_tokens)):
-        if v is not None and v < (1 if name == "--threads" else 0):
-            raise ValueError(f"{name} must be {'>= 1' if name == '--threads' else '>= 0'}, got {v}")
+    check_output_folder(a.out, is_report_folder, a.overwrite, "an earlier validation report")
     check_writable(a.out, is_dir=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from kimik3.util.files import atomic_write_text
+from kimik3.util.files import atomic_write_text, read_regular_text
 from kimik3.validation.config import _SHORT, CHUNK_TOKENS, ValidationConfig
 from kimik3.validation.metric import TOL
 
@@ -324,3 +324,19 @@ def _render_html(r: ValidationReport) -> str:
               "<h2>Expert parallelism (gloo processes vs one process)</h2>", _table_html(r.expert_parallel, None),
               "<h2>Every cell</h2>", _table_html(t), "</body></html>"]
     return "\n".join(parts)
+
+
+REPORT_FILES = ("report.html", "cells.csv", "summary.json", "drift.csv", "drift_with_depth.html")
+
+
+def is_report_folder(path: Path) -> bool:
+    """Whether ``path`` holds only what :meth:`ValidationReport.write` writes, its ``summary.json`` one of ours
+    (so writing a new report there loses nothing of anyone else's)."""
+    try:
+        names = {e.name for e in Path(path).iterdir()}
+        if not names <= set(REPORT_FILES) or "summary.json" not in names:
+            return False
+        doc = json.loads(read_regular_text(Path(path) / "summary.json", "summary", 16 << 20))
+        return isinstance(doc, dict) and {"passed", "validated", "config", "counts"} <= set(doc)
+    except (OSError, ValueError):
+        return False
