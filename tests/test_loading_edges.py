@@ -168,3 +168,14 @@ def test_terminal_escapes_from_a_file_are_escaped_in_messages(tmp_path: Path) ->
     with pytest.raises(ValueError, match=r"ckpt\\x1b\[31m/config.json does not exist") as err:
         kimik3.from_pretrained(evil)
     assert "\x1b" not in str(err.value)
+
+
+def test_a_subset_of_more_ids_than_there_are_is_refused_without_reading_them_all(tmp_path: Path) -> None:
+    import itertools
+
+    d = _export(tmp_path)
+    for experts in (range(10**12), itertools.count(), {layer: range(10**12) for layer in range(1, 8)}):
+        with pytest.raises(ValueError, match=r"holds more than the 16 ids there are \(0\.\.15\)"):
+            kimik3.from_pretrained(d, experts=experts)
+    with pytest.raises(ValueError, match=r"layers holds more than the \d+ ids there are"):
+        kimik3.from_pretrained(d, layers=itertools.count())

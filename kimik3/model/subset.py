@@ -11,6 +11,7 @@ memory-mapped), shard by shard. The k3-shard rule: docs/architecture.md#appendix
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -69,16 +70,20 @@ class Selection:
 def _ids(what: str, ids: Iterable[int], n: int) -> tuple[int, ...]:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
         raise ValueError(f"{what} must be a sequence of integers, got {ids!r}")
-    out = tuple(ids)
+    out = tuple(itertools.islice(ids, n + 1))  # more than n distinct ids in 0..n-1 cannot be: read no further
+    if len(out) > n:
+        raise ValueError(f"{what} holds more than the {n} ids there are (0..{n - 1})")
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in out):
-        raise ValueError(f"{what} must be integers, got {list(out)!r}")
+        raise ValueError(f"{what} must be integers, got {list(out)[:16]!r}")
     if not out:
         raise ValueError(f"{what} is empty")
     bad = [i for i in out if not 0 <= i < n]
     if bad:
-        raise ValueError(f"{what} {bad} out of range 0..{n - 1}")
+        raise ValueError(f"{what} {bad[:8]}{' ...' if len(bad) > 8 else ''} out of range 0..{n - 1}")
     if len(set(out)) != len(out):
-        raise ValueError(f"{what} has duplicates: {sorted({i for i in out if out.count(i) > 1})}")
+        seen: set[int] = set()
+        dup = sorted({i for i in out if i in seen or seen.add(i)})
+        raise ValueError(f"{what} has duplicates: {dup[:8]}")
     return out
 
 
