@@ -24,7 +24,9 @@ from kimik3.model.checks import require_memory
 from kimik3.model.modeling import DecodeState, KimiForCausalLM
 from kimik3.stages import get_stage
 
-__all__ = ["Decoder", "check_state_fits"]
+__all__ = ["Decoder", "check_state_fits", "MAX_SEQ_LEN"]
+
+MAX_SEQ_LEN = 2**31 - 1  # positions as int32 index them; far past any memory
 
 
 class Decoder:
@@ -34,8 +36,8 @@ class Decoder:
             raise ValueError(f"Decoder needs a kimik3 model (from_preset / from_pretrained), got {type(model)}")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+        if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or not 1 <= max_seq_len <= MAX_SEQ_LEN:
+            raise ValueError(f"max_seq_len must be a positive int of at most {MAX_SEQ_LEN}, got {max_seq_len!r}")
         check_state_fits(model, batch_size, max_seq_len)
         self.model = model
         self.stage_name = stage

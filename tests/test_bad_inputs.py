@@ -670,3 +670,8 @@ def test_an_export_that_would_not_fit_in_memory_is_refused_before_writing(tmp_pa
     with pytest.raises(ValueError, match=r"writing a 1-shard export .* needs .* GiB.*max_shard_bytes"):
         kimik3.save_pretrained(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_max_seq_len_past_what_positions_index_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"max_seq_len must be a positive int of at most 2147483647, got 10+"):
+        kimik3.Decoder(kimik3.from_preset("micro"), batch_size=1, max_seq_len=10**18)

@@ -106,3 +106,17 @@ def test_a_dangling_symlink_as_out_is_refused(tmp_path, capsys: pytest.CaptureFi
         code = e.code
     assert code == 2 and "which does not exist" in capsys.readouterr().err
     assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("argv", [["export", "--preset", "micro", "--out", "{out}"],
+                                  ["validate", "--quick", "--out", "{out}"],
+                                  ["bench", "--preset", "micro", "--out", "{out}/b.json"]])
+def test_an_out_name_too_long_for_the_file_system_is_refused(tmp_path, capsys: pytest.CaptureFixture,
+                                                            argv: list[str]) -> None:
+    out = tmp_path / ("o" * 300)
+    try:
+        code = main([a.format(out=out) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and "File name too long" in err and "Traceback" not in err

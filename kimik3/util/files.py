@@ -164,9 +164,9 @@ def check_writable(path: str | Path, is_dir: bool = False) -> Path:
     folder = path if is_dir else path.parent
     if not is_dir:
         check_output_file(path)
-    if is_dir and path.exists() and not path.is_dir():
-        raise ValueError(f"output {path} exists and is not a directory")
     try:
+        if is_dir and path.exists() and not path.is_dir():
+            raise ValueError(f"output {path} exists and is not a directory")
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".kimik3-write-probe.", dir=folder)
         os.close(fd)
@@ -184,15 +184,15 @@ def check_output_folder(path: str | Path, ours: Callable[[Path], bool] | None = 
     if isinstance(path, str) and not path.strip():
         raise ValueError(f"output folder {path!r} names no folder")
     path = Path(path)
-    if path.is_symlink() and not path.exists():
-        raise ValueError(f"output {path} is a symlink to {os.readlink(path)!r}, which does not exist; remove the "
-                         "link or choose another folder")
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"output {path} exists and is not a directory")
     try:
+        if path.is_symlink() and not path.exists():
+            raise ValueError(f"output {path} is a symlink to {os.readlink(path)!r}, which does not exist; remove "
+                             "the link or choose another folder")
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"output {path} exists and is not a directory")
         nonempty = path.is_dir() and any(path.iterdir())
-    except OSError as e:
-        raise ValueError(f"output folder {path} cannot be read: {e.strerror or e}") from None
+    except OSError as e:  # a name too long for the file system, a folder we may not read
+        raise ValueError(f"output folder {path}: {e.strerror or e}") from None
     if nonempty and not overwrite and not (ours is not None and ours(path)):
         raise ValueError(f"output folder {path} is not empty and does not hold {what}; choose an empty or new "
                          "folder, or pass overwrite=True (--overwrite) to write into it")
