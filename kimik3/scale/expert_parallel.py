@@ -636,6 +636,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 keep = {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in res.items() if k != "logits"}
                 Path(args.json).write_text(json.dumps(keep, indent=1))
+        # every rank waits for rank 0's report before any tears gloo down: a rank that left early while rank 0
+        # still ran was aborted at exit ("terminate called without an active exception")
+        dist.barrier()
         return status
     finally:
         if created:
