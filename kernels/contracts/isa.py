@@ -18,7 +18,7 @@ __all__ = [
     "Op", "Kind", "Mode", "NormRole", "Site",
     "MAGIC", "VERSION", "HEADER_WORDS", "MAX_WAITS", "MAX_OPERANDS", "OPERAND_WORDS", "INSTR_WORDS",
     "BUFFER_WORDS", "COUNTER_WORDS", "POLICIES", "EXPERT_FORMATS", "MXFP4_OPERANDS", "DTYPE_CODES",
-    "FFN_ROUTED", "FFN_MLP", "FFN_LATENT_NORM",
+    "FFN_ROUTED", "FFN_MLP", "FFN_LATENT_NORM", "FFN_PEER_SUM", "DEVICE_OPS", "COLLECTIVE_OPS",
     "ERROR_WORDS", "CTL_WORDS", "ERR_WATCHDOG", "ERR_BAD_PROGRAM", "CTA_THREADS", "BT_MAX", "SMEM_CARVEOUT_PERCENT",
     "STAGE_BYTES", "STAGE_BUFFERS", "CHUNK_BYTES", "W_STAGE_OP", "W_STAGE_ROWS", "W_STAGE_CHUNKS", "W_NEXT_BUF",
     "W_NEXT_ELEM_LO", "W_NEXT_ELEM_HI", "W_NEXT_CHUNKS",
@@ -45,6 +45,16 @@ class Op(enum.IntEnum):
     FFN_OUT = 14  # column tile: latent norm + up-proj (LATENT_NORM_UP), shared/dense down-proj, residual add
     LM_HEAD = 15  # final RMSNorm + a tile of vocabulary rows -> fp32 logits and the tile's (max, argmax)
     ARGMAX = 16  # reduce the per-tile (max, argmax) pairs -> next greedy token
+    # the collectives of a rank program (kernels/contracts/peers.py: the mailboxes and counters they use)
+    ALLREDUCE_MIX = 17  # batch tile: sum the ranks' partial sums from the mailbox in rank order into the stream,
+    #                     then the AttnRes mix that follows (an ATTN_RES_MIX fused behind an all-reduce)
+    ARGMAX_ALL = 18  # the next greedy token from every vocabulary shard's per-tile (max, argmax) pairs
+
+
+# the collective opcodes; the device code and the native CPU executor implement DEVICE_OPS and refuse a program
+# holding any other (the GPU side of the collectives is built apart from the host side)
+COLLECTIVE_OPS = frozenset({Op.ALLREDUCE_MIX, Op.ARGMAX_ALL})
+DEVICE_OPS = tuple(op for op in Op if op != Op.NOP and op not in COLLECTIVE_OPS)
 
 
 class Kind(enum.IntEnum):
@@ -55,6 +65,7 @@ class Kind(enum.IntEnum):
     ACT = 3  # per-step scratch activations
     STATE = 4  # carried across steps (KDA state and conv history, MLA cache)
     OUTPUT = 5  # written inside the step, read by the host afterwards (logits, next token)
+    MAILBOX = 6  # symmetric: every rank holds one at the same id and shape; peers PUSH into it (contracts/peers.py)
 
 
 class Mode(enum.IntFlag):
@@ -64,6 +75,7 @@ class Mode(enum.IntFlag):
     WRITE = 2
     READ_WRITE = 3
     PREFETCH = 4  # with READ: the read may be issued before the instruction's waits are satisfied
+    PUSH = 8  # with WRITE, on a MAILBOX: the box is written on every rank of the instruction's peer range
 
 
 class NormRole(enum.IntEnum):
@@ -101,7 +113,8 @@ H_MAGIC, H_VERSION, H_HEADER_WORDS, H_N, H_INSTR_WORDS, H_S, H_Q, H_C, H_NB = ra
 H_BATCH, H_MAX_SEQ, H_LAYERS, H_POLICY = 9, 10, 11, 12
 H_OFF_BUF, H_OFF_CTR, H_OFF_INS, H_OFF_Q, H_OFF_STR, H_NSTR, H_TOTAL = 13, 14, 15, 16, 17, 18, 19
 H_MAX_WAITS, H_MAX_OPERANDS = 20, 21
-H_EXPERT_FORMAT = 22  # words 23..31 reserved (zero)
+H_EXPERT_FORMAT = 22
+H_RANK, H_WORLD = 23, 24  # a rank program's rank and world size; world 0: a single-GPU program (words 25..31 zero)
 POLICIES = ("round_robin", "critical_path", "custom")  # header word H_POLICY is an index into this
 # How the routed experts are stored (header word H_EXPERT_FORMAT is an index into this): "dense" stacks w1 / w3 / w2
 # in the activation dtype; "mxfp4" holds them as the K3 release does (compressed-tensors mxfp4-pack-quantized): uint8
@@ -111,7 +124,9 @@ EXPERT_FORMATS = ("dense", "mxfp4")
 
 # ---------------------------------------------------------------------------------------------------- tables
 BW_KIND, BW_DTYPE, BW_D0, BW_D1, BW_D2, BW_NAME_OFF, BW_NAME_LEN = range(7)  # a buffer-table row
-CW_TOTAL, CW_NAME_OFF, CW_NAME_LEN = range(3)  # a counter-table row: per-step total, then its name
+# a counter-table row: per-step total, its name, and its sources (0: a local counter of one word; n: a cross-rank
+# counter of n words, one per source rank, each signalled by that rank alone: kernels/contracts/peers.py)
+CW_TOTAL, CW_NAME_OFF, CW_NAME_LEN, CW_SOURCES = range(4)
 # buffer-table word BW_DTYPE (names as torch spells them; the host maps them to torch dtypes)
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int64": 3, "int32": 4, "bool": 5, "float64": 6,
                "uint8": 7}
@@ -141,7 +156,10 @@ assert W_OPS + MAX_OPERANDS * OPERAND_WORDS <= INSTR_WORDS
 #   fills it from the next instruction's own W_STAGE_* and the hazard checker proves the two agree.
 W_STAGE_OP, W_STAGE_ROWS, W_STAGE_CHUNKS = 116, 117, 118
 W_NEXT_BUF, W_NEXT_ELEM_LO, W_NEXT_ELEM_HI, W_NEXT_CHUNKS = 119, 120, 121, 122
-assert W_OPS + MAX_OPERANDS * OPERAND_WORDS <= W_STAGE_OP and W_NEXT_CHUNKS < INSTR_WORDS
+# The peer range (words 123, 124; 125..127 reserved, zero): ranks [lo, hi) that this instruction's PUSH operands are
+# written on and whose copy of its signal counter it adds to (at the word of its own rank). (0, 0): local only.
+W_PEER_LO, W_PEER_HI = 123, 124
+assert W_OPS + MAX_OPERANDS * OPERAND_WORDS <= W_STAGE_OP and W_PEER_HI < INSTR_WORDS
 STAGE_BYTES = 48 * 1024  # bytes per shared-memory stage buffer
 STAGE_BUFFERS = 2  # ping-pong: this instruction reads one while the next one's weights land in the other
 CHUNK_BYTES = 16  # one cp.async copy (8 bf16 elements): the unit of W_STAGE_CHUNKS / W_NEXT_CHUNKS
@@ -152,6 +170,9 @@ B0, B1, R0, R1, C0, C1 = range(6)  # box fields, relative to OW_BOX
 # ---------------------------------------------------------------------------------------------------- arguments
 # FFN_OUT arg 0 flags: which sources the column tile sums (and whether the routed one is latent-normed)
 FFN_ROUTED, FFN_MLP, FFN_LATENT_NORM = 1, 2, 4
+# with FFN_ROUTED: the latent sum operand is a MAILBOX of every rank's fp32 expert partial; the column tile sums
+# them in rank order (fp32) before the latent norm (the LatentMoE's cross-rank sum, fused into FFN_OUT)
+FFN_PEER_SUM = 8
 
 # ---------------------------------------------------------------------------------------------------- operands
 # The expert opcodes of an "mxfp4" program: (codes operand, its scales operand) per weight. Operands 0..5 are the

@@ -33,7 +33,8 @@ OPCODE_MODULES: tuple[str, ...] = ("megakernel.operands", "megakernel.mma", "meg
 # DSL-free contracts a kernel module imports (the megakernel's instruction encoding and address arithmetic; the fused
 # kernels' layouts, eps values and parameter order): they decide what the kernel compiles to
 CONTRACTS: dict[str, tuple[str, ...]] = {
-    "megakernel": ("contracts.isa", "contracts.meta", "contracts.addr", *OPCODE_MODULES, "common.trace"),
+    "megakernel": ("contracts.isa", "contracts.peers", "contracts.meta", "contracts.addr", *OPCODE_MODULES,
+                   "common.trace"),
     **{m: ("contracts.meta",) for m in ("gemv", "router", "kda", "mla_decode", "moe", "attn_res")},
     **{m: ("contracts.meta", "common.trace") for m in ("probe_bandwidth", "probe_latency", "probe_signal")},
 }

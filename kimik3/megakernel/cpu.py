@@ -25,6 +25,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from kimik3.kernels.contracts.isa import DEVICE_OPS
 from kimik3.megakernel import instructions as enc
 from kimik3.megakernel.hazards import check_program, format_violations
 from kimik3.megakernel.instructions import (
@@ -307,6 +308,10 @@ class CPUMegakernel:
             raise ValueError("this model holds its routed experts as MXFP4: run megakernel-cpu with experts='mxfp4' "
                              "(the executor then streams the held codes and scales as they are) or call "
                              f"model.dequantize_experts() first ({model.expert_memory()})")
+        if program is not None and (program.world > 1 or any(i.op not in DEVICE_OPS for i in program.instructions)):
+            raise ValueError(f"{program}: the CPU executor runs one GPU's program (opcodes {DEVICE_OPS[0].name}.."
+                             f"{DEVICE_OPS[-1].name}); the rank programs of a deployment run in stage "
+                             "megakernel-interp (world=...)")
         if program is not None and program.expert_format != "dense":
             raise ValueError(f"the CPU executor reads programs with dense expert operands (got expert_format "
                              f"{program.expert_format!r}); MXFP4 experts stream through experts='mxfp4' instead")

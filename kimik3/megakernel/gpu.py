@@ -19,6 +19,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from kimik3.kernels.contracts.isa import DEVICE_OPS
 from kimik3.kernels.contracts.meta import SUPPORTED_ARCHS as ARCHS  # the architectures kernels are built for
 from kimik3.kernels.toolchain.loader import (
     default_prebuilt_dir,
@@ -138,6 +139,10 @@ def check_device_contract(program: Program, cfg: ModelConfig, batch: int, shapes
     out: list[str] = []
     if program.batch != batch:
         out.append(f"program built for batch {program.batch}, kernel for {batch}")
+    other = sorted({i.op.name for i in program.instructions if i.op not in DEVICE_OPS})
+    if program.world > 1 or other:
+        out.append(f"a rank program of {program.world} (opcodes {', '.join(other) or 'none'} outside the device's "
+                   f"{len(DEVICE_OPS)}): the device code runs one GPU's program")
     fp4 = bool(shapes.get("fp4", False))
     if (program.expert_format == "mxfp4") != fp4:
         out.append(f"program carries {program.expert_format} routed experts, the kernel is compiled for "

@@ -24,6 +24,7 @@ from kimik3.megakernel.instructions import (
     NO_STAGE,
     STAGE_BYTES,
     Kind,
+    Mode,
     Op,
     Program,
     decode_program,
@@ -61,10 +62,14 @@ def format_violations(violations: list[Violation], limit: int = 20) -> str:
 
 
 class HappensBefore:
-    """Execution order found by the counter simulation and the happens-before relation of a program."""
+    """Execution order found by the counter simulation and the happens-before relation of a program.
+    ``extra_signals``: instruction -> further counters it adds its amount to (the merged program of a deployment,
+    :mod:`kimik3.megakernel.hazards_ranks`, where one push signals a counter on every rank)."""
 
-    def __init__(self, program: Program) -> None:
+    def __init__(self, program: Program, extra_signals: dict[int, list[int]] | None = None) -> None:
         self.program = p = program
+        self.signals = {i: ([x.signal] if x.signal >= 0 else []) + list((extra_signals or {}).get(i, ()))
+                        for i, x in enumerate(program.instructions)}
         ins = p.instructions
         n = len(ins)
         self.n = n
@@ -74,9 +79,9 @@ class HappensBefore:
                 if 0 <= a < n and 0 <= b < n:
                     self.prev[b] = a
         self.signallers: dict[int, list[int]] = defaultdict(list)
-        for i, x in enumerate(ins):
-            if x.signal >= 0:
-                self.signallers[x.signal].append(i)
+        for i in range(n):
+            for c in self.signals[i]:
+                self.signallers[c].append(i)
         self.signalled = defaultdict(int)
         for c, ss in self.signallers.items():
             self.signalled[c] = sum(ins[s].amount for s in ss)
@@ -105,8 +110,8 @@ class HappensBefore:
                     if not all(counters[c] >= t for c, t in ins[v].waits):
                         break
                     order.append(v)
-                    if ins[v].signal >= 0:
-                        counters[ins[v].signal] += ins[v].amount
+                    for c in self.signals[v]:
+                        counters[c] += ins[v].amount
                     head[s] += 1
                     progress = True
         self.order = order
@@ -145,6 +150,7 @@ class HappensBefore:
 
 
 def happens_before(program: Program | torch.Tensor) -> HappensBefore:
+    """The :class:`HappensBefore` of a program (or its encoding)."""
     return HappensBefore(decode_program(program) if isinstance(program, torch.Tensor) else program)
 
 
@@ -336,9 +342,40 @@ def _mxfp4_pairs(p: Program) -> list[Violation]:
     return out
 
 
-def check_program(program: Program | torch.Tensor) -> list[Violation]:
+def _peer_rules(p: Program) -> list[Violation]:
+    """The protocol's local rules (kernels/contracts/peers.py): a PUSH writes a MAILBOX and needs a peer range
+    inside the world; a cross-rank counter has one word per rank and is signalled over a peer range only."""
+    out = []
+    for i, x in enumerate(p.instructions):
+        lo, hi = x.peers
+        pushes = [o for o in x.operands if o.mode & Mode.PUSH]
+        if (lo, hi) != (0, 0) and not 0 <= lo < hi <= p.world:
+            out.append(Violation("peer", i, f"{_who(p, i)} names peer ranks [{lo}, {hi}) outside the world of "
+                                            f"{p.world}"))
+        for o in pushes:
+            if not 0 <= o.buf < len(p.buffers) or p.buffers[o.buf].kind != Kind.MAILBOX or not o.writes:
+                out.append(Violation("peer", i, f"{_who(p, i)} pushes operand buffer {o.buf}: only a write to a "
+                                                "mailbox may be pushed"))
+        if pushes and (lo, hi) == (0, 0):
+            out.append(Violation("peer", i, f"{_who(p, i)} pushes with no peer range"))
+        if 0 <= x.signal < len(p.counters):
+            sources = p.counters[x.signal].sources
+            if sources and (sources != p.world or (lo, hi) == (0, 0)):
+                out.append(Violation("peer", i, f"{_who(p, i)} signals cross-rank counter "
+                                                f"'{p.counters[x.signal].name}' ({sources} sources, world "
+                                                f"{p.world}) over peer range [{lo}, {hi})"))
+            if not sources and (lo, hi) != (0, 0):
+                out.append(Violation("peer", i, f"{_who(p, i)} has a peer range but signals local counter "
+                                                f"'{p.counters[x.signal].name}': its peers would never hear of it"))
+    return out
+
+
+def check_program(program: Program | torch.Tensor, extra_signals: dict[int, list[int]] | None = None
+                  ) -> list[Violation]:
     """Every violation of the rules in the module docstring, sorted by instruction. Empty list = proven correct
-    for one step; with correct per-step totals (checked too) the monotonic targets make every step alike."""
+    for one step; with correct per-step totals (checked too) the monotonic targets make every step alike. A rank
+    program of several is checked as this rank sees it (its peers' words of a cross-rank counter taken to arrive as
+    its own do); :func:`kimik3.megakernel.hazards_ranks.check_deployment` checks the ranks together."""
     p = decode_program(program) if isinstance(program, torch.Tensor) else program
     ins, bufs = p.instructions, p.buffers
     n = len(ins)
@@ -366,6 +403,7 @@ def check_program(program: Program | torch.Tensor) -> list[Violation]:
                 out.append(Violation("counter", i, f"{_who(p, i)} waits on counter {c}, which does not exist"))
         if x.signal >= nc or (x.signal >= 0 and x.amount <= 0):
             out.append(Violation("counter", i, f"{_who(p, i)} signals counter {x.signal} by {x.amount}"))
+    out.extend(_peer_rules(p))
     # every operand as one row of a table: instruction, buffer, mode, box (vectorised checks)
     rows = [(i, o.buf, o.mode, *o.box) for i, x in enumerate(ins) for o in x.operands]
     tab = np.array(rows, dtype=np.int64).reshape(-1, 9)
@@ -407,7 +445,7 @@ def check_program(program: Program | torch.Tensor) -> list[Violation]:
         return sorted(out, key=lambda v: (v.instr, v.kind))
 
     # -- counters: declared per-step totals must equal what is signalled (targets are step*total + t)
-    hb = HappensBefore(p)
+    hb = HappensBefore(p, extra_signals)
     for c, ctr in enumerate(p.counters):
         if hb.signalled[c] != ctr.total:
             who = hb.signallers[c][0] if hb.signallers[c] else -1
@@ -448,7 +486,7 @@ def check_program(program: Program | torch.Tensor) -> list[Violation]:
         okind = np.concatenate([okind, kinds[st[:, 1]]])
         okbuf = np.concatenate([okbuf, np.ones(len(st), bool)])
     is_staged = np.arange(len(oi)) >= len(tab)
-    tracked = okbuf & ((okind == int(Kind.ACT)) | (okind == int(Kind.STATE)) | (okind == int(Kind.OUTPUT)))
+    tracked = okbuf & np.isin(okind, [int(Kind.ACT), int(Kind.STATE), int(Kind.OUTPUT), int(Kind.MAILBOX)])
     seen_pairs: set[tuple[int, int, int]] = set()
     for b in np.unique(ob[tracked]):
         sel = np.flatnonzero(tracked & (ob == b))

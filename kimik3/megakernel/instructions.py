@@ -36,6 +36,7 @@ from kimik3.kernels.contracts.isa import (
     CTL_WORDS,
     CW_NAME_LEN,
     CW_NAME_OFF,
+    CW_SOURCES,
     CW_TOTAL,
     DTYPE_CODES,
     ERR_BAD_PROGRAM,
@@ -44,6 +45,7 @@ from kimik3.kernels.contracts.isa import (
     EXPERT_FORMATS,
     FFN_LATENT_NORM,
     FFN_MLP,
+    FFN_PEER_SUM,
     FFN_ROUTED,
     H_BATCH,
     H_C,
@@ -65,9 +67,11 @@ from kimik3.kernels.contracts.isa import (
     H_OFF_STR,
     H_POLICY,
     H_Q,
+    H_RANK,
     H_S,
     H_TOTAL,
     H_VERSION,
+    H_WORLD,
     HEADER_WORDS,
     INSTR_WORDS,
     MAGIC,
@@ -93,6 +97,8 @@ from kimik3.kernels.contracts.isa import (
     W_NWAITS,
     W_OP,
     W_OPS,
+    W_PEER_HI,
+    W_PEER_LO,
     W_QPOS,
     W_SIGNAL,
     W_SM,
@@ -106,6 +112,7 @@ from kimik3.kernels.contracts.isa import (
     Op,
     Site,
 )
+from kimik3.kernels.contracts.peers import MAX_WORLD
 
 __all__ = [
     "Op",
@@ -134,6 +141,7 @@ __all__ = [
     "FFN_ROUTED",
     "FFN_MLP",
     "FFN_LATENT_NORM",
+    "FFN_PEER_SUM",
     "EXPERT_FORMATS",
     "MXFP4_OPERANDS",
     "ERROR_WORDS",
@@ -223,7 +231,9 @@ class Instruction:
     ``stage`` = (operand j, rows, 16-byte chunks): the leading whole rows of operand ``j`` that sit in this
     instruction's shared-memory stage (words ``W_STAGE_*``); ``next_stage`` = (buffer, element offset, chunks):
     what the device copies, while this instruction starts, into the stage of the next instruction of the same
-    queue (words ``W_NEXT_*``). Both :data:`NO_STAGE` unless :func:`assign_stages` filled them."""
+    queue (words ``W_NEXT_*``). Both :data:`NO_STAGE` unless :func:`assign_stages` filled them. ``peers`` = [lo,
+    hi): the ranks its PUSH operands are written on and its signal is added on (words ``W_PEER_*``; (0, 0):
+    local only)."""
 
     op: Op
     layer: int
@@ -236,6 +246,7 @@ class Instruction:
     qpos: int = -1
     stage: tuple[int, int, int] = (-1, 0, 0)
     next_stage: tuple[int, int, int] = (-1, 0, 0)
+    peers: tuple[int, int] = (0, 0)
 
     def label(self) -> str:
         """Short human-readable description, e.g. ``KDA_STEP L2 h0:2``."""
@@ -249,7 +260,7 @@ class Instruction:
             extra = f" h{a[0]}:{a[1]} split{a[2]} b{a[3]}:"
         elif self.op in (Op.NORM_PROJ, Op.MLP_GATE_UP):
             extra = f" {NormRole(a[1]).name.lower()} r{a[2]}:{a[3]}"
-        elif self.op == Op.ATTN_RES_MIX:
+        elif self.op in (Op.ATTN_RES_MIX, Op.ALLREDUCE_MIX):
             extra = f" {Site(a[0]).name.lower()} K={a[1]} b{a[2]}:{a[3]}"
         elif self.op in (Op.O_PROJ_RESIDUAL, Op.FFN_OUT):
             extra = f" c{a[2]}:{a[3]}"
@@ -265,7 +276,8 @@ class Instruction:
 @dataclass(frozen=True)
 class Counter:
     name: str
-    total: int  # sum of the amounts signalled to it in one step
+    total: int  # sum of the amounts signalled to it in one step (per source rank, for a cross-rank counter)
+    sources: int = 0  # 0: a local counter; n: one word per source rank 0..n-1 (kernels/contracts/peers.py)
 
 
 @dataclass(eq=False)
@@ -283,11 +295,16 @@ class Program:
     num_layers: int
     policy: str = "custom"
     expert_format: str = "dense"  # how the routed-expert weights are stored (EXPERT_FORMATS)
+    rank: int = 0  # this program's rank in a deployment of ``world`` ranks (world 1: a single-GPU program)
+    world: int = 1
     costs: pd.DataFrame | None = field(default=None, repr=False)  # not serialised
 
     def __post_init__(self) -> None:
         if self.expert_format not in EXPERT_FORMATS:
             raise ValueError(f"unknown expert_format {self.expert_format!r}; known: {', '.join(EXPERT_FORMATS)}")
+        if not 1 <= self.world <= MAX_WORLD or not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} of world {self.world}: need 1 <= world <= {MAX_WORLD} and "
+                             "0 <= rank < world")
 
     @property
     def num_sms(self) -> int:
@@ -306,14 +323,15 @@ class Program:
         if not isinstance(other, Program):
             return NotImplemented
         return (self.buffers, self.instructions, self.queues, self.counters, self.batch, self.max_seq_len,
-                self.num_layers, self.policy, self.expert_format) == (
+                self.num_layers, self.policy, self.expert_format, self.rank, self.world) == (
                     other.buffers, other.instructions, other.queues, other.counters, other.batch, other.max_seq_len,
-                    other.num_layers, other.policy, other.expert_format)
+                    other.num_layers, other.policy, other.expert_format, other.rank, other.world)
 
     def __repr__(self) -> str:
         return (f"Program({len(self.instructions)} instructions on {self.num_sms} SMs, {len(self.counters)} counters,"
                 f" {len(self.buffers)} buffers, batch {self.batch}, policy {self.policy}"
-                + (f", {self.expert_format} experts" if self.expert_format != "dense" else "") + ")")
+                + (f", {self.expert_format} experts" if self.expert_format != "dense" else "")
+                + (f", rank {self.rank} of {self.world}" if self.world > 1 else "") + ")")
 
     def table(self) -> pd.DataFrame:
         """One row per instruction: id, SM, queue position, opcode, layer, label, waits, signal."""
@@ -401,7 +419,7 @@ def assign_stages(p: Program) -> Program:
         for a, b in zip(q, q[1:]):
             staged[a] = replace(staged[a], next_stage=stage_descriptor(staged[b], p.buffers))
     out = Program(p.buffers, staged, [list(q) for q in p.queues], list(p.counters), p.batch, p.max_seq_len,
-                  p.num_layers, p.policy, p.expert_format)
+                  p.num_layers, p.policy, p.expert_format, p.rank, p.world)
     out.costs = p.costs
     return out
 
@@ -440,6 +458,7 @@ def encode_program(p: Program) -> torch.Tensor:
         off_str
     hdr[H_NSTR], hdr[H_TOTAL], hdr[H_MAX_WAITS], hdr[H_MAX_OPERANDS] = len(words), total, MAX_WAITS, MAX_OPERANDS
     hdr[H_EXPERT_FORMAT] = EXPERT_FORMATS.index(p.expert_format)
+    hdr[H_RANK], hdr[H_WORLD] = (p.rank, p.world) if p.world > 1 else (0, 0)
     t[:HEADER_WORDS] = torch.tensor(hdr, dtype=torch.int64).to(torch.int32)
     if NB:
         bt = torch.zeros(NB, BUFFER_WORDS, dtype=torch.int32)
@@ -454,7 +473,7 @@ def encode_program(p: Program) -> torch.Tensor:
         ct = torch.zeros(C, COUNTER_WORDS, dtype=torch.int32)
         for i, c in enumerate(p.counters):
             row = [0] * COUNTER_WORDS
-            row[CW_TOTAL] = c.total
+            row[CW_TOTAL], row[CW_SOURCES] = c.total, c.sources
             row[CW_NAME_OFF], row[CW_NAME_LEN] = where[NB + i]
             ct[i] = torch.tensor(row)
         t[off_ctr:off_ins] = ct.flatten()
@@ -482,6 +501,7 @@ def encode_program(p: Program) -> torch.Tensor:
         lo = elem & 0xFFFFFFFF
         r[W_NEXT_BUF], r[W_NEXT_ELEM_LO], r[W_NEXT_ELEM_HI], r[W_NEXT_CHUNKS] = (
             nbuf, lo - (1 << 32) if lo >= 1 << 31 else lo, elem >> 32, nch)
+        r[W_PEER_LO], r[W_PEER_HI] = ins.peers
         rows.append(r)
     if N:
         t[off_ins:off_q] = torch.tensor(rows, dtype=torch.int32).flatten()
@@ -523,7 +543,7 @@ def decode_program(t: torch.Tensor) -> Program:
     buffers = [BufferSpec(string(r[BW_NAME_OFF], r[BW_NAME_LEN]), Kind(r[BW_KIND]), (r[BW_D0], r[BW_D1], r[BW_D2]),
                           _DTYPE_OF[r[BW_DTYPE]]) for r in bt]
     ct = t[off_ctr:off_ins].view(C, COUNTER_WORDS).tolist() if C else []
-    counters = [Counter(string(r[CW_NAME_OFF], r[CW_NAME_LEN]), r[CW_TOTAL]) for r in ct]
+    counters = [Counter(string(r[CW_NAME_OFF], r[CW_NAME_LEN]), r[CW_TOTAL], r[CW_SOURCES]) for r in ct]
     instructions = []
     for r in t[off_ins:off_q].view(N, INSTR_WORDS).tolist() if N else []:
         waits = tuple((r[W_WAITS + 2 * j], r[W_WAITS + 2 * j + 1]) for j in range(r[W_NWAITS]))
@@ -534,11 +554,13 @@ def decode_program(t: torch.Tensor) -> Program:
         stage = (r[W_STAGE_OP], r[W_STAGE_ROWS], r[W_STAGE_CHUNKS])
         nxt = (r[W_NEXT_BUF], (r[W_NEXT_ELEM_HI] << 32) | (r[W_NEXT_ELEM_LO] & 0xFFFFFFFF), r[W_NEXT_CHUNKS])
         instructions.append(Instruction(Op(r[W_OP]), r[W_LAYER], tuple(r[W_ARGS : W_ARGS + 4]), tuple(ops), waits,
-                                        r[W_SIGNAL], r[W_AMOUNT], r[W_SM], r[W_QPOS], stage, nxt))
+                                        r[W_SIGNAL], r[W_AMOUNT], r[W_SM], r[W_QPOS], stage, nxt,
+                                        (r[W_PEER_LO], r[W_PEER_HI])))
     queues = [[i for i in row if i >= 0] for row in t[off_q:off_str].view(S, Q).tolist()] if S * Q else \
         [[] for _ in range(S)]
+    world = h[H_WORLD] or 1
     return Program(buffers, instructions, queues, counters, batch, max_len, layers, policy,
-                   EXPERT_FORMATS[h[H_EXPERT_FORMAT]])
+                   EXPERT_FORMATS[h[H_EXPERT_FORMAT]], h[H_RANK], world)
 
 
 # ---------------------------------------------------------------------------------------------------- docs
@@ -564,6 +586,9 @@ _OPERANDS = {
                 "(flag 2) | stream[:, j] cols RW",
     Op.LM_HEAD: "mix R | final norm* | lm_head rows* | logits cols W | tile max W | tile argmax W",
     Op.ARGMAX: "tile max R | tile argmax R | next token W",
+    Op.ALLREDUCE_MIX: "partial-sum mailbox (slot, every source) R | stream[:,0:K] R, stream[:,K-1] W (start) or RW "
+                      "| res_norm* | res_proj* | mix W",
+    Op.ARGMAX_ALL: "tile max mailbox (every source) R | tile argmax mailbox R | next token W",
 }
 _TILES = {
     Op.EMBED: "batch rows",
@@ -582,6 +607,8 @@ _TILES = {
     Op.FFN_OUT: "hidden columns",
     Op.LM_HEAD: "vocabulary rows",
     Op.ARGMAX: "one per step",
+    Op.ALLREDUCE_MIX: "batch rows (one site)",
+    Op.ARGMAX_ALL: "one per step",
 }
 _DOC_ORDER = [op for op in Op if op != Op.NOP]
 
@@ -611,10 +638,11 @@ def encoding_table() -> pd.DataFrame:
                                              "#counters C, #buffers NB, batch, max_seq_len, layers, policy, section "
                                              "offsets (buffers, counters, instructions, queues, strings), string "
                                              "words, total words, MAX_WAITS, MAX_OPERANDS, expert format (index "
-                                             f"into {EXPERT_FORMATS}); the rest zero"),
+                                             f"into {EXPERT_FORMATS}), rank, world (0: one GPU); the rest zero"),
         ("buffers", f"NB x {BUFFER_WORDS}", f"kind ({kinds}), dtype ({dtypes}), d0, d1, d2, name offset, name "
                                             "length, 0"),
-        ("counters", f"C x {COUNTER_WORDS}", "per-step total, name offset, name length, 0"),
+        ("counters", f"C x {COUNTER_WORDS}", "per-step total (per source), name offset, name length, sources (0: "
+                                             "local, one word; n: one word per source rank)"),
         ("instructions", f"N x {INSTR_WORDS}", "row i = instruction i in sequential order (see below)"),
         ("queues", "S x Q", "instruction ids per SM in execution order, -1 padded"),
         ("strings", "...", "UTF-8 names of buffers and counters, 4 bytes per word"),
@@ -626,7 +654,7 @@ def encoding_table() -> pd.DataFrame:
                                                    "counter >= step*total + target"),
         (f"instr word {W_NOPS}", "", "number of operands"),
         (f"instr word {W_OPS}-{ops_end - 1}", "", f"{MAX_OPERANDS} operands x (buffer, mode 1 R / 2 W / 3 RW / +4 "
-                                                  "prefetch, b0, b1, r0, r1, c0, c1)"),
+                                                  "prefetch / +8 push, b0, b1, r0, r1, c0, c1)"),
         (f"instr word {W_STAGE_OP}-{W_STAGE_CHUNKS}", "", "this instruction's stage: operand j (-1 none), whole "
                                                            f"rows from its box's r0, {CHUNK_BYTES}-byte chunks "
                                                            f"(at most {STAGE_BYTES} bytes)"),
@@ -635,6 +663,8 @@ def encoding_table() -> pd.DataFrame:
                                                          "buffer (-1 none), element offset low word (unsigned "
                                                          "bits), high word, chunks; stage buffer = queue position "
                                                          f"mod {STAGE_BUFFERS}"),
-        (f"instr word {W_NEXT_CHUNKS + 1}-{INSTR_WORDS - 1}", "", "reserved, zero"),
+        (f"instr word {W_PEER_LO}-{W_PEER_HI}", "", "peer range [lo, hi): ranks its PUSH operands are written on "
+                                                    "and its signal is added on (0, 0: local)"),
+        (f"instr word {W_PEER_HI + 1}-{INSTR_WORDS - 1}", "", "reserved, zero"),
     ]
     return pd.DataFrame(rows, columns=["section", "size", "contents"])

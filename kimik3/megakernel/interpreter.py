@@ -6,39 +6,38 @@ tick, runs to completion the head instruction of a random SM whose waits are met
 target``), then adds to its counter. Only the declared waits constrain the order, so a missing wait shows up as a
 wrong answer under some seed; instructions see only their declared boxes, buffers are poisoned each step, and a
 deadlock raises :class:`DeadlockError` with a per-SM dump. MXFP4 expert opcodes dequantise exactly the boxes they
-are handed. ``MegakernelInterpStage`` (stage ``"megakernel-interp"``) puts this behind :class:`kimik3.Decoder`:
-prefill runs the naive path, every decode step runs the program. Its honesty aids:
+are handed. Stage ``"megakernel-interp"`` (:mod:`kimik3.megakernel.interp_ranks`, with the rank programs of a
+deployment) puts this behind :class:`kimik3.Decoder`. Its honesty aids:
 docs/architecture.md#appendix-design-notes-by-room.
 """
 
 from __future__ import annotations
 
-import copy
 import random
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from kimik3.megakernel.hazards import check_program, format_violations
+from kimik3.kernels.contracts.peers import counter_bases, counter_words, wait_met
 from kimik3.megakernel.instructions import (
     CHUNK_BYTES,
     FFN_LATENT_NORM,
     FFN_MLP,
+    FFN_PEER_SUM,
     FFN_ROUTED,
     MXFP4_OPERANDS,
     STAGE_BUFFERS,
     STAGE_BYTES,
     Instruction,
     Kind,
+    Mode,
     Op,
     Program,
     decode_program,
     stage_descriptor,
 )
 from kimik3.megakernel.layout import missing_weight, model_weights, state_views, weight_view
-from kimik3.megakernel.scheduler import POLICIES, build_program
-from kimik3.megakernel.step import Tiling
 from kimik3.model.modeling import (
     DecodeState,
     KDAState,
@@ -56,12 +55,9 @@ from kimik3.model.modeling import (
     router_logits,
 )
 from kimik3.model.quant import mxfp4_dequantize
-from kimik3.stages import register_stage
-from kimik3.stages.base import Stage, StageSupport
-from kimik3.stages.naive import NaiveStage
 from kimik3.validation.metric import poison
 
-__all__ = ["CPUInterpreter", "DeadlockError", "MegakernelInterpStage"]
+__all__ = ["CPUInterpreter", "DeadlockError"]
 
 
 class DeadlockError(RuntimeError):
@@ -100,11 +96,18 @@ class CPUInterpreter:
                 raise ValueError(f"buffer {spec.name}: program declares {list(spec.shape)} {spec.dtype}, "
                                  f"model gives {list(t.shape)} {t.dtype}")
             self.tensors[spec.name] = t
-        self._scratch = [self.tensors[s.name] for s in p.buffers if s.kind in (Kind.ACT, Kind.OUTPUT)]
+        self._scratch = [self.tensors[s.name] for s in p.buffers if s.kind in (Kind.ACT, Kind.OUTPUT, Kind.MAILBOX)]
         # operands read before the waits that are NOT static weights (only a broken program has any): snapshotted
         self._stale_prefetch = [[k for k, o in enumerate(ins.operands)
                                  if o.prefetch and p.buffers[o.buf].kind != Kind.WEIGHT] for ins in p.instructions]
-        self.counters = [0] * len(p.counters)
+        # counter memory, in words: one per local counter, one per source rank for a cross-rank one
+        self.sources = [c.sources for c in p.counters]
+        self.cbase = counter_bases(self.sources)
+        self.counters = [0] * sum(counter_words(n) for n in self.sources)
+        # the interpreters of every rank, by rank (a rank program's pushes and signals reach them): set by
+        # kimik3.megakernel.interp_ranks; a program of one rank is its own only peer
+        self.peers: list[CPUInterpreter] = [self]
+        self.push_ops = [[k for k, o in enumerate(ins.operands) if o.mode & Mode.PUSH] for ins in p.instructions]
         self.steps_done = 0
         self.lora_eps: dict[int, tuple[float, float]] = {}
         for i, layer in enumerate(model.model.layers):
@@ -186,6 +189,20 @@ class CPUInterpreter:
     def run_step(self, ids: torch.Tensor, positions: torch.Tensor, seed: int = 0, poison_scratch: bool = True
                  ) -> torch.Tensor:
         """One decode step: tokens ``ids`` [B] at ``positions`` [B] → fp32 logits [B, V] (the logits buffer)."""
+        if self.program.world > 1:
+            raise ValueError(f"{self.program}: a rank program runs with its peers "
+                             "(kimik3.megakernel.interp_ranks.run_ranks_step)")
+        self.begin_step(ids, positions, poison_scratch)
+        rng = random.Random(seed)
+        while self.remaining:
+            ready = self.ready()
+            if not ready:
+                raise self._deadlock(self.steps_done, self.head, self.base)
+            self.run_head(ready[rng.randrange(len(ready))] if len(ready) > 1 else ready[0])
+        return self.end_step()
+
+    def begin_step(self, ids: torch.Tensor, positions: torch.Tensor, poison_scratch: bool = True) -> None:
+        """Start a step: inputs written, scratch poisoned, every SM at the head of its queue (its stage copied)."""
         if self.views is None:
             raise RuntimeError("bind_state() first: the program's state buffers point nowhere")
         p = self.program
@@ -194,69 +211,83 @@ class CPUInterpreter:
         if poison_scratch:
             for t in self._scratch:
                 t.fill_(True) if t.dtype == torch.bool else poison(t)  # (bool has no NaN: "everyone uses it")
-        step = self.steps_done
-        totals = [c.total for c in p.counters]
-        base = [step * t for t in totals]
-        rng = random.Random(seed)
-        queues = p.queues
-        head = [0] * len(queues)
-        snap: dict[int, dict[int, torch.Tensor]] = {}
-        ins_all = p.instructions
-
-        stale = self._stale_prefetch
+        self.base = [self.steps_done * c.total for c in p.counters]
+        self.head = [0] * len(p.queues)
+        self.snap: dict[int, dict[int, torch.Tensor]] = {}
         # the shared-memory stage buffers of every SM, poison until something is copied in (0xFF: NaN in bf16/fp32)
-        stages = torch.full((len(queues), STAGE_BUFFERS, STAGE_BYTES), 0xFF, dtype=torch.uint8)
-        own_src, next_src = self._own_src, self._next_src
+        self.stages = torch.full((len(p.queues), STAGE_BUFFERS, STAGE_BYTES), 0xFF, dtype=torch.uint8)
         self.staged_copies = 0
-
-        def arrive(sm: int) -> None:  # prefetch: read before the waits (a view for weights, a snapshot otherwise)
-            k = head[sm]
-            if k < len(queues[sm]):
-                v = queues[sm][k]
-                for j in stale[v]:
-                    snap.setdefault(v, {})[j] = self.views[v][j].clone()
-                # the device's stage copies as this instruction starts: its own stage at a queue head, then the
-                # next instruction's (copied now, consumed after this instruction ends)
-                for src, slot in ((own_src[v] if k == 0 else None, k), (next_src[v], k + 1)):
-                    if src is not None:
-                        stages[sm, slot % STAGE_BUFFERS, : src.numel()] = src
-                        self.staged_copies += 1
-
-        for sm in range(len(queues)):
-            arrive(sm)
-        counters = self.counters
         self.ticks = []
-        remaining = sum(len(q) for q in queues)
-        while remaining:
-            ready = []
-            for sm, q in enumerate(queues):
-                if head[sm] < len(q):
-                    ins = ins_all[q[head[sm]]]
-                    if all(counters[c] >= base[c] + t for c, t in ins.waits):
-                        ready.append(sm)
-            if not ready:
-                raise self._deadlock(step, head, base)
-            sm = ready[rng.randrange(len(ready))] if len(ready) > 1 else ready[0]
-            v = queues[sm][head[sm]]
-            ins = ins_all[v]
-            views = self.views[v]
-            if v in snap:
-                views = list(views)
-                for k, t in snap.pop(v).items():
-                    views[k] = t
-            if ins.stage[0] != -1:
-                views = self._staged_views(v, views, stages[sm, head[sm] % STAGE_BUFFERS])
-            _OPS[ins.op](self, ins, views)
-            if ins.signal >= 0:
-                counters[ins.signal] += ins.amount
-            self.ticks.append(v)
-            head[sm] += 1
-            remaining -= 1
-            arrive(sm)
+        self.remaining = sum(len(q) for q in p.queues)
+        for sm in range(len(p.queues)):
+            self._arrive(sm)
+
+    def _arrive(self, sm: int) -> None:
+        """An SM reaches its next instruction: prefetch (a view for weights, a snapshot otherwise) and stage copies,
+        all before the waits."""
+        q, k = self.program.queues[sm], self.head[sm]
+        if k < len(q):
+            v = q[k]
+            for j in self._stale_prefetch[v]:
+                self.snap.setdefault(v, {})[j] = self.views[v][j].clone()
+            # the device's stage copies as this instruction starts: its own stage at a queue head, then the
+            # next instruction's (copied now, consumed after this instruction ends)
+            for src, slot in ((self._own_src[v] if k == 0 else None, k), (self._next_src[v], k + 1)):
+                if src is not None:
+                    self.stages[sm, slot % STAGE_BUFFERS, : src.numel()] = src
+                    self.staged_copies += 1
+
+    def ready(self) -> list[int]:
+        """The SMs whose head instruction's waits are met."""
+        p, out = self.program, []
+        for sm, q in enumerate(p.queues):
+            if self.head[sm] < len(q):
+                if all(wait_met(self.counters, self.cbase[c], self.sources[c], self.base[c] + t)
+                       for c, t in p.instructions[q[self.head[sm]]].waits):
+                    out.append(sm)
+        return out
+
+    def run_head(self, sm: int) -> None:
+        """Run SM ``sm``'s head instruction to completion: its body, its pushes to the peers, then its signal."""
+        p = self.program
+        v = p.queues[sm][self.head[sm]]
+        ins = p.instructions[v]
+        views = self.views[v]
+        if v in self.snap:
+            views = list(views)
+            for k, t in self.snap.pop(v).items():
+                views[k] = t
+        if ins.stage[0] != -1:
+            views = self._staged_views(v, views, self.stages[sm, self.head[sm] % STAGE_BUFFERS])
+        _OPS[ins.op](self, ins, views)
+        lo, hi = ins.peers
+        for k in self.push_ops[v]:  # the box lands on every rank of the peer range (already written on this one)
+            name, box = p.buffers[ins.operands[k].buf].name, ins.operands[k].slices()
+            for r in range(lo, hi):
+                if r != p.rank:
+                    self.peers[r].tensors[name][box].copy_(views[k])
+        if ins.signal >= 0:
+            c = ins.signal
+            if self.sources[c]:  # a cross-rank counter: this rank's word of it, on every rank of the range
+                for r in range(lo, hi):
+                    self.peers[r].counters[self.cbase[c] + p.rank] += ins.amount
+            else:
+                self.counters[self.cbase[c]] += ins.amount
+        self.ticks.append(v)
+        self.head[sm] += 1
+        self.remaining -= 1
+        self._arrive(sm)
+
+    def end_step(self) -> torch.Tensor:
+        """Check every counter word reached this step's total and return the logits buffer [B, V]."""
+        p, step = self.program, self.steps_done
         for c, ctr in enumerate(p.counters):
-            if counters[c] != (step + 1) * ctr.total:
-                raise AssertionError(f"counter {ctr.name} ended step {step} at {counters[c]}, expected "
-                                     f"{(step + 1) * ctr.total}")
+            for k in range(counter_words(ctr.sources)):
+                got = self.counters[self.cbase[c] + k]
+                if got != (step + 1) * ctr.total:
+                    src = f" (word of source rank {k})" if ctr.sources else ""
+                    raise AssertionError(f"counter {ctr.name}{src} ended step {step} at {got}, expected "
+                                         f"{(step + 1) * ctr.total}")
         self.steps_done += 1
         return self.tensors["logits"][:, 0, :]
 
@@ -273,14 +304,18 @@ class CPUInterpreter:
                 continue
             v = q[head[sm]]
             ins = p.instructions[v]
-            waits = [{"counter": c, "name": p.counters[c].name, "needs": base[c] + t, "value": self.counters[c],
-                      "satisfied": self.counters[c] >= base[c] + t} for c, t in ins.waits]
+            waits = [{"counter": c, "name": p.counters[c].name, "needs": base[c] + t,
+                      "value": min(self.counters[self.cbase[c] + k] for k in range(counter_words(self.sources[c]))),
+                      "satisfied": wait_met(self.counters, self.cbase[c], self.sources[c], base[c] + t)}
+                     for c, t in ins.waits]
             dump.append({"sm": sm, "position": head[sm], "length": len(q), "instruction": v, "label": ins.label(),
                          "waits": waits})
             ws = "; ".join(f"counter {w['counter']} '{w['name']}' needs {w['needs']}, is {w['value']}"
                            + ("" if w["satisfied"] else " (BLOCKED)") for w in waits)
             lines.append(f"  SM {sm}: at {head[sm]}/{len(q)} waiting on #{v} {ins.label()}: {ws}")
-        lines.append("  counters: " + ", ".join(f"{c.name}={self.counters[i]}" for i, c in enumerate(p.counters)))
+        lines.append("  counters: " + ", ".join(
+            f"{c.name}=" + (str(self.counters[self.cbase[i]:self.cbase[i] + c.sources]) if c.sources
+                            else str(self.counters[self.cbase[i]])) for i, c in enumerate(p.counters)))
         return DeadlockError("\n".join(lines), dump)
 
 
@@ -389,22 +424,26 @@ def _mla_reduce(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> 
 
 def _o_proj_residual(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
     a = F.linear(v[0][:, 0, :], v[1][0])
-    out = v[2][:, 0, :]
-    out.copy_(out + a if ins.args[0] else a)  # a block boundary starts a new partial sum
+    out = v[2]  # stream[:, j] cols [B, 1, n], or across ranks this rank's partial in the mailbox [1, B, n]
+    out.copy_((out.reshape(a.shape) + a if ins.args[0] else a).reshape(out.shape))  # a block boundary starts anew
 
 
 def _router(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
     """model.route from the logits on (sigmoid scores, biased choice, (grouped) top-k, renormalised weights); then
     compact the distinct chosen experts (ascending, as the naive loop visits them) into slots."""
     w, idx = route_from_logits(v[0][:, 0, :], v[1].reshape(-1), it.cfg)
-    write_slots(idx, w, v[2], v[3], v[4])
+    write_slots(idx, w, v[2], v[3], v[4], *(ins.args[:2] if ins.args[1] > ins.args[0] else ()))
 
 
-def write_slots(idx: torch.Tensor, w: torch.Tensor, sel: torch.Tensor, mw: torch.Tensor, use: torch.Tensor) -> None:
+def write_slots(idx: torch.Tensor, w: torch.Tensor, sel: torch.Tensor, mw: torch.Tensor, use: torch.Tensor,
+                lo: int = 0, hi: int | None = None) -> None:
     """ROUTER's outputs from the chosen experts ``idx`` [B, k] and their weights ``w``: the distinct experts in
     ascending id into the slots ``sel`` [1, 1, Dmax] (-1 past the last), each token's weight per slot ``mw`` and its use
-    flag ``use`` [B, 1, Dmax] (0 where unused)."""
+    flag ``use`` [B, 1, Dmax] (0 where unused). ``[lo, hi)``: a rank's experts (ROUTER args 0, 1), the others left
+    to their ranks."""
     uniq = idx.unique()
+    if hi is not None:
+        uniq = uniq[(uniq >= lo) & (uniq < hi)]
     n = uniq.numel()
     match = idx[:, :, None] == uniq[None, None, :]  # [B, k, n]
     sel.fill_(-1)
@@ -419,6 +458,7 @@ def _expert_rows(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor], j:
     """Expert ``e``'s weight rows of operand ``j`` as the opcode reads them: the dense view, or for an MXFP4
     program the codes of operand ``j`` and the scales of the operand paired with it dequantised (value × scale in
     fp32, cast once to the activation dtype: what QuantizedExperts.expert gives the naive path)."""
+    e = e - ins.operands[j].box[0]  # the box starts at the rank's first expert (codes and scales alike)
     if it.program.expert_format == "dense":
         return v[j][e]
     js = dict(MXFP4_OPERANDS[ins.op])[j]
@@ -444,31 +484,42 @@ def _expert_down(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) ->
     use, w = v[2][:, 0, :n], v[3][:, 0, :n]
     h = torch.where(use[..., None], v[0][:, :n, :], 0)  # unused (row, slot) pairs hold poison: never read them
     if it.program.expert_format == "dense":
-        w2 = v[4][sel[:n]]
+        w2 = v[4][sel[:n] - ins.operands[4].box[0]]
     else:  # (no expert chosen: an empty stack, the einsum sums nothing)
         w2 = torch.stack([_expert_rows(it, ins, v, 4, int(e)) for e in sel[:n]]) if n else \
             h.new_zeros(0, v[4].shape[1], h.shape[2])
     y = torch.einsum("bsi,sri->bsr", h, w2)  # every chosen expert's w2 rows, in the activation dtype
     acc = (f32(y) * w[..., None]).sum(1)  # combine in fp32 with the router weights (0 where unused), cast once
-    v[5][:, 0, :].copy_(acc.to(it.dtype))
+    v[5].copy_(acc.to(v[5].dtype).reshape(v[5].shape))  # (across ranks: an fp32 partial [1, B, n] in the mailbox)
 
 
 def _ffn_out(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
     flags, k, out = ins.args[0], 0, None
     if flags & FFN_ROUTED:
-        x = v[k][:, 0, :]
+        if flags & FFN_PEER_SUM:  # every rank's fp32 partial [sources, B, Dl]: summed in rank order, cast once
+            parts = v[k]
+            x = f32(parts[0])
+            for r in range(1, parts.shape[0]):
+                x = x + f32(parts[r])
+            x = x.to(it.dtype)
+        else:
+            x = v[k][:, 0, :]
         k += 1
         if flags & FFN_LATENT_NORM:  # latent norm on the COMBINED expert sum (pitfall 13)
             x = rms_norm(x, v[k].reshape(-1), it.cfg.rms_norm_eps)
             k += 1
-        out = F.linear(x, v[k][0])
+        c0, c1 = ins.operands[k].box[4:6]  # the up-projection's input columns (a rank's share of the latent)
+        out = F.linear(x[:, c0:c1], v[k][0])
         k += 1
     if flags & FFN_MLP:
         y = F.linear(v[k][:, 0, :], v[k + 1][0])
         out = y if out is None else out + y
         k += 2
-    p = v[k][:, 0, :]
-    p.copy_(p + out)
+    p = v[k]
+    if ins.operands[k].reads:  # the stream's column tile [B, 1, n] accumulates
+        p[:, 0, :].copy_(p[:, 0, :] + out)
+    else:  # across ranks: this rank's partial [1, B, n], pushed for the all-reduce
+        p.copy_(out.reshape(p.shape))
 
 
 def _lm_head(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
@@ -476,8 +527,8 @@ def _lm_head(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> Non
     y = f32(F.linear(xn, v[2][0]))
     v[3][:, 0, :].copy_(y)
     best = y.argmax(-1)  # first maximum: ties resolve to the lowest vocabulary id, like torch.argmax
-    v[4][:, 0, 0] = y.gather(1, best[:, None])[:, 0]
-    v[5][:, 0, 0] = best + ins.args[2]
+    v[4].copy_(y.gather(1, best[:, None])[:, 0].reshape(v[4].shape))  # [B, 1, 1], or [1, B, 1] in a mailbox
+    v[5].copy_((best + ins.args[2]).reshape(v[5].shape))
 
 
 def _argmax(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
@@ -485,77 +536,32 @@ def _argmax(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None
     v[2][:, 0, 0] = v[1][:, 0, :].gather(1, tile[:, None])[:, 0]
 
 
+def _allreduce_mix(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    """Every rank's partial of these rows [sources, b, H], summed in rank order in fp32 (the same order on every
+    rank, so every rank's stream stays identical), into the block's partial sum; then the AttnRes mix."""
+    parts = v[0]
+    s = f32(parts[0])
+    for r in range(1, parts.shape[0]):
+        s = s + f32(parts[r])
+    entry = v[2][:, 0, :]
+    entry.copy_(f32(entry) + s if ins.operands[2].reads else s)
+    cands = [v[1][:, j, :] for j in range(ins.args[1] - 1)] + [entry]
+    v[5][:, 0, :].copy_(attn_res_mix(cands, v[3].reshape(-1), v[4].reshape(1, -1), it.cfg.rms_norm_eps))
+
+
+def _argmax_all(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    """The per-tile bests of every vocabulary shard [sources, B, tiles], rank-major (= ascending vocabulary id, so
+    the first maximum is still the lowest id) -> the next token."""
+    B = v[0].shape[1]
+    vals, idx = v[0].permute(1, 0, 2).reshape(B, -1), v[1].permute(1, 0, 2).reshape(B, -1)
+    tile = vals.argmax(-1)
+    v[2][:, 0, 0] = idx.gather(1, tile[:, None])[:, 0]
+
+
 _OPS: dict[Op, Callable[[CPUInterpreter, Instruction, list[torch.Tensor]], None]] = {
     Op.EMBED: _embed, Op.ATTN_RES_MIX: _attn_res_mix, Op.NORM_PROJ: _norm_proj, Op.MLP_GATE_UP: _mlp_gate_up,
     Op.KDA_STEP: _kda_step, Op.MLA_Q: _mla_q, Op.MLA_KV_APPEND: _mla_kv_append, Op.MLA_PARTIAL: _mla_partial,
     Op.MLA_REDUCE: _mla_reduce, Op.O_PROJ_RESIDUAL: _o_proj_residual, Op.ROUTER: _router,
     Op.EXPERT_GATE_UP: _expert_gate_up, Op.EXPERT_DOWN: _expert_down, Op.FFN_OUT: _ffn_out, Op.LM_HEAD: _lm_head,
-    Op.ARGMAX: _argmax,
+    Op.ARGMAX: _argmax, Op.ALLREDUCE_MIX: _allreduce_mix, Op.ARGMAX_ALL: _argmax_all,
 }
-
-
-# ============================================================================================== the stage
-
-
-@register_stage
-class MegakernelInterpStage(Stage):
-    """Stage "megakernel-interp": every decode step runs the megakernel program in the CPU interpreter (the
-    randomised-interleaving checker; the native parallel executor is stage "megakernel-cpu").
-
-    Options (``Decoder(..., stage="megakernel-interp", **options)``): ``policy`` ("critical_path" or
-    "round_robin"), ``num_sms`` (queues to schedule for), ``seed`` (step ``i`` uses interleaving seed
-    ``seed·1000003 + i``), ``tiling`` (a :class:`~kimik3.megakernel.step.Tiling`), ``check`` (run the hazard
-    checker on the program once, at construction) and ``poison`` (NaN-fill scratch buffers before each step).
-    Deterministic: every element is computed by one instruction in a fixed order whatever the interleaving."""
-
-    name = "megakernel-interp"
-    support = StageSupport(dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64), max_batch=64,
-                           devices=("cpu",), kept_experts=("mxfp4",))
-
-    def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, policy: str = "critical_path",
-                 num_sms: int = 8, seed: int = 0, tiling: Tiling | None = None, check: bool = True,
-                 poison: bool = True) -> None:
-        super().__init__(model, batch_size, max_seq_len)
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
-        # the program carries the routed experts as the model holds them (dense, or the MXFP4 bytes as they are)
-        self.program = build_program(model.config, batch_size, num_sms, policy, max_seq_len, tiling,
-                                     act_dtype=model.dtype, expert_format=model.expert_storage)
-        if check:
-            bad = check_program(self.program)
-            if bad:
-                raise ValueError("megakernel program failed the hazard check:\n" + format_violations(bad))
-        self.interpreter = CPUInterpreter(encode := self.program.tensor(), model)
-        self.encoded = encode
-        self.naive = NaiveStage(model, batch_size, max_seq_len)
-        self.seed, self.poison = seed, poison
-        self.steps = 0
-
-    def reset(self) -> None:
-        self.naive.reset()
-        self.interpreter.bind_state(self.naive.state)
-
-    @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        logits = self.naive.prefill(input_ids, lengths)  # token by token through the reference path
-        self.interpreter.bind_state(self.naive.state)
-        return logits
-
-    def snapshot(self) -> DecodeState:
-        """A copy of the decode state (e.g. right after prefill), for :meth:`restore`."""
-        return copy.deepcopy(self.naive.state)
-
-    def restore(self, state: DecodeState, seed: int | None = None) -> None:
-        """Continue from a copy of ``state``, optionally under another interleaving seed (step counter reset) —
-        to replay the same decode steps under different interleavings. Counters keep growing: they never reset."""
-        self.naive.state = copy.deepcopy(state)
-        self.interpreter.bind_state(self.naive.state)
-        if seed is not None:
-            self.seed, self.steps = seed, 0
-
-    @torch.no_grad()
-    def step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        logits = self.interpreter.run_step(ids, positions, seed=self.seed * 1000003 + self.steps,
-                                           poison_scratch=self.poison)
-        self.steps += 1
-        return logits.clone()

@@ -32,6 +32,7 @@ from kimik3.megakernel.instructions import (
     Program,
     assign_stages,
 )
+from kimik3.megakernel.ranks import SINGLE, Shard
 from kimik3.megakernel.step import StepSpec, Tiling, build_step
 from kimik3.model.config import ModelConfig
 
@@ -139,7 +140,8 @@ def instruction_costs(spec: StepSpec, context_len: int | None = None, expert_dty
 
     Per-block totals come from ``kimik3.perf.cost.decode_cost`` (the model's own parameter shapes, D(B) expected
     distinct experts); each block's total is split between the instructions that carry it in proportion to their
-    tile shapes. Every weight-carrying block of ``decode_cost`` must be carried by some instruction (checked)."""
+    tile shapes. Every weight-carrying block of ``decode_cost`` must be carried by some instruction (checked). A rank
+    program of several keeps the shape-based numbers: ``decode_cost`` prices the whole model on one GPU."""
     cfg, B = spec.cfg, spec.batch
     ctx = spec.max_seq_len if context_len is None else context_len
     raw = np.zeros((len(spec.instructions), 4))
@@ -153,7 +155,7 @@ def instruction_costs(spec: StepSpec, context_len: int | None = None, expert_dty
         from kimik3.perf.cost import decode_cost
     except ImportError:  # the cost model is optional: fall back to the raw shape-based numbers
         decode_cost = None
-    if decode_cost is not None:
+    if decode_cost is not None and spec.shard.world == 1:
         dc = decode_cost(cfg, batch_size=B, context_len=ctx, weight_dtype=weight_dtype, expert_dtype=expert_dtype,
                          act_dtype="bf16").by_block
         calibrated = True
@@ -396,18 +398,19 @@ def compute_waits(n: int, queues: Sequence[Sequence[int]], preds: Sequence[set[i
 def build_program(cfg: ModelConfig | str, batch: int, num_sms: int, policy: str = "critical_path",
                   max_seq_len: int = 4096, tiling: Tiling | None = None, act_dtype: torch.dtype = torch.bfloat16,
                   context_len: int | None = None, cost_model: CostModel | None = None,
-                  expert_format: str = "dense") -> Program:
+                  expert_format: str = "dense", shard: Shard = SINGLE) -> Program:
     """The whole pipeline: step instructions → hazards → costs → queues → minimal waits → stages → :class:`Program`.
 
     Built once per (config, batch, SM count, tiling, expert format) and reused for every decode step: counters are
     monotonic across steps, so nothing is reset between launches. ``expert_format``: ``"dense"`` (routed experts in
     the activation dtype) or ``"mxfp4"`` (uint8 codes + E8M0 scales, costed at MXFP4 bytes). The per-instruction
-    costs ride along as ``program.costs`` (not serialised)."""
+    costs ride along as ``program.costs`` (not serialised). ``shard``: build rank ``shard.rank``'s program of a
+    deployment (:mod:`kimik3.megakernel.ranks`), its collectives as opcodes; the default is one GPU."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
     if num_sms < 1:
         raise ValueError(f"num_sms must be >= 1, got {num_sms}")
-    spec = build_step(cfg, batch, max_seq_len, tiling, num_sms, act_dtype, context_len, expert_format)
+    spec = build_step(cfg, batch, max_seq_len, tiling, num_sms, act_dtype, context_len, expert_format, shard)
     n = len(spec.instructions)
     preds = hazard_predecessors(spec.buffers, spec.instructions)
     gid, members, names, gdeps = _group_structure(spec.groups, preds)
@@ -431,10 +434,14 @@ def assemble(spec: StepSpec, queues: Sequence[Sequence[int]], preds: Sequence[se
     gid, members, names, gdeps = groups
     n = len(spec.instructions)
     waits = compute_waits(n, queues, preds, gid, members, gdeps)
-    # counters: only groups somebody waits on get one (and only their members signal)
-    used = sorted({g for ws in waits for g in ws})
+    world = spec.shard.world
+    pushed = {gid[i] for i, ins in enumerate(spec.instructions) if ins.peers != (0, 0)}
+    _wait_on_peers(spec, preds, gid, pushed, waits)
+    # counters: only groups somebody waits on get one (and only their members signal); a group that pushes to its
+    # peers gets a cross-rank counter, one word per source rank
+    used = sorted({g for ws in waits for g in ws} | pushed)
     cid = {g: i for i, g in enumerate(used)}
-    counters = [Counter(names[g], len(members[g])) for g in used]
+    counters = [Counter(names[g], len(members[g]), world if g in pushed else 0) for g in used]
     sm_of, qpos = [0] * n, [0] * n
     for s, q in enumerate(queues):
         for k, v in enumerate(q):
@@ -447,4 +454,26 @@ def assemble(spec: StepSpec, queues: Sequence[Sequence[int]], preds: Sequence[se
             signal=cid.get(g, -1), amount=1 if g in cid else 0, sm=sm_of[v], qpos=qpos[v]))
     # the weight stages are decided last: the next-stage words follow the final queue order
     return assign_stages(Program(spec.buffers, instructions, [list(q) for q in queues], counters, spec.batch,
-                                 spec.max_seq_len, spec.cfg.num_hidden_layers, policy, spec.expert_format))
+                                 spec.max_seq_len, spec.cfg.num_hidden_layers, policy, spec.expert_format,
+                                 spec.shard.rank, world))
+
+
+def _wait_on_peers(spec: StepSpec, preds: Sequence[set[int]], gid: Sequence[int], pushed: set[int],
+                   waits: list[list[int]]) -> None:
+    """Keep, in place, every wait that orders a MAILBOX read after its producers on the other ranks: a reader of
+    a mailbox waits on each pushing group that writes it, even where local order already covers the local members
+    (the transitive reduction sees only this rank; the peers' words of the counter are what the wait is for)."""
+    if not pushed:
+        return
+    bufs = spec.buffers
+    writes: dict[int, set[int]] = defaultdict(set)  # pushing group -> mailboxes it writes
+    for i, ins in enumerate(spec.instructions):
+        if gid[i] in pushed:
+            writes[gid[i]].update(o.buf for o in ins.operands if o.writes and bufs[o.buf].kind == Kind.MAILBOX)
+    for v, ins in enumerate(spec.instructions):
+        reads = {o.buf for o in ins.operands if o.reads and bufs[o.buf].kind == Kind.MAILBOX}
+        if not reads:
+            continue
+        for g in sorted({gid[u] for u in preds[v]} & pushed):
+            if writes[g] & reads and g not in waits[v]:
+                waits[v].append(g)

@@ -18,9 +18,11 @@ from itertools import product
 
 import torch
 
+from kimik3.kernels.contracts.peers import AR_SLOTS, MOE_SLOTS, mailbox_row
 from kimik3.megakernel.instructions import (
     FFN_LATENT_NORM,
     FFN_MLP,
+    FFN_PEER_SUM,
     FFN_ROUTED,
     BufferSpec,
     Instruction,
@@ -41,6 +43,7 @@ from kimik3.megakernel.layout import (
     packed_name,
     state_name,
 )
+from kimik3.megakernel.ranks import SINGLE, Shard
 from kimik3.model.config import ModelConfig, get_preset
 from kimik3.model.modeling import keeps_fp32
 from kimik3.model.quant import MXFP4_GROUP
@@ -77,6 +80,11 @@ def _aligned(total: int, tiles: int, align: int) -> int:
 
 def _split(total: int, size: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, total)) for a in range(0, total, size)]
+
+
+def _span(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
+    """Tiles of ``size`` over ``[lo, hi)`` (a rank's share of a dimension)."""
+    return [(lo + a, lo + b) for a, b in _split(hi - lo, size)]
 
 
 def _has_dense_ffn(cfg: ModelConfig) -> bool:
@@ -167,6 +175,7 @@ class StepSpec:
     groups: list[str]
     raw_costs: list[dict[tuple[int, str], list[float]]] = field(repr=False)
     expert_format: str = "dense"  # how the routed experts are stored (kimik3.megakernel.layout.EXPERT_FORMATS)
+    shard: Shard = SINGLE  # the rank this step is built for (kimik3.megakernel.ranks)
 
     def group_members(self) -> dict[str, list[int]]:
         m: dict[str, list[int]] = defaultdict(list)
@@ -179,8 +188,10 @@ class _StepBuilder:
     """Declares buffers and appends instructions for one decode step, one method per block of the model."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_seq_len: int, tiling: Tiling, act_dtype: torch.dtype,
-                 context_len: int, expert_format: str = "dense"):
+                 context_len: int, expert_format: str = "dense", shard: Shard = SINGLE):
         self.cfg, self.B, self.max_seq_len, self.t = cfg, batch, max_seq_len, tiling
+        self.shard, self.world = shard, shard.world
+        self.n_reduce = 0  # all-reduces so far: the mailbox slot of the next is n_reduce % AR_SLOTS
         self.ctx = context_len
         self.expert_format = expert_format
         self.H = cfg.hidden_size
@@ -223,9 +234,10 @@ class _StepBuilder:
                 self.buf(names[1], Kind.WEIGHT, (E, rows, cols // MXFP4_GROUP), torch.uint8))
 
     def expert_rows(self, bufs: tuple[int, ...], r0: int, r1: int) -> tuple[Operand, list[Operand]]:
-        """Rows ``r0:r1`` of every expert of one weight from :meth:`expert_weight`: the (dense or codes) operand and
-        the scales operands to append (none for dense). Whole rows: an expert tile reads full widths."""
-        ops = [self.op(b, P, (0, self.shape(b)[0], r0, r1, 0, self.shape(b)[2])) for b in bufs]
+        """Rows ``r0:r1`` of every expert of this rank of one weight from :meth:`expert_weight`: the (dense or codes)
+        operand and the scales operands to append (none for dense). Whole rows: an expert tile reads full widths."""
+        e0, e1 = self.part(self.cfg.n_routed_experts, "n_routed_experts")
+        ops = [self.op(b, P, (e0, e1, r0, r1, 0, self.shape(b)[2])) for b in bufs]
         return ops[0], ops[1:]
 
     def shape(self, buf: int) -> tuple[int, int, int]:
@@ -242,13 +254,33 @@ class _StepBuilder:
     def add(self, op: Op, layer: int, args: Sequence[int], operands: list[Operand], group: str,
             cost: CostContrib) -> None:
         a = tuple(args) + (0,) * (4 - len(args))
-        self.instructions.append(Instruction(op, layer, a, tuple(operands)))
+        push = any(o.mode & Mode.PUSH for o in operands)  # a push reaches, and signals, every rank
+        self.instructions.append(Instruction(op, layer, a, tuple(operands), peers=(0, self.world) if push else (0, 0)))
         self.groups.append(group)
         self.costs.append(cost)
 
     def spec(self) -> StepSpec:
         return StepSpec(self.cfg, self.B, self.max_seq_len, self.t, self.buffers, self.instructions, self.groups,
-                        self.costs, self.expert_format)
+                        self.costs, self.expert_format, self.shard)
+
+    # ------------------------------------------------------------------------------------ across ranks
+
+    def part(self, total: int, what: str) -> tuple[int, int]:
+        return self.shard.part(total, what)
+
+    def push_partial(self, c0: int, c1: int) -> Operand:
+        """The rank's partial sum of hidden columns ``c0:c1``, pushed into the next all-reduce's mailbox slot."""
+        row = mailbox_row(self.n_reduce % AR_SLOTS, self.shard.rank, self.world)
+        return self.op(self.ar_mbox, W | Mode.PUSH, (row, row + 1, 0, self.B, c0, c1))
+
+    def reduce_operands(self, b0: int, b1: int, K: int, start: bool) -> list[Operand]:
+        """ALLREDUCE_MIX's leading operands: every rank's partial of batch rows ``b0:b1`` (the current slot), the
+        stream entries before the block's partial, and that partial (started or accumulated)."""
+        slot = self.n_reduce % AR_SLOTS
+        H = self.H
+        return [self.op(self.ar_mbox, R, (slot * self.world, (slot + 1) * self.world, b0, b1, 0, H)),
+                self.op(self.stream, R, (b0, b1, 0, K - 1, 0, H)),
+                self.op(self.stream, W if start else RW, (b0, b1, K - 1, K, 0, H))]
 
     # ------------------------------------------------------------------------------------ shared activations
 
@@ -267,19 +299,36 @@ class _StepBuilder:
         self.attn_o = self.buf("attn_o", Kind.ACT,
                                (B, 1, max(cfg.kda_proj_dim, cfg.num_attention_heads * cfg.v_head_dim)), act)
         self.batch_tiles = _split(B, self.t.batch_rows)
+        if self.world > 1:  # the mailboxes peers push into: [slot·world + source rank, batch, columns]
+            self.ar_mbox = self.buf("mbox.allreduce", Kind.MAILBOX, (AR_SLOTS * self.world, B, H), act)
+            if cfg.moe_layers:
+                self.moe_mbox = self.buf("mbox.latent_sum", Kind.MAILBOX, (MOE_SLOTS * self.world, B,
+                                                                           cfg.moe_latent_size), self.acc)
 
     # ------------------------------------------------------------------------------------ tiled building blocks
 
-    def attn_res(self, layer: int, site: Site, K: int, norm: str, proj: str, group: str) -> None:
-        """ATTN_RES_MIX tiles over the batch: the mix of the first ``K`` stream entries into ``mix``."""
+    def attn_res(self, layer: int, site: Site, K: int, norm: str, proj: str, group: str,
+                 start: bool | None = None) -> None:
+        """ATTN_RES_MIX tiles over the batch: the mix of the first ``K`` stream entries into ``mix``. On a rank of
+        several, ``start`` (the block's partial sum starts here, else accumulates) makes each tile an
+        ALLREDUCE_MIX that first sums every rank's partial from the mailbox into stream entry ``K - 1``."""
         H, ab = self.H, self.ab
         nw, pw = self.weight(norm, (H,)), self.weight(proj, (1, H))
+        reduce = self.world > 1 and start is not None
         for b0, b1 in self.batch_tiles:
             n = b1 - b0
-            self.add(Op.ATTN_RES_MIX, layer, (int(site), K, b0, b1),
-                     [self.op(self.stream, R, (b0, b1, 0, K, 0, H)), self.op(nw, P), self.op(pw, P),
-                      self.op(self.mix, W, (b0, b1, 0, 1, 0, H))],
-                     group, {(layer, "attn_res"): [2 * H * _BPW, 0, (K + 1) * n * H * ab, 6.0 * n * K * H]})
+            cost = {(layer, "attn_res"): [2 * H * _BPW, 0, (K + 1) * n * H * ab, 6.0 * n * K * H]}
+            if reduce:
+                cost[(layer, "collective")] = [0, 0, (self.world + 2) * n * H * ab, float(self.world * n * H)]
+                self.add(Op.ALLREDUCE_MIX, layer, (int(site), K, b0, b1),
+                         [*self.reduce_operands(b0, b1, K, start), self.op(nw, P), self.op(pw, P),
+                          self.op(self.mix, W, (b0, b1, 0, 1, 0, H))], group, cost)
+            else:
+                self.add(Op.ATTN_RES_MIX, layer, (int(site), K, b0, b1),
+                         [self.op(self.stream, R, (b0, b1, 0, K, 0, H)), self.op(nw, P), self.op(pw, P),
+                          self.op(self.mix, W, (b0, b1, 0, 1, 0, H))], group, cost)
+        if reduce:
+            self.n_reduce += 1
 
     def norm_proj(self, layer: int, role: NormRole, x: Operand, norm: str, weight: int, rows: tuple[int, int],
                   out: int, out_col0: int, tile_rows: int, group: str, block: str, fp32: bool = False) -> None:
@@ -294,37 +343,43 @@ class _StepBuilder:
                       self.op(out, W, (0, B, 0, 1, o0, o0 + n))],
                      group, {(layer, block): [(n * Hin + Hin) * _BPW, 0, B * (Hin + n) * ab, 2.0 * B * n * Hin]})
 
-    def gate_up(self, layer: int, role: NormRole, x: Operand, norm: str, gate: int, up: int, width: int, tile: int,
-                out: int, group: str, block: str) -> None:
-        """MLP_GATE_UP tiles over ``width`` hidden channels: norm, gate and up rows, SiLU(gate)·up into ``out``."""
+    def gate_up(self, layer: int, role: NormRole, x: Operand, norm: str, gate: int, up: int, rows: tuple[int, int],
+                tile: int, out: int, group: str, block: str) -> None:
+        """MLP_GATE_UP tiles over hidden channels ``rows``: norm, gate and up rows, SiLU(gate)·up into ``out``."""
         B, H, ab = self.B, self.H, self.ab
         nw = self.weight(norm, (H,))
-        for r0, r1 in _split(width, tile):
+        for r0, r1 in _span(*rows, tile):
             n = r1 - r0
             self.add(Op.MLP_GATE_UP, layer, (0, int(role), r0, r1),
                      [x, self.op(nw, P), self.op(gate, P, (0, 1, r0, r1, 0, H)), self.op(up, P, (0, 1, r0, r1, 0, H)),
                       self.op(out, W, (0, B, 0, 1, r0, r1))],
                      group, {(layer, block): [(2 * n * H + H) * _BPW, 0, B * (H + n) * ab, 4.0 * B * n * H]})
 
-    def out_cols(self, layer: int, op: Op, flags: int, entry: int, sources: list[tuple[list[Operand], int, str]],
-                 group: str, accumulate: bool) -> None:
+    def out_cols(self, layer: int, op: Op, flags: int, entry: int,
+                 sources: list[tuple[list[Operand], int, tuple[int, int], str]], group: str, accumulate: bool) -> None:
         """Column tiles of stream[:, entry] (O_PROJ_RESIDUAL, FFN_OUT). Each source is (its activation operands,
-        the weight whose rows = these columns, cost block); operands are laid out source by source, weight rows
-        after the source's activations, and the stream tile last."""
+        the weight whose rows = these columns, the weight's input columns, cost block); operands are laid out
+        source by source, weight rows after the source's activations, and the output tile last: the stream, or on
+        a rank of several the rank's partial sum pushed to every rank (summed by the ALLREDUCE_MIX that follows)."""
         B, ab = self.B, self.ab
+        partial = self.world > 1
         for c0, c1 in _split(self.H, self.t.out_cols):
             n = c1 - c0
             ops: list[Operand] = []
             cost: CostContrib = {}
-            for acts, wb, block in sources:
-                Hin = self.shape(wb)[2]
-                ops += acts + [self.op(wb, P, (0, 1, c0, c1, 0, Hin))]
+            for acts, wb, (k0, k1), block in sources:
+                Hin = k1 - k0
+                ops += acts + [self.op(wb, P, (0, 1, c0, c1, k0, k1))]
                 c = cost.setdefault((layer, block), [0.0, 0.0, 0.0, 0.0])
                 c[0] += n * Hin * _BPW
                 c[2] += B * Hin * ab
                 c[3] += 2.0 * B * n * Hin
-            ops.append(self.op(self.stream, RW if accumulate else W, (0, B, entry, entry + 1, c0, c1)))
-            cost[(layer, sources[0][2])][2] += B * n * ab * (2 if accumulate else 1)
+            if partial:
+                ops.append(self.push_partial(c0, c1))
+                cost[(layer, "collective")] = [0, 0, self.world * B * n * ab, 0.0]
+            else:
+                ops.append(self.op(self.stream, RW if accumulate else W, (0, B, entry, entry + 1, c0, c1)))
+            cost[(layer, sources[0][3])][2] += B * n * ab * (2 if accumulate and not partial else 1)
             self.add(op, layer, (flags, entry, c0, c1), ops, group, cost)
 
     # ------------------------------------------------------------------------------------------------ the model
@@ -349,22 +404,24 @@ class _StepBuilder:
         boundary = layer % bs == 0
         if layer == 0:
             x_in = self.op(self.stream, R, (0, B, 0, 1, 0, H))  # the attention site of layer 0 does not mix
-        else:
+        else:  # (across ranks: the previous FFN's all-reduce, accumulated into the block's partial, comes first)
             K = blk + 1 if boundary else blk + 2
             self.attn_res(layer, Site.ATTN, K, pre + "self_attention_res_norm.weight",
-                          pre + "self_attention_res_proj.weight", f"L{layer}.attn_mix")
+                          pre + "self_attention_res_proj.weight", f"L{layer}.attn_mix", start=False)
             x_in = self.op(self.mix, R)
         if cfg.mixer(layer) == "kda":
-            o_rows, block = self.kda_mixer(layer, x_in)
+            o_rows, o_cols, block = self.kda_mixer(layer, x_in)
         else:
-            o_rows, block = self.mla_mixer(layer, x_in)
-        # o_proj + residual into the block's partial sum (a block's first layer starts it, the others accumulate)
+            o_rows, o_cols, block = self.mla_mixer(layer, x_in)
+        # o_proj + residual into the block's partial sum (a block's first layer starts it, the others accumulate);
+        # across ranks each rank's heads give a partial o_proj, summed by the ALLREDUCE_MIX of the MLP site
         wo = self.weight(pre + "self_attn.o_proj.weight", (H, o_rows))
-        self.out_cols(layer, Op.O_PROJ_RESIDUAL, int(not boundary), blk + 1,
-                      [([self.op(self.attn_o, R, (0, B, 0, 1, 0, o_rows))], wo, block)], f"L{layer}.o_proj",
+        one = self.world == 1
+        self.out_cols(layer, Op.O_PROJ_RESIDUAL, int(not boundary and one), blk + 1,
+                      [([self.op(self.attn_o, R, (0, B, 0, 1, *o_cols))], wo, o_cols, block)], f"L{layer}.o_proj",
                       accumulate=not boundary)
         self.attn_res(layer, Site.MLP, blk + 2, pre + "mlp_res_norm.weight", pre + "mlp_res_proj.weight",
-                      f"L{layer}.mlp_mix")
+                      f"L{layer}.mlp_mix", start=boundary)
         mlp_w = max(cfg.moe_intermediate_size * cfg.n_shared_experts,
                     cfg.intermediate_size if _has_dense_ffn(cfg) else 0)
         mlp_h = self.buf("mlp_h", Kind.ACT, (B, 1, mlp_w), self.act)
@@ -382,9 +439,12 @@ class _StepBuilder:
         Pd = cfg.kda_proj_dim
         hw = kda_head_width(cfg)
         mixer_proj = self.mixer_proj
+        hr0, hr1 = self.part(nh, "kda_num_heads")  # this rank's heads
         w_in = self.weight(packed_name(layer, "kda_in"), (kda_in_rows(cfg), H))
-        self.norm_proj(layer, NormRole.KDA_IN, x_in, pre + "input_layernorm.weight", w_in, (0, kda_in_rows(cfg)),
-                       mixer_proj, 0, t.kda_in_rows, f"L{layer}.kda_in", "kda")
+        # the heads' packed rows, then the decay input f_a (shared by every head: each rank computes it)
+        for rows in ((0, kda_in_rows(cfg)),) if self.world == 1 else ((hr0 * hw, hr1 * hw), (nh * hw, nh * hw + dk)):
+            self.norm_proj(layer, NormRole.KDA_IN, x_in, pre + "input_layernorm.weight", w_in, rows, mixer_proj,
+                           rows[0], t.kda_in_rows, f"L{layer}.kda_in", "kda")
         conv = self.buf(state_name(layer, "conv"), Kind.STATE, (B, 3, Pd * (Wc - 1)), self.act)
         S = self.buf(state_name(layer, "S"), Kind.STATE, (B, nh, dk * dk), acc)
         fb = self.weight(pre + "self_attn.f_b_proj.weight", (Pd, dk))
@@ -392,7 +452,7 @@ class _StepBuilder:
         alog = self.weight(pre + "self_attn.A_log", (nh,))
         cw = self.weight(packed_name(layer, "kda_conv"), (3, Pd * Wc))
         onorm = self.weight(pre + "self_attn.o_norm.weight", (dk,))
-        for (h0, h1), (b0, b1) in product(_split(nh, t.kda_heads), _split(B, t.kda_batch_rows)):
+        for (h0, h1), (b0, b1) in product(_span(hr0, hr1, t.kda_heads), _split(B, t.kda_batch_rows)):
             n, nb = h1 - h0, b1 - b0
             ops = [self.op(mixer_proj, R, (b0, b1, 0, 1, h0 * hw, h1 * hw)),
                    self.op(mixer_proj, R, (b0, b1, 0, 1, nh * hw, nh * hw + dk)),
@@ -410,12 +470,13 @@ class _StepBuilder:
             self.add(Op.KDA_STEP, layer, (h0, h1, b0, b1), ops, f"L{layer}.kda",
                      {(layer, "kda"): [wts, state_bytes, nb * n * (hw + dk) * ab,
                                        nb * n * (2.0 * dk * dk + 7.0 * dk * dk + 30.0 * dk)]})
-        return Pd, "kda"
+        return Pd, (hr0 * dk, hr1 * dk), "kda"
 
     def mla_mixer(self, layer: int, x_in: Operand) -> tuple[int, str]:
         """MLA (absorbed): input projections per segment, the latent-cache append, absorbed queries, split-context
         partial attention and the reduce with the value up-projection. Returns the o_proj input width and the
-        cost block."""
+        cost block. Across ranks each rank computes the shared q / kv LoRA projections and cache append, and only
+        its own heads' queries, attention and gate."""
         cfg, B, H, ab, acc, t = self.cfg, self.B, self.H, self.ab, self.acc, self.t
         T, ctx = self.max_seq_len, self.ctx
         pre = f"model.layers.{layer}."
@@ -424,8 +485,11 @@ class _StepBuilder:
         ql, kvl, rope = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         nope, dv, qk = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_head_dim
         seg = mla_in_segments(cfg)
+        hr0, hr1 = self.part(nh, "num_attention_heads")  # this rank's heads
         w_in = self.weight(packed_name(layer, "mla_in"), (seg["g"][1], H))
-        for name, (s0, s1) in seg.items():  # one group per segment: q_a, kv_a and the gate finish separately
+        rank_seg = dict(seg, g=(seg["g"][0] + hr0 * dv, seg["g"][0] + hr1 * dv) if seg["g"][1] > seg["g"][0]
+                        else seg["g"])
+        for name, (s0, s1) in rank_seg.items():  # one group per segment: q_a, kv_a and the gate finish separately
             if s1 > s0:
                 self.norm_proj(layer, NormRole.MLA_IN, x_in, pre + "input_layernorm.weight", w_in, (s0, s1),
                                mixer_proj, s0, t.mla_in_rows, f"L{layer}.mla_in.{name}", "mla")
@@ -445,7 +509,7 @@ class _StepBuilder:
         chunk = _ceil_div(T, nsplit)
         splits = _split(T, chunk)
         part = self.buf("mla_part", Kind.ACT, (B, nh, len(splits) * (kvl + 2)), acc)
-        for h0, h1 in _split(nh, t.mla_heads):
+        for h0, h1 in _span(hr0, hr1, t.mla_heads):
             n = h1 - h0
             self.add(Op.MLA_Q, layer, (h0, h1), [
                 self.op(mixer_proj, R, (0, B, 0, 1, *seg["q_a"])), self.op(qn, P),
@@ -457,7 +521,7 @@ class _StepBuilder:
                                   B * (ql + n * (kvl + rope)) * ab, 2.0 * B * n * (qk * ql + nope * kvl)]})
         for si, (t0, t1) in enumerate(splits):
             filled = max(0, min(ctx, t1) - t0)
-            for (h0, h1), (b0, b1) in product(_split(nh, t.mla_partial_heads), _split(B, t.mla_batch_rows)):
+            for (h0, h1), (b0, b1) in product(_span(hr0, hr1, t.mla_partial_heads), _split(B, t.mla_batch_rows)):
                 n, nb = h1 - h0, b1 - b0
                 self.add(Op.MLA_PARTIAL, layer, (h0, h1, si, b0), [
                     self.op(mla_q, R, (b0, b1, h0, h1, 0, kvl + rope)), self.op(self.pos, R, (b0, b1, 0, 1, 0, 1)),
@@ -468,7 +532,7 @@ class _StepBuilder:
                                       nb * n * (kvl + rope) * ab + nb * n * (kvl + 2) * 4,
                                       2.0 * nb * n * filled * (kvl + rope + kvl)]})
         gseg = seg["g"]
-        for h0, h1 in _split(nh, t.mla_heads):
+        for h0, h1 in _span(hr0, hr1, t.mla_heads):
             n = h1 - h0
             ops = [self.op(part, R, (0, B, h0, h1, 0, len(splits) * (kvl + 2))),
                    self.op(wuv, P, (0, 1, h0 * dv, h1 * dv, 0, kvl))]
@@ -479,7 +543,7 @@ class _StepBuilder:
                      {(layer, "mla"): [n * dv * kvl * _BPW, 0,
                                        B * n * (len(splits) * (kvl + 2) * 4 + 2 * dv * ab),
                                        2.0 * B * n * dv * kvl]})
-        return nh * dv, "mla"
+        return nh * dv, (hr0 * dv, hr1 * dv), "mla"
 
     def dense_ffn(self, layer: int, blk: int, mlp_h: int) -> None:
         """Dense MLP: gate/up tiles into ``mlp_h``, then down-projection column tiles added to the stream."""
@@ -491,16 +555,21 @@ class _StepBuilder:
         g = self.weight(pre + "mlp.gate_proj.weight", (Id, H))
         u = self.weight(pre + "mlp.up_proj.weight", (Id, H))
         d = self.weight(pre + "mlp.down_proj.weight", (H, Id))
-        self.gate_up(layer, NormRole.DENSE, x_ffn, pre + "post_attention_layernorm.weight", g, u, Id,
+        ir = self.part(Id, "intermediate_size")  # this rank's hidden channels: its down-projection is a partial
+        self.gate_up(layer, NormRole.DENSE, x_ffn, pre + "post_attention_layernorm.weight", g, u, ir,
                      max(1, rows_t // 2), mlp_h, f"L{layer}.mlp_up", "dense_mlp")
         self.out_cols(layer, Op.FFN_OUT, FFN_MLP, blk + 1,
-                      [([self.op(mlp_h, R, (0, B, 0, 1, 0, Id))], d, "dense_mlp")], f"L{layer}.ffn_out",
+                      [([self.op(mlp_h, R, (0, B, 0, 1, *ir))], d, ir, "dense_mlp")], f"L{layer}.ffn_out",
                       accumulate=True)
 
     def moe_ffn(self, layer: int, blk: int, mlp_h: int) -> None:
         """Latent MoE: router logits, latent down-projection and shared-expert gate/up (all from the same normed
         input), routing, routed experts over the selected slots in the latent space, and one FFN_OUT that sums
-        the latent up-projection and the shared experts' down-projection into the stream."""
+        the latent up-projection and the shared experts' down-projection into the stream. Across ranks every rank
+        routes every token (the router and latent down-projection are replicated, so the experts need no
+        dispatch), runs its own experts into an fp32 latent partial pushed to every rank, and its FFN_OUT sums the
+        partials in rank order before the latent norm; its share of the latent up-projection's inputs and of the
+        shared experts' channels makes its output a partial for the next all-reduce."""
         cfg, B, H, ab, acc, t = self.cfg, self.B, self.H, self.ab, self.acc, self.t
         pre = f"model.layers.{layer}."
         post = pre + "post_attention_layernorm.weight"
@@ -509,7 +578,8 @@ class _StepBuilder:
         E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
         Dl, Ie = cfg.moe_latent_size, cfg.moe_intermediate_size
         Is = Ie * cfg.n_shared_experts
-        Dmax = min(E, B * k)
+        e0, e1 = self.part(E, "n_routed_experts")  # this rank's experts
+        Dmax = min(e1 - e0, B * k)
         mp = pre + "block_sparse_moe."
         logits_r = self.buf("router_logits", Kind.ACT, (B, 1, E), acc)
         xl = self.buf("moe_xl", Kind.ACT, (B, 1, Dl), self.act)
@@ -522,13 +592,13 @@ class _StepBuilder:
         if Is:
             sg = self.weight(mp + "shared_experts.gate_proj.weight", (Is, H))
             su = self.weight(mp + "shared_experts.up_proj.weight", (Is, H))
-            self.gate_up(layer, NormRole.SHARED, x_ffn, post, sg, su, Is, max(1, rows_t // 2), mlp_h,
-                         f"L{layer}.shared_up", "shared_experts")
+            self.gate_up(layer, NormRole.SHARED, x_ffn, post, sg, su, self.part(Is, "shared expert channels"),
+                         max(1, rows_t // 2), mlp_h, f"L{layer}.shared_up", "shared_experts")
         bias = self.weight(mp + "gate.e_score_correction_bias", (E,))
         sel = self.buf("moe_sel", Kind.ACT, (1, 1, Dmax), torch.int64)
         mw = self.buf("moe_w", Kind.ACT, (B, 1, Dmax), acc)
         use = self.buf("moe_use", Kind.ACT, (B, 1, Dmax), torch.bool)
-        self.add(Op.ROUTER, layer, (),
+        self.add(Op.ROUTER, layer, (e0, e1) if self.world > 1 else (),
                  [self.op(logits_r, R), self.op(bias, P), self.op(sel, W), self.op(mw, W), self.op(use, W)],
                  f"L{layer}.router", {(layer, "router"): [E * 4.0, 0, B * E * 4 + B * Dmax * 5 + Dmax * 8,
                                                           B * E * 8.0]})
@@ -537,7 +607,7 @@ class _StepBuilder:
         # (operand roles: kimik3.kernels.contracts.isa.MXFP4_OPERANDS)
         w1, w3, w2 = (self.expert_weight(layer, w, E, rows, cols)
                       for w, rows, cols in (("w1", Ie, Dl), ("w3", Ie, Dl), ("w2", Dl, Ie)))
-        distinct = E * (1.0 - (1.0 - k / E) ** B)  # expected distinct experts (spec §8), for the raw split
+        distinct = E * (1.0 - (1.0 - k / E) ** B) / self.world  # expected distinct experts (spec §8) of this rank
         active = distinct / Dmax  # chance that a slot holds an expert this step
         pairs_per_slot = B * k / Dmax  # expected (token, expert) pairs per slot
         for s0, s1 in _split(Dmax, t.expert_slots):
@@ -551,25 +621,35 @@ class _StepBuilder:
                     {(layer, "experts"): [ns * active * 2 * n * Dl * _BPW, 0,
                                           ns * pairs_per_slot * (Dl + n) * ab,
                                           ns * pairs_per_slot * 4.0 * n * Dl]})
-        acc_b = self.buf("moe_acc", Kind.ACT, (B, 1, Dl), self.act)
+        one = self.world == 1
+        if one:
+            acc_b = self.buf("moe_acc", Kind.ACT, (B, 1, Dl), self.act)
+        row = mailbox_row(0, self.shard.rank, self.world)  # (MOE_SLOTS = 1: the slot is rewritten a layer later)
         for r0, r1 in _split(Dl, t.expert_down_rows):
             n = r1 - r0
             w2c, w2s = self.expert_rows(w2, r0, r1)
+            out = self.op(acc_b, W, (0, B, 0, 1, r0, r1)) if one else \
+                self.op(self.moe_mbox, W | Mode.PUSH, (row, row + 1, 0, B, r0, r1))
             self.add(Op.EXPERT_DOWN, layer, (0, 0, r0, r1), [
-                self.op(mh, R), self.op(sel, R), self.op(use, R), self.op(mw, R), w2c,
-                self.op(acc_b, W, (0, B, 0, 1, r0, r1)), *w2s], f"L{layer}.expert_down",
+                self.op(mh, R), self.op(sel, R), self.op(use, R), self.op(mw, R), w2c, out, *w2s],
+                f"L{layer}.expert_down",
                 {(layer, "experts"): [distinct * n * Ie * _BPW, 0, B * k * (Ie * ab) + B * n * ab,
                                       2.0 * B * k * n * Ie]})
         up = self.weight(mp + "routed_expert_up_proj.weight", (H, Dl))
-        routed = [self.op(acc_b, R)]
         flags = FFN_ROUTED
+        if one:
+            routed = [self.op(acc_b, R)]
+        else:
+            routed = [self.op(self.moe_mbox, R, (0, self.world, 0, B, 0, Dl))]
+            flags |= FFN_PEER_SUM
         if cfg.moe_latent_norm:
             routed.append(self.op(self.weight(mp + "routed_expert_norm.weight", (Dl,)), P))
             flags |= FFN_LATENT_NORM
-        sources = [(routed, up, "moe_latent")]
+        sources = [(routed, up, self.part(Dl, "moe_latent_size"), "moe_latent")]
         if Is:
             sd = self.weight(mp + "shared_experts.down_proj.weight", (H, Is))
-            sources.append(([self.op(mlp_h, R, (0, B, 0, 1, 0, Is))], sd, "shared_experts"))
+            sr = self.part(Is, "shared expert channels")
+            sources.append(([self.op(mlp_h, R, (0, B, 0, 1, *sr))], sd, sr, "shared_experts"))
             flags |= FFN_MLP
         self.out_cols(layer, Op.FFN_OUT, flags, blk + 1, sources, f"L{layer}.ffn_out", accumulate=True)
 
@@ -579,39 +659,56 @@ class _StepBuilder:
         cfg, B, H, L, V, acc = self.cfg, self.B, self.H, self.cfg.num_hidden_layers, self.cfg.vocab_size, self.acc
         nblocks = cfg.attn_res_slots
         self.attn_res(L, Site.OUTPUT, nblocks + 1, "model.output_attn_res_norm.weight",
-                      "model.output_attn_res_proj.weight", "out.mix")
+                      "model.output_attn_res_proj.weight", "out.mix", start=False)
         lm = self.weight("lm_head.weight", (V, H))
         fn = self.weight("model.norm.weight", (H,))
-        tiles = _split(V, self.t.lm_rows)
+        v0, v1 = self.part(V, "vocab_size")  # this rank's vocabulary rows (its logits columns)
+        tiles = _span(v0, v1, self.t.lm_rows)
         logits = self.buf("logits", Kind.OUTPUT, (B, 1, V), acc)
-        bv = self.buf("lm_best_val", Kind.ACT, (B, 1, len(tiles)), acc)
-        bi = self.buf("lm_best_idx", Kind.ACT, (B, 1, len(tiles)), torch.int64)
+        one = self.world == 1
+        if one:  # the tiles' bests, or on a rank of several pushed to every rank: [source rank, batch, tile]
+            bv = self.buf("lm_best_val", Kind.ACT, (B, 1, len(tiles)), acc)
+            bi = self.buf("lm_best_idx", Kind.ACT, (B, 1, len(tiles)), torch.int64)
+        else:
+            bv = self.buf("mbox.lm_best_val", Kind.MAILBOX, (self.world, B, len(tiles)), acc)
+            bi = self.buf("mbox.lm_best_idx", Kind.MAILBOX, (self.world, B, len(tiles)), torch.int64)
         nxt = self.buf("next_token", Kind.OUTPUT, (B, 1, 1), torch.int64)
+        me = self.shard.rank
         for ti, (r0, r1) in enumerate(tiles):
             n = r1 - r0
+            best = [self.op(bv, W, (0, B, 0, 1, ti, ti + 1)), self.op(bi, W, (0, B, 0, 1, ti, ti + 1))] if one else \
+                [self.op(b, W | Mode.PUSH, (me, me + 1, 0, B, ti, ti + 1)) for b in (bv, bi)]
             self.add(Op.LM_HEAD, L, (ti, 0, r0, r1), [
                 self.op(self.mix, R), self.op(fn, P), self.op(lm, P, (0, 1, r0, r1, 0, H)),
-                self.op(logits, W, (0, B, 0, 1, r0, r1)),
-                self.op(bv, W, (0, B, 0, 1, ti, ti + 1)), self.op(bi, W, (0, B, 0, 1, ti, ti + 1))], "out.lm_head",
+                self.op(logits, W, (0, B, 0, 1, r0, r1)), *best], "out.lm_head",
                 {(L, "lm_head"): [n * H * _BPW, 0, B * (H * self.ab + n * 4), 2.0 * B * n * H],
                  (L, "final_norm"): [H * _BPW, 0, 0, 4.0 * B * H]})
-        self.add(Op.ARGMAX, L, (), [self.op(bv, R), self.op(bi, R), self.op(nxt, W)], "out.argmax",
-                 {(L, "lm_head"): [0, 0, B * len(tiles) * 12.0, B * len(tiles) * 1.0]})
+        nt = len(tiles) * self.world
+        if one:
+            self.add(Op.ARGMAX, L, (), [self.op(bv, R), self.op(bi, R), self.op(nxt, W)], "out.argmax",
+                     {(L, "lm_head"): [0, 0, B * nt * 12.0, B * nt * 1.0]})
+        else:
+            self.add(Op.ARGMAX_ALL, L, (), [self.op(bv, R), self.op(bi, R), self.op(nxt, W)], "out.argmax",
+                     {(L, "lm_head"): [0, 0, B * nt * 12.0, B * nt * 1.0]})
 
 
 def build_step(cfg: ModelConfig | str, batch: int, max_seq_len: int = 4096, tiling: Tiling | None = None,
                num_sms: int = 132, act_dtype: torch.dtype = torch.bfloat16, context_len: int | None = None,
-               expert_format: str = "dense") -> StepSpec:
+               expert_format: str = "dense", shard: Shard = SINGLE) -> StepSpec:
     """All instructions of one decode step, in sequential (reference) order. ``expert_format``: how the routed
-    experts are stored (``"dense"`` or ``"mxfp4"``, :mod:`kimik3.megakernel.layout`)."""
+    experts are stored (``"dense"`` or ``"mxfp4"``, :mod:`kimik3.megakernel.layout`); ``shard``: the rank of a
+    deployment to build for (:mod:`kimik3.megakernel.ranks`; default one GPU)."""
     cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
     check_supported(cfg)
     check_expert_format(cfg, expert_format)
+    if not isinstance(shard, Shard):
+        raise ValueError(f"shard must be a kimik3.megakernel.ranks.Shard, got {type(shard).__name__}")
+    shard.check(cfg)
     if not 1 <= batch:
         raise ValueError(f"batch must be >= 1, got {batch}")
     t = tiling or Tiling.auto(cfg, batch, num_sms, max_seq_len)
     b = _StepBuilder(cfg, batch, max_seq_len, t, act_dtype, max_seq_len if context_len is None else context_len,
-                     expert_format)
+                     expert_format, shard)
     b.embedding()
     for layer in range(cfg.num_hidden_layers):
         b.layer(layer)

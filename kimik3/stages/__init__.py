@@ -29,8 +29,9 @@ def register_stage(cls: type[Stage]) -> type[Stage]:
 # Stages that live outside this package and register themselves on import (kept lazy: importing
 # kimik3.scale.expert_parallel here would make `python -m kimik3.scale.expert_parallel` warn about a module already
 # imported).
-_LAZY_STAGES = {"expert-parallel": "kimik3.scale.expert_parallel", "megakernel-interp": "kimik3.megakernel.interpreter",
-                "megakernel-cpu": "kimik3.megakernel.cpu", "megakernel": "kimik3.megakernel.gpu"}
+_LAZY_STAGES = {"expert-parallel": "kimik3.scale.expert_parallel",
+                "megakernel-interp": "kimik3.megakernel.interp_ranks", "megakernel-cpu": "kimik3.megakernel.cpu",
+                "megakernel": "kimik3.megakernel.gpu"}
 
 
 def get_stage(name: str) -> type[Stage]:

@@ -1,0 +1,81 @@
+"""One rank of a tensor- × expert-parallel deployment: which slice of the step a rank program builds (§1.2).
+
+:class:`Shard` names the rank and the layout; :meth:`Shard.part` cuts a dimension (heads, experts, hidden channels,
+vocabulary rows) into the rank's contiguous share. The layout built is the seeds' one: attention heads
+tensor-parallel and routed experts expert-parallel over the same ``world`` ranks, activations replicated, so the
+experts need no dispatch and the step's collectives are two all-reduces per layer, the LatentMoE's latent-space
+combine and the vocabulary arg-max. Why this layout and not data-parallel attention:
+docs/architecture.md#megakernel-across-ranks. The gate refuses a model it cannot cut evenly, naming the dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kimik3.kernels.contracts.peers import MAX_WORLD
+from kimik3.model.config import ModelConfig
+
+__all__ = ["LAYOUTS", "Shard", "SINGLE"]
+
+LAYOUTS = ("tp-attention+ep-experts",)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank ``rank`` of a deployment with attention heads over ``tp`` ranks and routed experts over ``ep`` ranks.
+    Built: ``tp == ep`` (the same ranks hold both); ``Shard()`` is the single-GPU program."""
+
+    tp: int = 1
+    ep: int = 1
+    rank: int = 0
+    layout: str = LAYOUTS[0]
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "ep", "rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"Shard.{name} must be an int, got {type(v).__name__} {v!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; built: {', '.join(LAYOUTS)} (data-parallel attention "
+                             "is modelled, not built: docs/architecture.md#megakernel-across-ranks)")
+        if not 1 <= self.tp <= MAX_WORLD or not 1 <= self.ep <= MAX_WORLD:
+            raise ValueError(f"tp={self.tp}, ep={self.ep}: each must lie in 1..{MAX_WORLD}")
+        if self.tp != self.ep:
+            raise ValueError(f"tp={self.tp} != ep={self.ep}: the built layout puts attention heads and experts on "
+                             "the same ranks (tp == ep); attention data-parallel groups are not built")
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} outside a world of {self.world} ranks")
+
+    @property
+    def world(self) -> int:
+        return self.tp
+
+    def part(self, total: int, what: str) -> tuple[int, int]:
+        """The rank's contiguous share ``[lo, hi)`` of ``total`` (``what`` names it in the refusal)."""
+        if total % self.world:
+            raise ValueError(f"{what} = {total} does not split evenly over {self.world} ranks: this model cannot be "
+                             f"laid out {self.layout} at world {self.world}")
+        n = total // self.world
+        return self.rank * n, (self.rank + 1) * n
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Refuse a config whose sharded dimensions do not split evenly (every rank builds the same tiles)."""
+        if self.world == 1:
+            return
+        dims = {"num_attention_heads": cfg.num_attention_heads if cfg.mla_layers else 0,
+                "kda_num_heads": cfg.kda_num_heads if cfg.kda_layers else 0,
+                "n_routed_experts": cfg.n_routed_experts if cfg.moe_layers else 0,
+                "moe_latent_size": (cfg.moe_latent_size or 0) if cfg.moe_layers else 0,
+                "shared expert channels": cfg.moe_intermediate_size * cfg.n_shared_experts if cfg.moe_layers else 0,
+                "intermediate_size": cfg.intermediate_size if any(cfg.ffn(i) == "dense"
+                                                                   for i in range(cfg.num_hidden_layers)) else 0,
+                "vocab_size": cfg.vocab_size}
+        for what, total in dims.items():
+            if total:
+                self.part(total, what)
+        if cfg.moe_layers and not cfg.moe_latent_size:
+            raise ValueError("a rank program sums the routed experts across ranks in the latent space: the model has "
+                             "no moe_latent_size (LatentMoE); a full-width combine is not built")
+
+
+SINGLE = Shard()
