@@ -51,8 +51,8 @@ class Op(enum.IntEnum):
     ARGMAX_ALL = 18  # the next greedy token from every vocabulary shard's per-tile (max, argmax) pairs
 
 
-# the collective opcodes; the device code and the native CPU executor implement DEVICE_OPS and refuse a program
-# holding any other (the GPU side of the collectives is built apart from the host side)
+# the collective opcodes; the device code implements DEVICE_OPS and refuses a program holding any other (the GPU
+# side of the collectives is built apart from the host side; the CPU executors run them all)
 COLLECTIVE_OPS = frozenset({Op.ALLREDUCE_MIX, Op.ARGMAX_ALL})
 DEVICE_OPS = tuple(op for op in Op if op != Op.NOP and op not in COLLECTIVE_OPS)
 

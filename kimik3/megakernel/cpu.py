@@ -20,12 +20,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-from kimik3.kernels.contracts.isa import DEVICE_OPS
 from kimik3.megakernel import instructions as enc
 from kimik3.megakernel.hazards import check_program, format_violations
 from kimik3.megakernel.instructions import (
@@ -38,6 +38,8 @@ from kimik3.megakernel.instructions import (
     encode_program,
 )
 from kimik3.megakernel.layout import check_supported, expert_weight_names, program_tensors, state_views
+from kimik3.megakernel.peer_memory import PeerMemory
+from kimik3.megakernel.ranks import SINGLE, Shard
 from kimik3.megakernel.scheduler import POLICIES, build_program
 from kimik3.megakernel.stage_base import ProgramStage
 from kimik3.megakernel.step import Tiling
@@ -64,7 +66,7 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("cpu_executor.cpp")
 MAX_BATCH = 64  # the executor's capacity (cpu_executor.cpp MAX_BATCH)
-ABI_VERSION = 2
+ABI_VERSION = 3
 DEFAULT_TIMEOUT_S = 10.0  # a wait that spins this long is a hang: the step fails with a per-worker dump
 # EXPERT_FORMATS (the program's, kernels/contracts/isa.py): option experts="dense" streams the routed experts in the
 # model's dtype; "mxfp4" as MXFP4 (E2M1 codes + an E8M0 scale per 32 weights, 4.25 bits per weight, the K3 release's
@@ -118,7 +120,8 @@ def encoding_header() -> str:
     for name in ("MAGIC", "VERSION", "HEADER_WORDS", "INSTR_WORDS", "BUFFER_WORDS", "COUNTER_WORDS",
                  "OPERAND_WORDS", "MAX_OPERANDS", "MAX_WAITS", "W_OP", "W_LAYER", "W_SM", "W_QPOS", "W_ARGS",
                  "W_SIGNAL", "W_AMOUNT", "W_NWAITS", "W_WAITS", "W_NOPS", "W_OPS", "FFN_ROUTED", "FFN_MLP",
-                 "FFN_LATENT_NORM"):
+                 "FFN_LATENT_NORM", "FFN_PEER_SUM", "W_PEER_LO", "W_PEER_HI", "CW_TOTAL", "CW_SOURCES", "H_RANK",
+                 "H_WORLD"):
         value = getattr(src, name) if hasattr(src, name) else _SCHEDULER_FLAGS[name]
         lines.append(f"#define {name} {int(value)}")
     for i, f in enumerate(HEADER_FIELDS):  # header word indices: the contract's H_* where it names them
@@ -130,7 +133,7 @@ def encoding_header() -> str:
         lines.append(f"#define OP_{op.name} {int(op)}")
     for kind in src.Kind:
         lines.append(f"#define KIND_{kind.name} {int(kind)}")
-    for mode in (src.Mode.READ, src.Mode.WRITE, src.Mode.PREFETCH):
+    for mode in (src.Mode.READ, src.Mode.WRITE, src.Mode.PREFETCH, src.Mode.PUSH):
         lines.append(f"#define MODE_{mode.name} {int(mode)}")
     for i, p in enumerate(PARAMS):
         lines.append(f"#define P_{p.upper()} {i}")
@@ -226,6 +229,10 @@ def load_library() -> ctypes.CDLL:
         lib.mk_header.restype = I32
         lib.mk_create.argtypes = [P, I64, P, P, P, I64, I32, P, I32, P]
         lib.mk_create.restype = P
+        lib.mk_create_rank.argtypes = [P, I64, P, P, P, I64, I32, P, I32, P, I32, I32, P, P, P]
+        lib.mk_create_rank.restype = P
+        lib.mk_counter_words.argtypes = [P]
+        lib.mk_counter_words.restype = I64
         lib.mk_set_addrs.argtypes = [P, P]
         lib.mk_reset_counters.argtypes = [P]
         lib.mk_counters.argtypes = [P, P]
@@ -293,7 +300,7 @@ class CPUMegakernel:
     def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, num_workers: int | None = None,
                  policy: str = "critical_path", tiling: Tiling | None = None, check: bool = True,
                  program: Program | None = None, pin: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 experts: str = "dense") -> None:
+                 experts: str = "dense", shard: Shard = SINGLE, peer_memory: PeerMemory | None = None) -> None:
         if model.device.type != "cpu":
             raise ValueError(f"the CPU megakernel runs on the CPU, not on {model.device.type}")
         if model.dtype not in (torch.float32, torch.bfloat16):
@@ -308,10 +315,8 @@ class CPUMegakernel:
             raise ValueError("this model holds its routed experts as MXFP4: run megakernel-cpu with experts='mxfp4' "
                              "(the executor then streams the held codes and scales as they are) or call "
                              f"model.dequantize_experts() first ({model.expert_memory()})")
-        if program is not None and (program.world > 1 or any(i.op not in DEVICE_OPS for i in program.instructions)):
-            raise ValueError(f"{program}: the CPU executor runs one GPU's program (opcodes {DEVICE_OPS[0].name}.."
-                             f"{DEVICE_OPS[-1].name}); the rank programs of a deployment run in stage "
-                             "megakernel-interp (world=...)")
+        if program is not None and (program.world, program.rank) != (shard.world, shard.rank):
+            raise ValueError(f"{program} given with shard {shard}: build a rank program with its shard")
         if program is not None and program.expert_format != "dense":
             raise ValueError(f"the CPU executor reads programs with dense expert operands (got expert_format "
                              f"{program.expert_format!r}); MXFP4 experts stream through experts='mxfp4' instead")
@@ -326,7 +331,14 @@ class CPUMegakernel:
             raise ValueError(f"num_sms (worker threads) must be >= 1, got {self.num_workers}")
         self.model, self.cfg, self.batch = model, cfg, batch_size
         self.program = program if program is not None else build_program(
-            cfg, batch_size, self.num_workers, policy, max_seq_len, tiling, act_dtype=model.dtype)
+            cfg, batch_size, self.num_workers, policy, max_seq_len, tiling, act_dtype=model.dtype, shard=shard)
+        self.shard = shard
+        if shard.world > 1 and (peer_memory is None or peer_memory.world != shard.world):
+            raise ValueError(f"rank {shard.rank} of {shard.world} needs the deployment's PeerMemory "
+                             "(kimik3.megakernel.peer_memory) for its mailboxes and counters")
+        if shard.world > 1 and experts != "dense":
+            raise ValueError("a rank program streams dense experts (experts='mxfp4' runs one GPU's program)")
+        self.peers = peer_memory
         if program is not None:
             self.num_workers = program.num_sms
         if check:
@@ -338,11 +350,17 @@ class CPUMegakernel:
         # experts the model holds as MXFP4: {dense buffer name: (codes, scales)}, the model's own bytes
         self._held = self._held_experts(model)
         self.tensors: dict[str, torch.Tensor] = program_tensors(
-            [b for b in self.program.buffers if b.name not in self._held], model)
+            [b for b in self.program.buffers if b.name not in self._held and b.kind != Kind.MAILBOX], model)
+        for k, spec in enumerate(self.program.buffers):  # this rank's mailboxes: its part of the shared segment
+            if spec.kind == Kind.MAILBOX:
+                if self.peers is None:
+                    raise ValueError(f"{self.program} declares mailbox {spec.name} but has no PeerMemory")
+                self.tensors[spec.name] = self.peers.mailbox(shard.rank, k)
         for spec in self.program.buffers:
             if spec.name in self.tensors:
                 self._check_buffer(spec.name, self.tensors[spec.name], spec.shape, spec.dtype)
         self._scratch = [self.tensors[s.name] for s in self.program.buffers if s.kind in (Kind.ACT, Kind.OUTPUT)]
+        # (a rank's mailboxes are never poisoned by the host: a peer may already be writing its next step's data)
         # routed experts as MXFP4: packed codes and scales the executor streams instead of the dense buffers
         self.experts = experts
         self._mx: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -363,8 +381,10 @@ class CPUMegakernel:
         self.params = torch.tensor(model_params(model), dtype=torch.float64)
         self.n = len(self.program.instructions)
         self._timings = torch.zeros(max(1, self.n), 3, dtype=torch.int64)
+        self._peer_wait = torch.zeros(max(1, self.n), dtype=torch.int64)  # ns waited on cross-rank counters
         self._addr = torch.zeros(max(1, len(self.program.buffers)), dtype=torch.int64)
         self.steps_done = 0
+        self.last_step_s = float("nan")
         self.broken: str | None = None
         self._handle = None
         self._lib = load_library()
@@ -414,10 +434,13 @@ class CPUMegakernel:
             self._addr[k] = t.data_ptr()
         if self._handle is None:
             p = self.encoded
-            h = self._lib.mk_create(p.data_ptr(), p.numel(), self._addr.data_ptr(), self._mx_addr.data_ptr(),
-                                    self.params.data_ptr(),
-                                    self.params.numel(), int(self._pin), self._cpus.data_ptr(), self._cpus.numel(),
-                                    self._timings.data_ptr())
+            peer, ctr = self.peers.addresses() if self.peers is not None else (None, None)
+            h = self._lib.mk_create_rank(
+                p.data_ptr(), p.numel(), self._addr.data_ptr(), self._mx_addr.data_ptr(), self.params.data_ptr(),
+                self.params.numel(), int(self._pin), self._cpus.data_ptr(), self._cpus.numel(),
+                self._timings.data_ptr(), self.shard.rank, self.shard.world,
+                None if peer is None else peer.data_ptr(), None if ctr is None else ctr.data_ptr(),
+                self._peer_wait.data_ptr())
             if not h:
                 raise ValueError("the CPU megakernel refused the program: " + self._lib.mk_last_error().decode())
             self._handle = h
@@ -433,9 +456,11 @@ class CPUMegakernel:
         self.broken = None
 
     def counters(self) -> list[int]:
-        out = torch.zeros(max(1, len(self.program.counters)), dtype=torch.int64)
+        """This rank's counter words (one per local counter; one per source rank of a cross-rank counter)."""
+        n = self._lib.mk_counter_words(self._handle)
+        out = torch.zeros(max(1, n), dtype=torch.int64)
         self._lib.mk_counters(self._handle, out.data_ptr())
-        return out[: len(self.program.counters)].tolist()
+        return out[:n].tolist()
 
     def close(self) -> None:
         """Stop the worker threads (also on garbage collection)."""
@@ -467,7 +492,9 @@ class CPUMegakernel:
         self.tensors["pos"][:, 0, 0] = positions
         if poison_scratch:
             self.poison_scratch()
+        t0 = time.perf_counter()
         rc = self._lib.mk_run_step(self._handle, self.steps_done, self.timeout_s)
+        self.last_step_s = time.perf_counter() - t0  # the launch alone, wall clock
         if rc != 0:
             raise self._watchdog()
         self.steps_done += 1
@@ -475,19 +502,19 @@ class CPUMegakernel:
 
     def _watchdog(self) -> MegakernelCPUError:
         p = self.program
-        raw = torch.zeros(self.num_workers * 7, dtype=torch.int64)
+        raw = torch.zeros(self.num_workers * 8, dtype=torch.int64)
         self._lib.mk_dump(self._handle, raw.data_ptr())
-        rows = raw.view(self.num_workers, 7).tolist()
+        rows = raw.view(self.num_workers, 8).tolist()
         states = {0: "finished", 1: "gave up", 2: "abandoned its wait"}
         dump, lines = [], [f"megakernel-cpu watchdog in step {self.steps_done}: a wait spun past {self.timeout_s} s"]
-        for w, (state, qpos, qlen, v, c, target, seen) in enumerate(rows):
+        for w, (state, qpos, qlen, v, c, target, seen, word) in enumerate(rows):
             d = {"worker": w, "state": states.get(state, str(state)), "position": qpos, "length": qlen,
                  "instruction": v if v >= 0 else None, "counter": c if c >= 0 else None, "target": target,
                  "seen": seen}
             if v >= 0:
                 d["label"] = p.instructions[v].label()
             if c >= 0:
-                d["counter_name"] = p.counters[c].name
+                d["counter_name"] = p.counters[c].name + (f" (word of rank {word})" if p.counters[c].sources else "")
             dump.append(d)
             if state == 0:
                 lines.append(f"  worker {w}: finished all {qlen} instructions")
@@ -496,6 +523,10 @@ class CPUMegakernel:
                              f"counter {c} '{d.get('counter_name')}' needs {target}, saw {seen}")
         self.broken = lines[0]
         return MegakernelCPUError("\n".join(lines), dump)
+
+    def peer_wait_ns(self) -> torch.Tensor:
+        """The last step's ns per instruction spent waiting on cross-rank counters ``[N]`` (zero on one GPU)."""
+        return self._peer_wait[: self.n].clone()
 
     def timings(self) -> torch.Tensor:
         """The last step's timing buffer ``[N, 3]`` int64 (start ns, end ns, worker id), the GPU kernel's format."""
@@ -518,7 +549,11 @@ class MegakernelCPUStage(ProgramStage):
     (hazard-check the program once), ``pin`` (pin workers to cores), ``timeout_s`` (watchdog), ``poison``
     (NaN-fill scratch before each step, for tests), ``experts`` ("dense", or "mxfp4": the routed experts stream
     as MXFP4 — exact for a model whose experts came from an MXFP4 checkpoint, a quantisation otherwise; a model
-    holding its experts as MXFP4 needs "mxfp4", and its held bytes stream as they are). Prefill
+    holding its experts as MXFP4 needs "mxfp4", and its held bytes stream as they are), ``world`` (this process is
+    one rank of a tensor- × expert-parallel deployment of that many processes, in an initialised
+    ``torch.distributed`` group: its program's collectives run through a shared segment every rank maps; the
+    returned logits are put together from the ranks' vocabulary shards by a host all-gather after the step, outside
+    the timed launch). Prefill
     runs through the naive path token by token; the decode state is then shared with the executor, which updates
     it in place. Deterministic: every element is computed by one instruction in a fixed order, whatever the
     timing."""
@@ -529,13 +564,45 @@ class MegakernelCPUStage(ProgramStage):
 
     def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, num_sms: int | None = None,
                  policy: str = "critical_path", tiling: Tiling | None = None, check: bool = True, pin: bool = True,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, poison: bool = False, experts: str = "dense") -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, poison: bool = False, experts: str = "dense",
+                 world: int = 1) -> None:
         super().__init__(model, batch_size, max_seq_len)
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise ValueError(f"world must be a positive int, got {world!r}")
+        self.world, shard, peers, program = world, SINGLE, None, None
+        if world > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized() or dist.get_world_size() != world:
+                raise ValueError(f"megakernel-cpu with world={world} runs one rank per process: it needs an "
+                                 f"initialised torch.distributed group of {world} ranks (kimik3.scale.launch)")
+            shard = Shard(world, world, dist.get_rank())
+            workers = int(num_sms or default_workers())
+            program = build_program(model.config, batch_size, workers, policy, max_seq_len, tiling,
+                                    act_dtype=model.dtype, shard=shard)
+            peers = PeerMemory.rendezvous(program)
+            self.vocab = shard.part(model.config.vocab_size, "vocab_size")
         self.runner = CPUMegakernel(model, batch_size, max_seq_len, num_sms, policy, tiling, check, pin=pin,
-                                    timeout_s=timeout_s, experts=experts)
+                                    timeout_s=timeout_s, experts=experts, program=program, shard=shard,
+                                    peer_memory=peers)
         self.program = self.runner.program
         self.naive = NaiveStage(model, batch_size, max_seq_len)
         self.poison = poison
 
+    def _bind(self) -> None:
+        super()._bind()
+        if self.world > 1:  # no rank signals a peer's freshly reset counters before that peer has reset them
+            import torch.distributed as dist
+
+            dist.barrier()
+
     def _run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.runner.run_step(ids, positions, poison_scratch=self.poison)
+        logits = self.runner.run_step(ids, positions, poison_scratch=self.poison)
+        if self.world == 1:
+            return logits
+        import torch.distributed as dist
+
+        v0, v1 = self.vocab
+        parts = [torch.empty_like(logits[:, v0:v1]) for _ in range(self.world)]
+        dist.all_gather(parts, logits[:, v0:v1].contiguous())
+        return torch.cat(parts, 1)

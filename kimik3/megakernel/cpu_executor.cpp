@@ -51,7 +51,7 @@
 namespace mk {
 
 // Capacities of this executor (not of the encoding): batch rows gathered per expert, AttnRes candidates.
-constexpr int MAX_BATCH = 64, MAX_DEPTH = 64;
+constexpr int MAX_BATCH = 64, MAX_DEPTH = 64, MAX_WORLD = 128;
 
 // ------------------------------------------------------------------------------------------------ numerics
 
@@ -410,7 +410,7 @@ static void axpy(const Buf& w, int64_t off, float a, float* acc, int n) {
 
 struct WorkerDump {  // what the host reads after a failed step (written by the worker, read after the join)
   int64_t state = 0;  // 0 finished, 1 gave up (watchdog), 2 abandoned its wait (another worker gave up)
-  int64_t qpos = 0, qlen = 0, instr = -1, counter = -1, target = 0, seen = 0;
+  int64_t qpos = 0, qlen = 0, instr = -1, counter = -1, target = 0, seen = 0, word = 0;
 };
 
 struct Exec;
@@ -434,6 +434,14 @@ struct Exec {
   std::vector<int64_t> totals;
   std::vector<Buf> bufs;
   std::vector<double> par;
+  // a rank of a deployment (kernels/contracts/peers.py): every rank's copy of each MAILBOX buffer (null for other
+  // kinds) and every rank's counter memory, mapped from one shared segment; a single GPU's program has world 1
+  int rank = 0, world = 1;
+  std::vector<std::vector<char*>> peer_p;  // [rank][buffer]
+  std::vector<std::atomic<int64_t>*> ctr_of;  // [rank] -> its counter words
+  std::vector<int64_t> cbase, csrc;  // per counter: first word, sources (0: local)
+  int64_t words = 0;
+  int64_t* peer_wait = nullptr;  // N: ns the last step spent waiting on cross-rank counters (null: not recorded)
   // run state
   std::unique_ptr<std::atomic<int64_t>[]> ctr;
   int64_t* timings = nullptr;  // N x 3: start ns, end ns, worker
@@ -632,6 +640,12 @@ static void store_row(const Buf& b, int64_t i, const float* v, int n) {
     uint16_t* p = reinterpret_cast<uint16_t*>(b.p) + i;
     for (int c = 0; c < n; ++c) p[c] = f2bf(v[c]);
   }
+}
+
+// Element (batch row b, column c) of an output box: [b, 0, c] of an activation, [row, b, c] of a MAILBOX (its
+// dimension 0 is slot·world + source rank, the batch its dimension 1).
+static inline int64_t row_at(const Opnd& o, int b, int c) {
+  return o.b->kind == KIND_MAILBOX ? o.b->at(o.b0, o.r0 + b, o.c0 + c) : o.b->at(o.b0 + b, o.r0, o.c0 + c);
 }
 
 static void op_embed(Exec& ex, Worker&, const Opnd* o, const int32_t*) {
@@ -1076,16 +1090,16 @@ static void op_o_proj_residual(Exec& ex, Worker& wk, const Opnd* o, const int32_
   float* xv = wk.buf(wk.s0, static_cast<size_t>(nb) * K);
   load_rows(*x.b, x.b0, x.b1, 0, x.c0, K, xv);
   float* y = wk.buf(wk.s1, static_cast<size_t>(nb) * n);
-  gemv(*w.b, w.b->at(0, w.r0, 0), w.b->d2, n, xv, nb, K, y, n);
+  gemv(*w.b, w.b->at(0, w.r0, w.c0), w.b->d2, n, xv, nb, K, y, n);  // (w.c0: a rank's input columns)
   for (int b = 0; b < nb; ++b)
     for (int c = 0; c < n; ++c) {
-      const int64_t i = out.b->at(out.b0 + b, out.r0, out.c0 + c);
+      const int64_t i = row_at(out, b, c);
       const float v = rq(y[b * n + c], bf);
       out.b->set(i, a[0] ? rq(out.b->f(i) + v, bf) : v);
     }
 }
 
-static void op_router(Exec& ex, Worker& wk, const Opnd* o, const int32_t*) {
+static void op_router(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
   const Opnd &lg = o[0], &bias = o[1], &sel = o[2], &mw = o[3], &use = o[4];
   const int E = static_cast<int>(ex.par[P_E]), k = static_cast<int>(ex.par[P_TOPK]);
   const int B = lg.b1 - lg.b0, D = sel.c1 - sel.c0;
@@ -1119,8 +1133,9 @@ static void op_router(Exec& ex, Worker& wk, const Opnd* o, const int32_t*) {
       wt[b * k + j] *= rs;
     }
   }
-  std::vector<int> uniq;
-  for (int e = 0; e < E; ++e)
+  std::vector<int> uniq;  // (args 0, 1: a rank's experts [lo, hi); the others are left to their ranks)
+  const int lo = a[1] > a[0] ? a[0] : 0, hi = a[1] > a[0] ? a[1] : E;
+  for (int e = lo; e < hi; ++e)
     if (chosen[e]) uniq.push_back(e);
   int64_t* sp = sel.b->pi64();
   for (int j = 0; j < D; ++j) sp[sel.b->at(0, 0, j)] = j < static_cast<int>(uniq.size()) ? uniq[j] : -1;
@@ -1191,8 +1206,9 @@ static void op_expert_down(Exec& ex, Worker& wk, const Opnd* o, const int32_t*) 
       for (int r = 0; r < n; ++r) acc[rows[i] * n + r] += rq(y[i * n + r], bf) * w;
     }
   }
+  const bool keep = out.b->dt == DT_F32;  // a rank's fp32 partial for the cross-rank sum stays unrounded
   for (int b = 0; b < B; ++b)
-    for (int r = 0; r < n; ++r) out.b->set(out.b->at(b, 0, out.c0 + r), rq(acc[b * n + r], bf));
+    for (int r = 0; r < n; ++r) out.b->set(row_at(out, b, r), keep ? acc[b * n + r] : rq(acc[b * n + r], bf));
 }
 
 static void op_ffn_out(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
@@ -1202,21 +1218,30 @@ static void op_ffn_out(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
   float* sum = nullptr;
   int nb = 0, n = 0;
   auto add_source = [&](const Opnd& x, const Buf* norm, const Opnd& w) {
+    const bool peers = x.b->kind == KIND_MAILBOX;  // every rank's fp32 latent partial [source, batch, Dl]
     const int K = x.c1 - x.c0;
-    nb = x.b1 - x.b0;
+    nb = peers ? x.r1 - x.r0 : x.b1 - x.b0;
     n = w.r1 - w.r0;
     float* xv = wk.buf(wk.s0, static_cast<size_t>(nb) * K);
-    if (norm) {
-      float* raw = wk.buf(wk.s3, K);
-      for (int b = 0; b < nb; ++b) {
+    float* raw = wk.buf(wk.s3, K);
+    for (int b = 0; b < nb; ++b) {
+      float* xb = xv + static_cast<int64_t>(b) * K;
+      if (peers) {  // summed in rank order (the same on every rank), cast once
+        std::fill(raw, raw + K, 0.0f);
+        for (int r = x.b0; r < x.b1; ++r)
+          for (int c = 0; c < K; ++c) raw[c] += x.b->f(x.b->at(r, x.r0 + b, x.c0 + c));
+        for (int c = 0; c < K; ++c) raw[c] = rq(raw[c], bf);
+      } else {
         load_rows(*x.b, x.b0 + b, x.b0 + b + 1, 0, x.c0, K, raw);
-        rmsnorm(raw, K, *norm, 0, static_cast<float>(ex.par[P_EPS]), bf, xv + static_cast<int64_t>(b) * K);
       }
-    } else {
-      load_rows(*x.b, x.b0, x.b1, 0, x.c0, K, xv);
+      if (norm) rmsnorm(raw, K, *norm, 0, static_cast<float>(ex.par[P_EPS]), bf, xb);
+      else std::memcpy(xb, raw, sizeof(float) * K);
     }
+    // the weight's input columns: a rank's share of them (then of x's columns too), else all of them
+    const int kw = w.c1 - w.c0, k0 = w.c0 - (K == kw ? w.c0 : 0);
+    float* xs = xv + k0;
     float* y = wk.buf(wk.s1, static_cast<size_t>(nb) * n);
-    gemv(*w.b, w.b->at(0, w.r0, 0), w.b->d2, n, xv, nb, K, y, n);
+    gemv(*w.b, w.b->at(0, w.r0, w.c0), w.b->d2, n, xs, nb, kw, y, n, K);
     if (!sum) {
       sum = wk.buf(wk.s2, static_cast<size_t>(nb) * n);
       for (int i = 0; i < nb * n; ++i) sum[i] = rq(y[i], bf);
@@ -1233,11 +1258,11 @@ static void op_ffn_out(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
     add_source(o[k], nullptr, o[k + 1]);
     k += 2;
   }
-  const Opnd& st = o[k];
+  const Opnd& st = o[k];  // the stream's tile accumulates; a rank's partial (pushed) is written
   for (int b = 0; b < nb; ++b)
     for (int c = 0; c < n; ++c) {
-      const int64_t i = st.b->at(st.b0 + b, st.r0, st.c0 + c);
-      st.b->set(i, rq(st.b->f(i) + sum[b * n + c], bf));
+      const int64_t i = row_at(st, b, c);
+      st.b->set(i, (st.mode & MODE_READ) ? rq(st.b->f(i) + sum[b * n + c], bf) : sum[b * n + c]);
     }
 }
 
@@ -1256,8 +1281,8 @@ static void op_lm_head(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
       if (yb[r] > yb[best]) best = r;  // first maximum: the lowest vocabulary id among equals
     }
     std::memcpy(reinterpret_cast<float*>(lg.b->p) + lg.b->at(lg.b0 + b, 0, lg.c0), yb, sizeof(float) * n);
-    bv.b->set(bv.b->at(bv.b0 + b, 0, bv.c0), yb[best]);
-    bi.b->pi64()[bi.b->at(bi.b0 + b, 0, bi.c0)] = best + a[2];
+    bv.b->set(row_at(bv, b, 0), yb[best]);
+    bi.b->pi64()[row_at(bi, b, 0)] = best + a[2];
   }
 }
 
@@ -1268,6 +1293,36 @@ static void op_argmax(Exec&, Worker&, const Opnd* o, const int32_t*) {
     for (int t = bv.c0; t < bv.c1; ++t)
       if (bv.b->f(bv.b->at(b, 0, t)) > bv.b->f(bv.b->at(b, 0, best))) best = t;
     nx.b->pi64()[nx.b->at(b, 0, 0)] = bi.b->i64(bi.b->at(b, 0, best));
+  }
+}
+
+// Every rank's partial of these batch rows (mailbox [slot·world + source, batch, H]) summed in rank order into the
+// block's partial sum (stream entry K-1: started or accumulated, as its operand's mode says), then the AttnRes mix.
+static void op_allreduce_mix(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
+  const Opnd &mb = o[0], &ent = o[2];
+  const int H = mb.c1 - mb.c0;
+  const bool bf = bf_act(ex);
+  float* s = wk.buf(wk.s4, H);
+  for (int b = ent.b0; b < ent.b1; ++b) {
+    std::fill(s, s + H, 0.0f);
+    for (int r = mb.b0; r < mb.b1; ++r)
+      for (int c = 0; c < H; ++c) s[c] += mb.b->f(mb.b->at(r, b, c));
+    const int64_t i = ent.b->at(b, ent.r0, 0);
+    for (int c = 0; c < H; ++c) ent.b->set(i + c, rq((ent.mode & MODE_READ) ? ent.b->f(i + c) + s[c] : s[c], bf));
+  }
+  const Opnd mix_ops[4] = {Opnd{ent.b, MODE_READ, ent.b0, ent.b1, 0, ent.r1, 0, H}, o[3], o[4], o[5]};
+  op_attn_res_mix(ex, wk, mix_ops, a);
+}
+
+// The next token from every vocabulary shard's per-tile bests ([source, batch, tile], rank-major = ascending id).
+static void op_argmax_all(Exec&, Worker&, const Opnd* o, const int32_t*) {
+  const Opnd &bv = o[0], &bi = o[1], &nx = o[2];
+  for (int b = bv.r0; b < bv.r1; ++b) {
+    int br = bv.b0, bt = bv.c0;
+    for (int r = bv.b0; r < bv.b1; ++r)
+      for (int t = bv.c0; t < bv.c1; ++t)
+        if (bv.b->f(bv.b->at(r, b, t)) > bv.b->f(bv.b->at(br, b, bt))) br = r, bt = t;
+    nx.b->pi64()[nx.b->at(b, 0, 0)] = bi.b->i64(bi.b->at(br, b, bt));
   }
 }
 
@@ -1291,6 +1346,8 @@ static OpFn op_table(int op) {
     case OP_FFN_OUT: return op_ffn_out;
     case OP_LM_HEAD: return op_lm_head;
     case OP_ARGMAX: return op_argmax;
+    case OP_ALLREDUCE_MIX: return op_allreduce_mix;
+    case OP_ARGMAX_ALL: return op_argmax_all;
     default: return nullptr;
   }
 }
@@ -1330,6 +1387,20 @@ struct Prefetch {
   }
 };
 
+static inline int od_buf(const int32_t* row, int j) { return row[W_OPS + OPERAND_WORDS * j]; }
+
+// Copy an operand's box from this rank's copy of its mailbox to rank r's (element size from the dtype).
+static void push_box(Exec& ex, const Opnd& o, int buf, int r) {
+  const Buf& b = *o.b;
+  const int64_t es = b.dt == DT_F32 ? 4 : b.dt == DT_I64 ? 8 : b.dt == DT_BOOL ? 1 : 2;
+  char* dst = ex.peer_p[r][buf];
+  for (int i = o.b0; i < o.b1; ++i)
+    for (int k = o.r0; k < o.r1; ++k) {
+      const int64_t at = b.at(i, k, o.c0) * es;
+      std::memcpy(dst + at, b.p + at, (o.c1 - o.c0) * es);
+    }
+}
+
 // Walk queue w once: for each instruction wait (bounded spin), execute, signal. Returns normally also when the
 // watchdog tripped here or elsewhere (the dump says which).
 static void run_queue(Exec& ex, int w) {
@@ -1353,45 +1424,65 @@ static void run_queue(Exec& ex, int w) {
     }
     bool prefetching = false;
     const int nw = row[W_NWAITS];
+    int64_t peer_ns = 0;
+    // a wait on a cross-rank counter is one wait per source word (each written by its source rank alone)
     for (int j = 0; j < nw; ++j) {
       const int c = row[W_WAITS + 2 * j];
       const int64_t need = ex.step * ex.totals[c] + row[W_WAITS + 2 * j + 1];
-      int64_t seen = ex.ctr[c].load(std::memory_order_acquire);
-      if (seen >= need) continue;
-      const int64_t t_start = now_ns();
-      if (!prefetching) {
-        pf.init(ops, nops);
-        prefetching = true;
-      }
-      for (uint64_t spin = 1;; ++spin) {
-        if (pf.cur < pf.n && pf.budget > 0) pf.step();
-        else cpu_relax();
-        seen = ex.ctr[c].load(std::memory_order_acquire);
-        if (seen >= need) break;
-        if ((spin & 255) == 0) {
-          // every 256 polls give the core away: on a shared (or oversubscribed) machine the producer may be
-          // waiting for this very core
-          sched_yield();
-          const bool other = ex.error.load(std::memory_order_relaxed) != 0;
-          const bool late = now_ns() - t_start > ex.timeout_ns;
-          if (other || late) {
-            if (late) {  // the first worker to give up sets the error word; the others see it and leave
-              int expected = 0;
-              ex.error.compare_exchange_strong(expected, 1);
+      for (int64_t word = 0; word < std::max<int64_t>(1, ex.csrc[c]); ++word) {
+        std::atomic<int64_t>& cw = ex.ctr_of[ex.rank][ex.cbase[c] + word];
+        int64_t seen = cw.load(std::memory_order_acquire);
+        if (seen >= need) continue;
+        const int64_t t_start = now_ns();
+        if (!prefetching) {
+          pf.init(ops, nops);
+          prefetching = true;
+        }
+        for (uint64_t spin = 1;; ++spin) {
+          if (pf.cur < pf.n && pf.budget > 0) pf.step();
+          else cpu_relax();
+          seen = cw.load(std::memory_order_acquire);
+          if (seen >= need) break;
+          if ((spin & 255) == 0) {
+            // every 256 polls give the core away: on a shared (or oversubscribed) machine the producer may be
+            // waiting for this very core
+            sched_yield();
+            const bool other = ex.error.load(std::memory_order_relaxed) != 0;
+            const bool late = now_ns() - t_start > ex.timeout_ns;
+            if (other || late) {
+              if (late) {  // the first worker to give up sets the error word; the others see it and leave
+                int expected = 0;
+                ex.error.compare_exchange_strong(expected, 1);
+              }
+              wk.dump.state = late ? 1 : 2;
+              wk.dump.counter = c;
+              wk.dump.word = word;
+              wk.dump.target = need;
+              wk.dump.seen = seen;
+              return;
             }
-            wk.dump.state = late ? 1 : 2;
-            wk.dump.counter = c;
-            wk.dump.target = need;
-            wk.dump.seen = seen;
-            return;
           }
         }
+        if (ex.csrc[c]) peer_ns += now_ns() - t_start;
       }
     }
     const int64_t t0 = now_ns();
     OpFn fn = op_table(row[W_OP]);
     if (fn) fn(ex, wk, ops, row + W_ARGS);
-    if (row[W_SIGNAL] >= 0) ex.ctr[row[W_SIGNAL]].fetch_add(row[W_AMOUNT], std::memory_order_release);
+    const int lo = row[W_PEER_LO], hi = row[W_PEER_HI];
+    for (int j = 0; j < nops && hi > lo; ++j)  // pushes: the box lands on every other rank of the range ...
+      if (ops[j].mode & MODE_PUSH)
+        for (int r = lo; r < hi; ++r)
+          if (r != ex.rank) push_box(ex, ops[j], od_buf(row, j), r);
+    if (row[W_SIGNAL] >= 0) {  // ... before the signal that releases it
+      const int c = row[W_SIGNAL];
+      if (ex.csrc[c])
+        for (int r = lo; r < hi; ++r)
+          ex.ctr_of[r][ex.cbase[c] + ex.rank].fetch_add(row[W_AMOUNT], std::memory_order_release);
+      else
+        ex.ctr_of[ex.rank][ex.cbase[c]].fetch_add(row[W_AMOUNT], std::memory_order_release);
+    }
+    if (ex.peer_wait) ex.peer_wait[v] = peer_ns;
     int64_t* t = ex.timings + static_cast<int64_t>(v) * 3;
     t[0] = t0;
     t[1] = now_ns();
@@ -1462,9 +1553,13 @@ int mk_header(const int32_t* prog, int64_t nwords, int64_t* out) {
 }
 
 // mx_addrs: per buffer (packed codes, scales) addresses of an MXFP4 form the executor streams instead of the
-// buffer's own weights (0, 0: none), or null for none at all.
-void* mk_create(const int32_t* prog, int64_t nwords, const int64_t* addrs, const int64_t* mx_addrs,
-                const double* params, int64_t nparams, int pin, const int32_t* cpus, int ncpus, int64_t* timings) {
+// buffer's own weights (0, 0: none), or null for none at all. A rank of a deployment (world > 1) also gets, for
+// every rank r, peer_addrs[r·NB + i]: rank r's copy of buffer i (MAILBOX buffers; 0 for the others) and
+// ctr_addrs[r]: rank r's counter memory (int64 words, kernels/contracts/peers.py), all in one shared segment;
+// peer_wait (N, nullable) receives the ns each instruction waited on cross-rank counters.
+void* mk_create_rank(const int32_t* prog, int64_t nwords, const int64_t* addrs, const int64_t* mx_addrs,
+                     const double* params, int64_t nparams, int pin, const int32_t* cpus, int ncpus, int64_t* timings,
+                     int rank, int world, const int64_t* peer_addrs, const int64_t* ctr_addrs, int64_t* peer_wait) {
   using namespace mk;
   if (nwords < HEADER_WORDS || prog[H_MAGIC] != MAGIC || prog[H_VERSION] != VERSION) {
     g_error = "not a megakernel program (magic / version)";
@@ -1494,7 +1589,29 @@ void* mk_create(const int32_t* prog, int64_t nwords, const int64_t* addrs, const
   ex->ins = h + h[H_OFF_INS];
   ex->queues = h + h[H_OFF_Q];
   ex->par.assign(params, params + nparams);
-  for (int c = 0; c < ex->C; ++c) ex->totals.push_back(h[h[H_OFF_CTR] + c * COUNTER_WORDS]);
+  const int pw = h[H_WORLD] ? h[H_WORLD] : 1;
+  if (pw != world || h[H_RANK] != (world > 1 ? rank : 0) || world < 1 || world > MAX_WORLD) {
+    g_error = "the program is rank " + std::to_string(h[H_RANK]) + " of " + std::to_string(pw) +
+              ", the executor was created as rank " + std::to_string(rank) + " of " + std::to_string(world);
+    delete ex;
+    return nullptr;
+  }
+  ex->rank = world > 1 ? rank : 0;
+  ex->world = world;
+  ex->peer_wait = peer_wait;
+  for (int c = 0; c < ex->C; ++c) {
+    const int32_t* cr = h + h[H_OFF_CTR] + c * COUNTER_WORDS;
+    ex->totals.push_back(cr[CW_TOTAL]);
+    ex->cbase.push_back(ex->words);
+    ex->csrc.push_back(cr[CW_SOURCES]);
+    if (cr[CW_SOURCES] != 0 && cr[CW_SOURCES] != world) {
+      g_error = "counter " + std::to_string(c) + " has " + std::to_string(cr[CW_SOURCES]) + " sources in a world of " +
+                std::to_string(world);
+      delete ex;
+      return nullptr;
+    }
+    ex->words += std::max(1, cr[CW_SOURCES]);
+  }
   ex->bufs.resize(ex->NB);
   for (int i = 0; i < ex->NB; ++i) {
     const int32_t* b = h + h[H_OFF_BUF] + i * BUFFER_WORDS;
@@ -1522,7 +1639,13 @@ void* mk_create(const int32_t* prog, int64_t nwords, const int64_t* addrs, const
     }
   }
   for (int v = 0; v < ex->N; ++v) {
-    const int op = ex->ins[static_cast<int64_t>(v) * INSTR_WORDS + W_OP];
+    const int32_t* r = ex->ins + static_cast<int64_t>(v) * INSTR_WORDS;
+    if (r[W_PEER_LO] < 0 || r[W_PEER_HI] > world || (r[W_PEER_HI] > r[W_PEER_LO] && world == 1)) {
+      g_error = "instruction " + std::to_string(v) + " names peer ranks outside the world of " + std::to_string(world);
+      delete ex;
+      return nullptr;
+    }
+    const int op = r[W_OP];
     if (op != OP_NOP && !op_table(op)) {
       g_error = "instruction " + std::to_string(v) + " has opcode " + std::to_string(op) + " without CPU code";
       delete ex;
@@ -1534,8 +1657,30 @@ void* mk_create(const int32_t* prog, int64_t nwords, const int64_t* addrs, const
       return nullptr;
     }
   }
-  ex->ctr.reset(new std::atomic<int64_t>[std::max(1, ex->C)]);
-  for (int c = 0; c < std::max(1, ex->C); ++c) ex->ctr[c].store(0);
+  if (world > 1) {  // every rank's mailboxes and counter words live in the shared segment the host mapped
+    if (!peer_addrs || !ctr_addrs) {
+      g_error = "a rank program needs every rank's mailbox and counter addresses";
+      delete ex;
+      return nullptr;
+    }
+    ex->peer_p.assign(world, std::vector<char*>(ex->NB, nullptr));
+    for (int r = 0; r < world; ++r) {
+      ex->ctr_of.push_back(reinterpret_cast<std::atomic<int64_t>*>(ctr_addrs[r]));
+      for (int i = 0; i < ex->NB; ++i) ex->peer_p[r][i] = reinterpret_cast<char*>(peer_addrs[r * ex->NB + i]);
+    }
+    for (int i = 0; i < ex->NB; ++i)
+      if (ex->bufs[i].kind == KIND_MAILBOX)
+        for (int r = 0; r < world; ++r)
+          if (!ex->peer_p[r][i]) {
+            g_error = "mailbox buffer " + std::to_string(i) + " has no address on rank " + std::to_string(r);
+            delete ex;
+            return nullptr;
+          }
+  } else {
+    ex->ctr.reset(new std::atomic<int64_t>[std::max<int64_t>(1, ex->words)]);
+    for (int64_t c = 0; c < std::max<int64_t>(1, ex->words); ++c) ex->ctr[c].store(0);
+    ex->ctr_of.push_back(ex->ctr.get());
+  }
   ex->timings = timings;
   ex->pin = pin != 0;
   ex->cpus.assign(cpus, cpus + ncpus);
@@ -1545,20 +1690,29 @@ void* mk_create(const int32_t* prog, int64_t nwords, const int64_t* addrs, const
   return ex;
 }
 
+void* mk_create(const int32_t* prog, int64_t nwords, const int64_t* addrs, const int64_t* mx_addrs,
+                const double* params, int64_t nparams, int pin, const int32_t* cpus, int ncpus, int64_t* timings) {
+  return mk_create_rank(prog, nwords, addrs, mx_addrs, params, nparams, pin, cpus, ncpus, timings, 0, 1, nullptr,
+                        nullptr, nullptr);
+}
+
 // Point buffer i at addrs[i] (state buffers move when a decode state is re-allocated). Between steps only.
 void mk_set_addrs(void* handle, const int64_t* addrs) {
   auto* ex = static_cast<mk::Exec*>(handle);
   for (int i = 0; i < ex->NB; ++i) ex->bufs[i].p = reinterpret_cast<char*>(addrs[i]);
 }
 
+// This rank's counter words (one per local counter, one per source of a cross-rank one) back to zero / read out.
 void mk_reset_counters(void* handle) {
   auto* ex = static_cast<mk::Exec*>(handle);
-  for (int c = 0; c < std::max(1, ex->C); ++c) ex->ctr[c].store(0);
+  for (int64_t c = 0; c < ex->words; ++c) ex->ctr_of[ex->rank][c].store(0);
 }
+
+int64_t mk_counter_words(void* handle) { return static_cast<mk::Exec*>(handle)->words; }
 
 void mk_counters(void* handle, int64_t* out) {
   auto* ex = static_cast<mk::Exec*>(handle);
-  for (int c = 0; c < ex->C; ++c) out[c] = ex->ctr[c].load();
+  for (int64_t c = 0; c < ex->words; ++c) out[c] = ex->ctr_of[ex->rank][c].load();
 }
 
 // One decode step (step number `step`: waits target step * total + t). 0: done; 1: the watchdog tripped (read
@@ -1585,15 +1739,15 @@ int mk_run_step(void* handle, int64_t step, double timeout_s) {
   return ex->error.load() ? 1 : 0;
 }
 
-// Per worker 7 words: state (0 finished, 1 gave up, 2 abandoned), queue position, queue length, instruction,
-// counter, target, value seen.
+// Per worker 8 words: state (0 finished, 1 gave up, 2 abandoned), queue position, queue length, instruction,
+// counter, target, value seen, counter word (the source rank of a cross-rank counter).
 void mk_dump(void* handle, int64_t* out) {
   auto* ex = static_cast<mk::Exec*>(handle);
   for (size_t w = 0; w < ex->workers.size(); ++w) {
     const mk::WorkerDump& d = ex->workers[w].dump;
-    int64_t* o = out + 7 * w;
+    int64_t* o = out + 8 * w;
     o[0] = d.state; o[1] = d.qpos; o[2] = d.qlen; o[3] = d.instr; o[4] = d.counter; o[5] = d.target;
-    o[6] = d.seen;
+    o[6] = d.seen; o[7] = d.word;
   }
 }
 

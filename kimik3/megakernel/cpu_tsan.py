@@ -9,12 +9,14 @@ acquire/release, or by program order on one worker), and the result is the nativ
 
 A program with one wait removed (the hazard checker's mutants) must then fail one way or the other: TSan reports
 the unordered pair, or the result differs (activations are poisoned before each step, so an early read shows).
+The ranks of a deployment are one case each, run together by one driver process (:func:`run_tsan` on a list).
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +35,9 @@ class TsanResult:
     returncode: int
     races: int  # number of "WARNING: ThreadSanitizer: data race" reports
     stderr: str
-    logits: torch.Tensor | None  # [steps, B, V] fp32 (the steps that completed)
+    logits: torch.Tensor | None  # [steps, B, V] fp32 (the steps that completed; rank 0's of several)
     next_tokens: torch.Tensor | None  # [steps, B]
+    per_rank: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None  # (logits, next) by rank
 
     @property
     def clean(self) -> bool:
@@ -72,17 +75,24 @@ def dump_case(runner: CPUMegakernel, directory: str | Path, ids: torch.Tensor, p
     return d
 
 
-def run_tsan(directory: str | Path, timeout_s: float = 300.0) -> TsanResult:
-    """Run the TSan driver on a dumped case; parse the race reports and read the results back."""
-    d = Path(directory)
+def run_tsan(directory: str | Path | Sequence[str | Path], timeout_s: float = 300.0) -> TsanResult:
+    """Run the TSan driver on a dumped case — or on one case per rank, in rank order, run together — parse the race
+    reports and read the results back."""
+    dirs = [Path(directory)] if isinstance(directory, (str, Path)) else [Path(d) for d in directory]
     exe = build_tsan_driver()
     env = dict(os.environ)
     # a report must not stop the run (the results are still compared) and must show in the exit code
     env["TSAN_OPTIONS"] = "halt_on_error=0 exitcode=66 history_size=4 " + env.get("TSAN_OPTIONS", "")
-    res = subprocess.run([str(exe), str(d)], capture_output=True, text=True, env=env, timeout=timeout_s)
+    res = subprocess.run([str(exe), *map(str, dirs)], capture_output=True, text=True, env=env, timeout=timeout_s)
     if "FATAL: ThreadSanitizer" in res.stderr:
         raise RuntimeError(f"ThreadSanitizer could not run here:\n{res.stderr[-2000:]}")
     races = res.stderr.count("WARNING: ThreadSanitizer: data race")
+    per_rank = [_results(d) for d in dirs]
+    return TsanResult(res.returncode, races, res.stderr, *per_rank[0], per_rank if len(dirs) > 1 else None)
+
+
+def _results(d: Path) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A case's logits [steps, B, V] and next tokens [steps, B] as the driver wrote them (None: none)."""
     meta = torch.from_file(str(d / "meta.i64"), size=6, dtype=torch.int64).tolist()
     prog = torch.from_file(str(d / "program.i32"), size=(d / "program.i32").stat().st_size // 4,
                            dtype=torch.int32)
@@ -96,4 +106,4 @@ def run_tsan(directory: str | Path, timeout_s: float = 300.0) -> TsanResult:
         n = lf.stat().st_size // 4
         logits = torch.from_file(str(lf), size=n, dtype=torch.float32).view(-1, B, V).clone()
         nxt = torch.from_file(str(nf), size=nf.stat().st_size // 8, dtype=torch.int64).view(-1, B).clone()
-    return TsanResult(res.returncode, races, res.stderr, logits, nxt)
+    return logits, nxt

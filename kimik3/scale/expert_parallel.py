@@ -19,7 +19,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -645,46 +644,14 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
-def _local_worker(rank: int, world: int, store_path: str, out_dir: str, kwargs: dict[str, Any],
-                  timeout_s: float) -> None:
-    """Body of one :func:`run_local` process: one thread, loopback-only gloo, result saved for the parent."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's data connections stay on the loopback interface
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        res = run_expert_parallel(**kwargs)
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def run_local(world: int, timeout_s: float = _DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[dict[str, Any]]:
-    """Run :func:`run_expert_parallel` on ``world`` freshly spawned local CPU processes; one result per rank.
+    """Run :func:`run_expert_parallel` on ``world`` freshly spawned local CPU processes; one result per rank
+    (:func:`kimik3.scale.launch.run_local`: file-store rendezvous, loopback gloo, a hard deadline of ``timeout_s``
+    after which the processes are killed and TimeoutError raised)."""
+    from kimik3.scale import launch
 
-    Why not torchrun: tests and notebooks need the results back as objects and a hard deadline. The ranks
-    rendezvous through a file store (no port to pick; gloo's own connections are pinned to loopback), each
-    collective times out after ``timeout_s``, and after ``timeout_s`` in all the parent kills any process it
-    started that is still alive and raises TimeoutError. A rank that raises makes this raise with its traceback.
-    """
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="kimik3-ep-") as tmp:
-        store = os.path.join(tmp, "store")
-        ctx = mp.start_processes(_local_worker, args=(world, store, tmp, kwargs, timeout_s), nprocs=world,
-                                 join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"run_local: {world} ranks did not finish within {timeout_s:.0f} s")
-        finally:
-            for p in ctx.processes:  # only the processes this call started
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    return launch.run_local(world, "kimik3.scale.expert_parallel:run_expert_parallel", timeout_s, prefix="kimik3-ep-",
+                            **kwargs)
 
 
 if __name__ == "__main__":
