@@ -309,6 +309,102 @@ for v, label in zip(batch1["per_user"], batch1["label"]):
     print(f"{label}: {budget * 1e6:.1f} µs per layer; one GPU needs ≥ {one * 1e6:.0f} µs for a layer at its bound -> "
           f"each layer's bytes must be split over ≥ {one / budget:.0f} GPUs")
 
+# %% [markdown]
+# ## 6 · The per-rank program: the step's collectives inside the launch
+#
+# Everything above prices communication with a term of its own. The megakernel can instead be built as **one rank's
+# program** of a deployment (`build_program(..., shard=Shard(tp, ep, rank))`, docs/architecture.md, "megakernel
+# across ranks"): attention heads and routed experts split over the same ranks, activations replicated, and the
+# step's collectives as opcodes — two all-reduces per layer fused with the AttnRes mix that follows
+# (`ALLREDUCE_MIX`), the LatentMoE's latent-space sum fused into `FFN_OUT`, the vocabulary arg-max (`ARGMAX_ALL`).
+# A producer pushes its share into every peer's mailbox and adds to its own word of the peer's counter; nothing is
+# ever reset. First it runs: `tiny` on two processes of this machine (the native executor, mailboxes in shared
+# memory), the per-rank timelines of one measured step side by side, the time each instruction spun on a peer in
+# red.
+
+# %%
+from plotly.colors import qualitative
+
+from kimik3.megakernel.cpu_ranks import run_ranks
+
+ranks = run_ranks(2, preset="tiny", batch=1, steps=8, workers=1, pin=False)
+print(f"tokens identical to naive over {ranks[0]['steps']} steps: {ranks[0]['tokens_match']}; "
+      f"max error {max(ranks[0]['errors']):.1e}")
+fig = make_subplots(rows=2, cols=1, shared_xaxes=True, subplot_titles=[f"rank {r['rank']}" for r in ranks])
+ops = sorted({op for r in ranks for op in r["timeline"]["op"]})
+colour = {op: qualitative.Dark24[k % 24] for k, op in enumerate(ops)}
+t0 = min(min(r["timeline"]["start_ns"]) for r in ranks)
+for r in ranks:
+    tl = pd.DataFrame(r["timeline"])
+    for op, g in tl.groupby("op"):
+        fig.add_trace(go.Bar(x=(g["end_ns"] - g["start_ns"]) / 1e3, base=(g["start_ns"] - t0) / 1e3, y=[0] * len(g),
+                             orientation="h", marker_color=colour[op], name=op, legendgroup=op,
+                             showlegend=r["rank"] == 0, hovertext=g["label"]), row=r["rank"] + 1, col=1)
+    w = tl[tl["peer_wait_ns"] > 0]
+    fig.add_trace(go.Bar(x=w["peer_wait_ns"] / 1e3, base=(w["start_ns"] - w["peer_wait_ns"] - t0) / 1e3,
+                         y=[0.4] * len(w), orientation="h", marker_color="red", name="waiting on a peer",
+                         legendgroup="wait", showlegend=r["rank"] == 0, hovertext=w["label"], width=0.25),
+                  row=r["rank"] + 1, col=1)
+fig.update_layout(barmode="overlay", height=420, title="tiny, 2 ranks x 1 worker: one measured step (µs)")
+fig.update_yaxes(showticklabels=False)
+fig.write_html(out / "ranks_timeline.html", include_plotlyjs=True)
+fig.show()
+for r in ranks:
+    tl = pd.DataFrame(r["timeline"])
+    span = tl["end_ns"].max() - tl["start_ns"].min()
+    print(f"rank {r['rank']}: step {span / 1e3:.0f} µs, {tl['peer_wait_ns'].sum() / span:.0%} of it waiting on the "
+          "peer (measured, last step)")
+
+# %% [markdown]
+# The benchmark (`python -m kimik3.megakernel.cpu_ranks`, committed under `data/measurements/` with its provenance)
+# sets two ranks of one worker each against one process of two workers on the same weights. On one small CPU the
+# ranks cannot win: each repeats the replicated work (router, latent down-projection, AttnRes mixes, the MLA cache
+# append) and pays the pushes; the point of the measurement is that the protocol works at memory speed and what
+# the waits cost.
+
+# %%
+rec = load_recorded()
+bench_ranks = rec[rec["block"] == "step:ranks"] if "block" in rec else rec.iloc[:0]
+if bench_ranks.empty:
+    print("no ranks benchmark recorded yet (python -m kimik3.megakernel.cpu_ranks --out data/measurements/...)")
+else:
+    display(bench_ranks[["label", "preset", "batch_size", "world", "workers", "seconds", "p10_s", "p90_s"]])
+
+# %% [markdown]
+# **The rack, from the program.** For full-size K3 the rank program is built as it would run (132 SMs, batch 1,
+# context 8192) and its collectives read off it: bytes pushed per step, and — from the program's cost-model
+# timeline run twice, the peers' signals landing at once and then after each collective's latency + bytes over
+# NVLink — how much of the wire the schedule hides behind its own weight stream. Modelled, not measured: the local
+# durations are the scheduler's shape-based costs, the latency the assumed 5 µs. The built layout puts heads and
+# experts on the same ranks, and K3's 96 heads, 896 experts and vocabulary divide evenly only up to **32 ranks**; the
+# 72-GPU rows above keep their separate communication term until a layout with attention groups smaller than the
+# expert group (`tp < ep`) is built.
+
+# %%
+from kimik3.megakernel.ranks import Shard
+from kimik3.megakernel.scheduler import build_program
+from kimik3.scale.nvl72 import Deployment
+from kimik3.scale.wire import collective_table, rank_step
+
+rows = []
+for W in (8, 32):
+    prog = build_program(cfg, 1, 132, max_seq_len=T, shard=Shard(W, W, 0))
+    m = rank_step(prog, "gb300", COMM)
+    separate = comm_time(cfg, 1, Deployment(f"tp{W}", "gb300", W, tp=W, ep=W), COMM)
+    rows.append({"ranks": W, "collectives / step": m["collectives"], "pushed MB / step": m["wire_bytes_out"] / 1e6,
+                 "serial wire ms": m["serial_wire_ms"], "exposed wire ms": m["exposed_wire_ms"],
+                 "hidden": f"{m['hidden_share']:.0%}", "local ms (cost model)": m["local_ms"],
+                 "separate term ms (all-to-all + all-reduce)": separate["total_s"] * 1e3})
+display(pd.DataFrame(rows).set_index("ranks").round(3))
+display(collective_table(prog).drop(columns="counter").head(6))
+
+# %% [markdown]
+# The program needs no all-to-all: after each all-reduce every rank holds every token, so the experts need no
+# dispatch and the combine is a latent-width sum. What is left on the wire per collective is one row per sequence
+# per peer (a hidden vector in bf16, or the latent sum in fp32) — latency, not bandwidth, which is why the
+# collectives live inside the launch, and why the local schedule (here far from its bandwidth bound) decides how
+# much of it hides.
+
 # %%
 print(sorted(p.name for p in out.glob("*.html")))
 

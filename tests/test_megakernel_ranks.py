@@ -237,3 +237,38 @@ def test_mailboxes_are_symmetric_and_sized_by_the_protocol() -> None:
         mb = {b.name: b.shape for b in p.buffers if b.kind == Kind.MAILBOX}
         assert mb["mbox.allreduce"] == (step_module.AR_SLOTS * 4, 3, H)
         assert mb == {b.name: b.shape for b in ps[0].buffers if b.kind == Kind.MAILBOX}
+
+
+# ------------------------------------------------------------------------------------------------ the wire
+
+
+def test_the_wire_is_read_off_the_program() -> None:
+    """Bytes per collective from the pushed boxes: a hidden vector per sequence in the activation dtype for an
+    all-reduce, the latent width in fp32 for the expert sum, to each of the world − 1 peers."""
+    from kimik3.scale.wire import collective_table, rank_step
+
+    cfg = get_preset("micro")
+    B, W = 3, 4
+    p = build_program("micro", B, NUM_SMS, max_seq_len=40, shard=Shard(W, W, 1))
+    t = collective_table(p).set_index("collective")
+    assert t.loc["L0.o_proj", "bytes_per_peer"] == B * cfg.hidden_size * 2  # bf16
+    assert t.loc["L1.expert_down", "bytes_per_peer"] == B * cfg.moe_latent_size * 4  # fp32
+    assert (t["bytes_out"] == t["bytes_per_peer"] * (W - 1)).all()
+    moe = sum(cfg.ffn(i) == "moe" for i in range(cfg.num_hidden_layers))
+    assert len(t) == 2 * cfg.num_hidden_layers + moe + 1  # all-reduces, latent sums, the arg-max
+    m = rank_step(p, "gb300")
+    assert m["step_ms"] >= m["local_ms"] > 0 and 0 <= m["exposed_wire_ms"] <= m["serial_wire_ms"] + 1e-9
+    assert 0.0 <= m["hidden_share"] <= 1.0
+    slow = rank_step(p, "gb300", link_bandwidth=1e6)  # a slow link: more wire, more of it exposed
+    assert slow["serial_wire_ms"] > m["serial_wire_ms"] and slow["step_ms"] > m["step_ms"]
+
+
+def test_simulate_delays_cross_rank_signals_only() -> None:
+    from kimik3.megakernel.timeline import makespan_ns, simulate
+
+    p = build_program("micro", 1, NUM_SMS, max_seq_len=40, shard=Shard(2, 2, 0))
+    base = makespan_ns(simulate(p))
+    delay = [1e6 if c.sources else 0.0 for c in p.counters]
+    assert makespan_ns(simulate(p, peer_delay_ns=delay)) >= base + 1e6  # at least the last collective's delay
+    with pytest.raises(ValueError, match="one non-negative delay per counter"):
+        simulate(p, peer_delay_ns=[0.0])

@@ -30,12 +30,14 @@ class SimulatedDeadlock(RuntimeError):
 
 
 def simulate(program: Program, busy_ns: Sequence[float] | None = None, prefetch_ns: Sequence[float] | None = None,
-             prefetch: bool = True) -> pd.DataFrame:
+             prefetch: bool = True, peer_delay_ns: Sequence[float] | None = None) -> pd.DataFrame:
     """Event-driven timeline of one step under the cost model (``program.costs`` unless durations are given).
 
     With ``prefetch`` the weight-streaming part of an instruction overlaps its wait: an instruction that waited
     ``w`` ns runs ``busy + max(0, prefetch - w)`` ns (only static weights may be prefetched, so nothing else can
-    be hidden this way). Without it, every instruction runs ``busy + prefetch`` ns after its waits."""
+    be hidden this way). Without it, every instruction runs ``busy + prefetch`` ns after its waits.
+    ``peer_delay_ns`` (one per counter) models a rank of a deployment whose peers run the same schedule: a signal
+    of a cross-rank counter lands that much later (the peers' words arrive over the link with their pushes)."""
     n = len(program.instructions)
     if busy_ns is None or prefetch_ns is None:
         if program.costs is None:
@@ -54,8 +56,11 @@ def simulate(program: Program, busy_ns: Sequence[float] | None = None, prefetch_
     start = np.zeros(n)
     end = np.zeros(n)
     free_at = [0.0] * len(qs)
-    events: list[tuple[float, int, int]] = []  # (time, instruction, sm)
+    events: list[tuple[float, int, int]] = []  # (time, instruction, sm); sm -1: a delayed signal of counter v
     blocked: set[int] = set()
+    delay = np.zeros(len(program.counters)) if peer_delay_ns is None else np.asarray(peer_delay_ns, dtype=float)
+    if delay.shape != (len(program.counters),) or (delay < 0).any():
+        raise ValueError(f"peer_delay_ns must hold one non-negative delay per counter ({len(program.counters)})")
 
     def try_start(sm: int, now: float) -> None:
         if head[sm] >= len(qs[sm]):
@@ -75,9 +80,18 @@ def simulate(program: Program, busy_ns: Sequence[float] | None = None, prefetch_
     done = 0
     while events:
         now, v, sm = heapq.heappop(events)
+        if sm < 0:  # a cross-rank signal lands
+            counters[v] += 1
+            for other in sorted(blocked):
+                try_start(other, now)
+            continue
         done += 1
-        if ins[v].signal >= 0:
-            counters[ins[v].signal] += ins[v].amount
+        c = ins[v].signal
+        if c >= 0 and delay[c] > 0:
+            for _ in range(ins[v].amount):
+                heapq.heappush(events, (now + delay[c], c, -1))
+        elif c >= 0:
+            counters[c] += ins[v].amount
         head[sm] += 1
         free_at[sm] = now
         if head[sm] < len(qs[sm]):
