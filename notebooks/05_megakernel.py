@@ -60,7 +60,7 @@ import torch
 from IPython.display import display
 
 import kimik3
-import kimik3.megakernel.interpreter  # noqa: F401  (registers stage "megakernel-interp")
+import kimik3.megakernel.interp_ranks  # noqa: F401  (registers stage "megakernel-interp")
 from kimik3.megakernel import build_program, check_program, instruction_set_table, simulate, summary
 from kimik3.megakernel.hazards import format_violations
 from kimik3.megakernel.instructions import Kind, Mode, Op, Program, encoding_table

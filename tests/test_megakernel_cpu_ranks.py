@@ -5,7 +5,7 @@ rank (teacher-forced): the ranks' greedy tokens identical over 32 steps, their g
 TOL["fp32_stage"], every rank's own ARGMAX_ALL token equal to the gathered logits' arg-max; two runs bitwise alike
 (the cross-rank sums run in rank order). ThreadSanitizer runs the ranks of W = 2 together in its standalone driver:
 clean, and a cross-rank wait dropped from one rank's program is caught (a race report or a wrong token).
-CI matrix: ``micro`` at world 1, 2 (batch 3) and 4 (batch 1); ``tiny`` at world 2, batch 1 (32 steps) and 8 (8).
+CI matrix: ``micro`` at world 1, 2 (batch 3) and 4 (batch 1); ``tiny`` at world 2, batch 1 and 8 (32 steps each).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def test_micro_ranks_match_naive_as_processes(world: int, B: int) -> None:
     _check(run_ranks(world, preset="micro", batch=B, steps=32, seed=0, workers=1, pin=False), world)
 
 
-@pytest.mark.parametrize("B, steps", [(1, 32), (8, 8)])
-def test_tiny_two_ranks_match_naive_as_processes(B: int, steps: int) -> None:
-    _check(run_ranks(2, preset="tiny", batch=B, steps=steps, seed=1, workers=1, pin=False), 2)
+@pytest.mark.parametrize("B", [1, 8])
+def test_tiny_two_ranks_match_naive_as_processes(B: int) -> None:
+    _check(run_ranks(2, preset="tiny", batch=B, steps=32, seed=1, workers=1, pin=False), 2)
 
 
 def test_two_runs_are_bitwise_alike() -> None:

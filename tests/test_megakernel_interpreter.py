@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import kimik3
-import kimik3.megakernel.interpreter  # noqa: F401  (registers stage "megakernel-interp")
+import kimik3.megakernel.interp_ranks  # noqa: F401  (registers stage "megakernel-interp")
 from kimik3.megakernel.scheduler import POLICIES
 from kimik3.validation.metric import TOL, rel_error
 

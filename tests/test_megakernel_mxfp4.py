@@ -22,7 +22,7 @@ import torch
 from kimik3.kernels.contracts import isa
 
 import kimik3
-import kimik3.megakernel.interpreter  # noqa: F401  (registers stage "megakernel-interp")
+import kimik3.megakernel.interp_ranks  # noqa: F401  (registers stage "megakernel-interp")
 from kimik3.megakernel import EXPERT_FORMATS, build_program, build_step, decode_program, encode_program
 from kimik3.megakernel.gpu import check_device_contract
 from kimik3.megakernel.hazards import check_program

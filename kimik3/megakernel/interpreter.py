@@ -240,10 +240,14 @@ class CPUInterpreter:
     def ready(self) -> list[int]:
         """The SMs whose head instruction's waits are met."""
         p, out = self.program, []
+        words, cbase, sources, base, head = self.counters, self.cbase, self.sources, self.base, self.head
         for sm, q in enumerate(p.queues):
-            if self.head[sm] < len(q):
-                if all(wait_met(self.counters, self.cbase[c], self.sources[c], self.base[c] + t)
-                       for c, t in p.instructions[q[self.head[sm]]].waits):
+            if head[sm] < len(q):
+                for c, t in p.instructions[q[head[sm]]].waits:
+                    need = base[c] + t
+                    if (words[cbase[c]] < need) if not sources[c] else not wait_met(words, cbase[c], sources[c], need):
+                        break
+                else:
                     out.append(sm)
         return out
 
@@ -508,17 +512,22 @@ def _ffn_out(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> Non
         if flags & FFN_LATENT_NORM:  # latent norm on the COMBINED expert sum (pitfall 13)
             x = rms_norm(x, v[k].reshape(-1), it.cfg.rms_norm_eps)
             k += 1
-        c0, c1 = ins.operands[k].box[4:6]  # the up-projection's input columns (a rank's share of the latent)
-        out = F.linear(x[:, c0:c1], v[k][0])
+        if v[k].shape[2] != x.shape[1]:  # the up-projection takes a rank's share of the latent: its input columns
+            c0, c1 = ins.operands[k].box[4:6]
+            x = x[:, c0:c1]
+        out = F.linear(x, v[k][0])
         k += 1
     if flags & FFN_MLP:
         y = F.linear(v[k][:, 0, :], v[k + 1][0])
         out = y if out is None else out + y
         k += 2
     p = v[k]
-    if ins.operands[k].reads:  # the stream's column tile [B, 1, n] accumulates
+    # the stream's column tile [B, 1, n] accumulates (so does a bare reference call without operands, as
+    # kernels/verify makes); a rank's partial [1, B, n] is written, pushed for the all-reduce
+    ops = getattr(ins, "operands", ())
+    if len(ops) <= k or ops[k].reads:
         p[:, 0, :].copy_(p[:, 0, :] + out)
-    else:  # across ranks: this rank's partial [1, B, n], pushed for the all-reduce
+    else:
         p.copy_(out.reshape(p.shape))
 
 
