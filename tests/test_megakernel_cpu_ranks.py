@@ -5,7 +5,8 @@ rank (teacher-forced): the ranks' greedy tokens identical over 32 steps, their g
 TOL["fp32_stage"], every rank's own ARGMAX_ALL token equal to the gathered logits' arg-max; two runs bitwise alike
 (the cross-rank sums run in rank order). ThreadSanitizer runs the ranks of W = 2 together in its standalone driver:
 clean, and a cross-rank wait dropped from one rank's program is caught (a race report or a wrong token).
-CI matrix: ``micro`` at world 1, 2 (batch 3) and 4 (batch 1); ``tiny`` at world 2, batch 1 and 8 (32 steps each).
+CI matrix: ``micro`` at world 2 (batch 3) and 4 (batch 1) — world 1 is tests/test_megakernel_cpu.py — and ``tiny``
+at world 2, batch 1 and 8 (32 steps each).
 """
 
 from __future__ import annotations
@@ -36,13 +37,10 @@ def _check(results: list[dict], world: int) -> None:
     for r in results:
         assert r["next_token_agrees"]  # the rank's own ARGMAX_ALL output = the gathered logits' arg-max
         assert torch.equal(r["tokens"], r0["tokens"])
-        tl = r["timeline"]
-        assert all(w >= 0 for w in tl["peer_wait_ns"])
-        if world == 1:
-            assert not any(tl["peer_wait_ns"])
+        assert all(w >= 0 for w in r["timeline"]["peer_wait_ns"])
 
 
-@pytest.mark.parametrize("world, B", [(1, 3), (2, 3), (4, 1)])
+@pytest.mark.parametrize("world, B", [(2, 3), (4, 1)])  # (world 1: stage megakernel-cpu's own tests)
 def test_micro_ranks_match_naive_as_processes(world: int, B: int) -> None:
     _check(run_ranks(world, preset="micro", batch=B, steps=32, seed=0, workers=1, pin=False), world)
 
@@ -53,8 +51,8 @@ def test_tiny_two_ranks_match_naive_as_processes(B: int) -> None:
 
 
 def test_two_runs_are_bitwise_alike() -> None:
-    a = run_ranks(2, preset="micro", batch=2, steps=6, seed=2, workers=1, pin=False, reference=False)
-    b = run_ranks(2, preset="micro", batch=2, steps=6, seed=2, workers=1, pin=False, reference=False)
+    a = run_ranks(2, preset="micro", batch=2, steps=3, seed=2, workers=1, pin=False, reference=False)
+    b = run_ranks(2, preset="micro", batch=2, steps=3, seed=2, workers=1, pin=False, reference=False)
     assert torch.equal(a[0]["logits"], b[0]["logits"]) and torch.equal(a[1]["logits"], b[1]["logits"])
 
 
@@ -122,3 +120,13 @@ def test_refusals(tmp_path) -> None:
     words, per_rank, offsets = segment_layout(rank1)
     assert words == sum(max(1, c.sources) for c in rank1.counters) and per_rank % 64 == 0
     assert all(o % 64 == 0 for o in offsets.values())
+
+
+def test_the_benchmark_command_refuses_bad_arguments(capsys) -> None:
+    from kimik3.megakernel.cpu_ranks import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--world", "1"])
+    assert e.value.code == 2
+    assert main(["--preset", "no-such-preset", "--steps", "2"]) == 2
+    assert "no-such-preset" in capsys.readouterr().err

@@ -3,7 +3,8 @@
 * :mod:`~kimik3.megakernel.instructions` — opcodes, operand declarations, the int32 program encoding;
 * :mod:`~kimik3.megakernel.layout` — buffer names, packed weights, routed-expert formats (dense or MXFP4);
 * :mod:`~kimik3.megakernel.step` — one decode step of the model as instructions in sequential order;
-* :mod:`~kimik3.megakernel.scheduler` — hazards, costs, SM queues and waits: the program for a config;
+* :mod:`~kimik3.megakernel.scheduler` — hazards, costs, SM queues and waits: the program for a config (or for one
+  rank of a deployment, :mod:`~kimik3.megakernel.ranks`);
 * :mod:`~kimik3.megakernel.hazards` — proves a program race- and deadlock-free from its declarations;
 * :mod:`~kimik3.megakernel.interpreter`, :mod:`~kimik3.megakernel.cpu`, :mod:`~kimik3.megakernel.gpu` — the program
   run by a Python interpreter under random interleavings, by native worker threads and by the GPU kernel (stages

@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     from kimik3.megakernel.cpu import MAX_BATCH
     from kimik3.util.args import MAX_STEPS, bounded_int, output_file
     from kimik3.util.files import atomic_write_text
+    from kimik3.util.text import refuse
 
     ap = argparse.ArgumentParser(prog="python -m kimik3.megakernel.cpu_ranks", description=main.__doc__)
     ap.add_argument("--preset", default="tiny")
@@ -145,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-pin", action="store_true", help="leave workers unpinned")
     ap.add_argument("--out", type=output_file, default=None, help="write the result here (JSON)")
     args = ap.parse_args(argv)
-    res = bench(args.preset, args.batch, args.steps, args.world, pin=not args.no_pin)
+    try:
+        res = bench(args.preset, args.batch, args.steps, args.world, pin=not args.no_pin)
+    except ValueError as e:  # an unknown preset, a world the model does not divide into, no compiler, ...
+        return refuse(ap.prog, e)
     one, many = res["records"]
     print(res["what"])
     for r, name in ((one, f"1 process x {args.world} workers"), (many, f"{args.world} ranks x 1 worker")):

@@ -57,7 +57,7 @@ def simulate(program: Program, busy_ns: Sequence[float] | None = None, prefetch_
     end = np.zeros(n)
     free_at = [0.0] * len(qs)
     events: list[tuple[float, int, int]] = []  # (time, instruction, sm); sm -1: a delayed signal of counter v
-    blocked: set[int] = set()
+    waiting: dict[int, set[int]] = {}  # counter -> the SMs whose head instruction waits on it (its first unmet wait)
     delay = np.zeros(len(program.counters)) if peer_delay_ns is None else np.asarray(peer_delay_ns, dtype=float)
     if delay.shape != (len(program.counters),) or (delay < 0).any():
         raise ValueError(f"peer_delay_ns must hold one non-negative delay per counter ({len(program.counters)})")
@@ -66,14 +66,18 @@ def simulate(program: Program, busy_ns: Sequence[float] | None = None, prefetch_
         if head[sm] >= len(qs[sm]):
             return
         v = qs[sm][head[sm]]
-        if all(counters[c] >= t for c, t in ins[v].waits):
-            blocked.discard(sm)
-            start[v] = now
-            hidden = min(pre[v], now - arrive[v]) if prefetch else 0.0
-            end[v] = now + busy[v] + pre[v] - hidden
-            heapq.heappush(events, (end[v], v, sm))
-        else:
-            blocked.add(sm)
+        for c, t in ins[v].waits:
+            if counters[c] < t:  # retried when this counter next moves (nothing else can release it)
+                waiting.setdefault(c, set()).add(sm)
+                return
+        start[v] = now
+        hidden = min(pre[v], now - arrive[v]) if prefetch else 0.0
+        end[v] = now + busy[v] + pre[v] - hidden
+        heapq.heappush(events, (end[v], v, sm))
+
+    def moved(c: int, now: float) -> None:
+        for other in sorted(waiting.pop(c, ())):
+            try_start(other, now)
 
     for sm in range(len(qs)):
         try_start(sm, 0.0)
@@ -82,8 +86,7 @@ def simulate(program: Program, busy_ns: Sequence[float] | None = None, prefetch_
         now, v, sm = heapq.heappop(events)
         if sm < 0:  # a cross-rank signal lands
             counters[v] += 1
-            for other in sorted(blocked):
-                try_start(other, now)
+            moved(v, now)
             continue
         done += 1
         c = ins[v].signal
@@ -97,9 +100,8 @@ def simulate(program: Program, busy_ns: Sequence[float] | None = None, prefetch_
         if head[sm] < len(qs[sm]):
             arrive[qs[sm][head[sm]]] = now
         try_start(sm, now)
-        for other in sorted(blocked):
-            if other != sm:
-                try_start(other, now)
+        if c >= 0 and delay[c] == 0:
+            moved(c, now)
     if done != n:
         stuck = [f"SM {s} at instruction {qs[s][head[s]]} ({ins[qs[s][head[s]]].label()})"
                  for s in range(len(qs)) if head[s] < len(qs[s])]

@@ -29,14 +29,23 @@ def collective_table(program: Program) -> pd.DataFrame:
     """One row per collective of a rank program (a cross-rank counter): its name, producer and consumer opcodes,
     producer tiles, bytes pushed to each peer per step and bytes leaving the rank per step."""
     p = program
+    prods: dict[int, list] = {c: [] for c, ctr in enumerate(p.counters) if ctr.sources}
+    cons: dict[int, set[str]] = {c: set() for c in prods}
+    for x in p.instructions:  # one pass: the producers and consumers of every cross-rank counter
+        if x.signal in prods:
+            prods[x.signal].append(x)
+        for w, _ in x.waits:
+            if w in cons:
+                cons[w].add(x.op.name)
     rows = []
     for c, ctr in enumerate(p.counters):
-        if not ctr.sources:
+        if c not in prods:
             continue
-        prods = [x for x in p.instructions if x.signal == c]
-        pushed = sum(o.numel * p.buffers[o.buf].element_size for x in prods for o in x.operands if o.mode & Mode.PUSH)
-        consumers = sorted({x.op.name for x in p.instructions if any(w == c for w, _ in x.waits)})
-        rows.append({"collective": ctr.name, "producer": prods[0].op.name if prods else "", "tiles": len(prods),
+        pushed = sum(o.numel * p.buffers[o.buf].element_size for x in prods[c] for o in x.operands
+                     if o.mode & Mode.PUSH)
+        consumers = sorted(cons[c])
+        first = prods[c][0].op.name if prods[c] else ""
+        rows.append({"collective": ctr.name, "producer": first, "tiles": len(prods[c]),
                      "consumers": ", ".join(consumers), "bytes_per_peer": pushed,
                      "bytes_out": pushed * (p.world - 1), "counter": c})
     return pd.DataFrame(rows, columns=["collective", "producer", "tiles", "consumers", "bytes_per_peer", "bytes_out",
