@@ -20,14 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kimik3.scale.launch import run_local, seeded_prompt
+
 __all__ = ["run_rank", "run_ranks", "bench", "main"]
 
 RUN_TIMEOUT_S = 600.0
-
-
-def _prompt(vocab: int, batch: int, prompt_len: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    return torch.randint(0, vocab, (batch, prompt_len), generator=gen)
 
 
 def _spread(xs: list[float]) -> dict[str, float]:
@@ -61,7 +58,7 @@ def run_rank(preset: str = "micro", batch: int = 1, steps: int = 32, seed: int =
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = from_preset(preset, seed=seed, dtype=torch.float32)
-    prompt = _prompt(model.config.vocab_size, batch, prompt_len, seed)
+    prompt = seeded_prompt(model.config.vocab_size, batch, prompt_len, seed)
     max_len = prompt_len + steps + 1
     dec = Decoder(model, "megakernel-cpu", batch_size=batch, max_seq_len=max_len, num_sms=workers, world=world,
                   pin=pin)
@@ -89,8 +86,6 @@ def run_rank(preset: str = "micro", batch: int = 1, steps: int = 32, seed: int =
 
 def run_ranks(world: int, timeout_s: float = RUN_TIMEOUT_S, **kwargs: Any) -> list[dict[str, Any]]:
     """:func:`run_rank` on ``world`` fresh processes (:func:`kimik3.scale.launch.run_local`)."""
-    from kimik3.scale.launch import run_local
-
     return run_local(world, "kimik3.megakernel.cpu_ranks:run_rank", timeout_s, prefix="kimik3-mk-", **kwargs)
 
 
@@ -103,7 +98,7 @@ def bench(preset: str = "tiny", batch: int = 1, steps: int = 32, world: int = 2,
     from kimik3.perf.provenance import provenance
 
     model = from_preset(preset, seed=seed, dtype=torch.float32)
-    prompt = _prompt(model.config.vocab_size, batch, 4, seed)
+    prompt = seeded_prompt(model.config.vocab_size, batch, 4, seed)
     one = Decoder(model, "megakernel-cpu", batch_size=batch, max_seq_len=4 + steps + 1, num_sms=world, pin=pin)
     tok1, _, launch1, _ = _greedy(one, prompt, steps)
     ranks = run_ranks(world, preset=preset, batch=batch, steps=steps, seed=seed, workers=1, pin=pin,

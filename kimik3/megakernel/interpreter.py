@@ -501,11 +501,7 @@ def _ffn_out(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> Non
     flags, k, out = ins.args[0], 0, None
     if flags & FFN_ROUTED:
         if flags & FFN_PEER_SUM:  # every rank's fp32 partial [sources, B, Dl]: summed in rank order, cast once
-            parts = v[k]
-            x = f32(parts[0])
-            for r in range(1, parts.shape[0]):
-                x = x + f32(parts[r])
-            x = x.to(it.dtype)
+            x = _rank_sum(v[k]).to(it.dtype)
         else:
             x = v[k][:, 0, :]
         k += 1
@@ -545,13 +541,19 @@ def _argmax(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None
     v[2][:, 0, 0] = v[1][:, 0, :].gather(1, tile[:, None])[:, 0]
 
 
-def _allreduce_mix(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
-    """Every rank's partial of these rows [sources, b, H], summed in rank order in fp32 (the same order on every
-    rank, so every rank's stream stays identical), into the block's partial sum; then the AttnRes mix."""
-    parts = v[0]
+def _rank_sum(parts: torch.Tensor) -> torch.Tensor:
+    """Every rank's partial [sources, ...] summed in fp32 in rank order: the same order, so the same bits, on every
+    rank (torch's .sum may reorder)."""
     s = f32(parts[0])
     for r in range(1, parts.shape[0]):
         s = s + f32(parts[r])
+    return s
+
+
+def _allreduce_mix(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    """Every rank's partial of these rows [sources, b, H], summed in rank order in fp32 (the same order on every
+    rank, so every rank's stream stays identical), into the block's partial sum; then the AttnRes mix."""
+    s = _rank_sum(v[0])
     entry = v[2][:, 0, :]
     entry.copy_(f32(entry) + s if ins.operands[2].reads else s)
     cands = [v[1][:, j, :] for j in range(ins.args[1] - 1)] + [entry]

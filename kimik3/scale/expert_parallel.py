@@ -31,6 +31,8 @@ from torch import nn
 
 from kimik3.model.config import ModelConfig, get_preset
 from kimik3.model.modeling import KimiForCausalLM, MoE
+from kimik3.scale import launch
+from kimik3.scale.launch import seeded_prompt
 from kimik3.stages import register_stage
 from kimik3.stages.base import Stage, StageSupport
 from kimik3.validation.metric import TOL, rel_error
@@ -494,12 +496,6 @@ class ExpertParallelStage(Stage):
 # ====================================================================== a run, the launcher, local spawning
 
 
-def _prompt(vocab: int, batch: int, prompt_len: int, seed: int) -> torch.Tensor:
-    """The same random prompt on every rank (its own generator: independent of the weight init stream)."""
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    return torch.randint(0, vocab, (batch, prompt_len), generator=gen)
-
-
 @torch.no_grad()
 def _greedy(dec: Any, prompt: torch.Tensor, steps: int, lengths: list[int] | None = None) -> torch.Tensor:
     """Prefill, then ``steps`` greedy decode steps: fp32 logits [steps + 1, B, V] (prefill's first)."""
@@ -525,7 +521,7 @@ def run_expert_parallel(preset: str | ModelConfig = "micro", batch: int = 1, ste
 
     rank = dist.get_rank(group)
     model = from_preset(preset, seed=seed, dtype=dtype, device=device)
-    prompt = _prompt(model.config.vocab_size, batch, prompt_len, seed).to(device)
+    prompt = seeded_prompt(model.config.vocab_size, batch, prompt_len, seed).to(device)
     max_len = prompt_len + steps + 1
     ref = None
     t0 = time.perf_counter()
@@ -648,8 +644,6 @@ def run_local(world: int, timeout_s: float = _DEFAULT_TIMEOUT_S, **kwargs: Any) 
     """Run :func:`run_expert_parallel` on ``world`` freshly spawned local CPU processes; one result per rank
     (:func:`kimik3.scale.launch.run_local`: file-store rendezvous, loopback gloo, a hard deadline of ``timeout_s``
     after which the processes are killed and TimeoutError raised)."""
-    from kimik3.scale import launch
-
     return launch.run_local(world, "kimik3.scale.expert_parallel:run_expert_parallel", timeout_s, prefix="kimik3-ep-",
                             **kwargs)
 

@@ -21,7 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_local"]
+__all__ = ["run_local", "seeded_prompt"]
+
+
+def seeded_prompt(vocab: int, batch: int, prompt_len: int, seed: int) -> torch.Tensor:
+    """The same random prompt on every rank of a run (its own generator: independent of the weight init stream)."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    return torch.randint(0, vocab, (batch, prompt_len), generator=gen)
 
 
 def _worker(rank: int, world: int, target: str, store_path: str, out_dir: str, kwargs: dict[str, Any],

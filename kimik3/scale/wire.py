@@ -20,7 +20,7 @@ import pandas as pd
 from kimik3.megakernel.instructions import Kind, Mode, Program
 from kimik3.megakernel.timeline import makespan_ns, simulate
 from kimik3.perf.hardware import get_hardware
-from kimik3.scale.nvl72 import CommModel
+from kimik3.scale.nvl72 import CommModel, _link_bandwidth  # one direction of one GPU's NVLink, as the rack model
 
 __all__ = ["collective_table", "weight_bytes", "rank_step"]
 
@@ -73,8 +73,7 @@ def rank_step(program: Program, hardware: str = "gb300", comm: CommModel | None 
     if program.costs is None:
         raise ValueError("rank_step: the program carries no costs (build it with build_program)")
     comm = comm or CommModel()
-    spec = get_hardware(hardware)
-    link = link_bandwidth * comm.link_efficiency if link_bandwidth else spec.nvlink_bandwidth / 2 * comm.link_efficiency
+    link = _link_bandwidth(get_hardware(hardware), comm, link_bandwidth)
     table = collective_table(program)
     delay = np.zeros(len(program.counters))
     wire_ns = (comm.allreduce_latency_s + table["bytes_out"].to_numpy(dtype=float) / link) * 1e9
