@@ -43,6 +43,9 @@ def _export(argv: list[str]) -> int:
 
     out = Path(a.out)
     try:  # before building the model: a refused --out should cost nothing
+        if kimik3.get_preset(a.preset).rank_slice:
+            raise ValueError(f"preset {a.preset!r} is one rank's slice of a deployment, not a model a checkpoint "
+                             "holds: export the whole model's preset")
         check_output_folder(out, is_export, a.overwrite, "a kimik3 export")
         check_writable(out.resolve().parent, is_dir=True)
         model = kimik3.from_preset(a.preset, seed=a.seed, dtype=getattr(torch, a.dtype))

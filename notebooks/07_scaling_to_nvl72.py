@@ -39,6 +39,7 @@
 
 # %% tags=["parameters"]
 batch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+rank_batches = [1, 8]  # batches of the k3-rank prediction (section 6)
 out_dir = "runs/07_scaling_to_nvl72"
 
 
@@ -46,7 +47,7 @@ out_dir = "runs/07_scaling_to_nvl72"
 # a bad parameter (papermill -p, or an edit above) stops here with its name, not deep inside a later cell
 from kimik3.notebook.runner import check_params
 
-check_params(dict(batch_sizes=batch_sizes), "07_scaling_to_nvl72")
+check_params(dict(batch_sizes=batch_sizes, rank_batches=rank_batches), "07_scaling_to_nvl72")
 
 # %%
 import json
@@ -371,32 +372,92 @@ else:
     display(bench_ranks[["label", "preset", "batch_size", "world", "workers", "seconds", "p10_s", "p90_s"]])
 
 # %% [markdown]
-# **The rack, from the program.** For full-size K3 the rank program is built as it would run (132 SMs, batch 1,
-# context 8192) and its collectives read off it: bytes pushed per step, and — from the program's cost-model
-# timeline run twice, the peers' signals landing at once and then after each collective's latency + bytes over
-# NVLink — how much of the wire the schedule hides behind its own weight stream. Modelled, not measured: the local
-# durations are the scheduler's shape-based costs, the latency the assumed 5 µs. Eight ranks are shown. The built
-# layout puts heads and experts on the same ranks, and K3's 96 heads, 896 experts and vocabulary divide evenly only
-# up to **32 ranks**; the 72-GPU rows above keep their separate communication term until a layout with attention
-# groups smaller than the expert group (`tp < ep`) is built.
+# **One rank of the rack, from its program: `k3-rank`.** The preset is rank 0 of full-depth K3 laid out as built
+# (heads and experts over the same ranks), derived from `kimi-k3` and the rack: the most ranks of the 72 that split
+# every dimension evenly, **32** (96 heads, 896 experts), so the rack holds two replicas. Its modules hold only the
+# rank's share, so it instantiates on one H200 (MXFP4 experts) and on `meta` for the cost model. First where its
+# bytes go: every rank holds the router, the latent down-projection and MLA's `q_a` / `kv_a` whole.
 
 # %%
-from kimik3.megakernel.ranks import Shard
-from kimik3.megakernel.scheduler import build_program
-from kimik3.scale.nvl72 import Deployment
-from kimik3.scale.wire import collective_table, rank_step
+from kimik3.perf.cost import decode_cost
+from kimik3.perfmodel import predict
 
+rank_cfg = kimik3.get_preset("k3-rank")
+W = rank_cfg.slice_world
+rc = decode_cost("k3-rank", 1, 4096, expert_dtype="mxfp4").by_block
+whole_rank = {"router", "moe_latent", "embed", "attn_res", "final_norm"}
+by = rc.groupby("block")["weight_bytes"].sum().sort_values(ascending=False) / 1e9
+display(by.rename("GB read per step, batch 1").round(3).to_frame())
+held = {k: rank_cfg.held(k) for k in rank_cfg.split_dims()}
+print(f"k3-rank (rank 0 of {W}; holds {held}): {rc['weight_bytes'].sum() / 1e9:.2f} GB of weights per step at "
+      f"batch 1, of which the router and the latent projections (moe_latent: the down-projection whole, "
+      f"the up-projection split) take {by[['router', 'moe_latent']].sum():.2f} GB")
+
+# %% [markdown]
+# Then its step under the performance model (the calibrated H200 constants, `python -m kimik3 predict --preset
+# k3-rank --stage megakernel --batch 1,8` prints the same): the rank program's timeline, then the same timeline with
+# each collective's wire time (assumed latency + pushed bytes over one direction of GB300 NVLink) delaying the peers'
+# signals; tokens/s per sequence is one over that step. The **bandwidth bound** is the rank's bytes at the GB300's
+# datasheet HBM bandwidth plus its wire bytes, no latency — a real ceiling. Context 4096 (the model's cache
+# capacity). Which parts are measured: none yet; a device check that runs `k3-rank` on an H200 records the local
+# step, and this cell then shows it beside the model.
+
+# %%
+preds = [predict("k3-rank", "megakernel", b, context_len=4096) for b in rank_batches]
 rows = []
-for W in (8,):  # 16 or 32 (the most the built layout divides K3 into) read alike, each a K3-sized build more
-    prog = build_program(cfg, 1, 132, max_seq_len=T, shard=Shard(W, W, 0))
-    m = rank_step(prog, "gb300", COMM)
-    separate = comm_time(cfg, 1, Deployment(f"tp{W}", "gb300", W, tp=W, ep=W), COMM)
-    rows.append({"ranks": W, "collectives / step": m["collectives"], "pushed MB / step": m["wire_bytes_out"] / 1e6,
-                 "serial wire ms": m["serial_wire_ms"], "exposed wire ms": m["exposed_wire_ms"],
-                 "hidden": f"{m['hidden_share']:.0%}", "local ms (cost model)": m["local_ms"],
-                 "separate term ms (all-to-all + all-reduce)": separate["total_s"] * 1e3})
-display(pd.DataFrame(rows).set_index("ranks").round(3))
-display(collective_table(prog).drop(columns="counter").head(6))
+for r in preds:
+    k = r["rank"]
+    rows.append({"batch": r["batch"], "local ms (model)": r["predicted_ms"],
+                 "local range": "{:.2f}–{:.2f}".format(*r["predicted_ms_range"]),
+                 "roofline ms (H200)": r["roofline_ms"], "serial wire ms": k["serial_wire_ms"],
+                 "exposed wire ms": k["exposed_wire_ms"], "step ms": k["step_ms"],
+                 "tok/s per sequence": k["tokens_per_s_per_sequence"],
+                 "range": "{:.0f}–{:.0f}".format(*k["tokens_per_s_per_sequence_range"]),
+                 "bound tok/s per sequence": k["bound_tokens_per_s_per_sequence"],
+                 "rack tok/s": k["tokens_per_s_rack"]})
+display(pd.DataFrame(rows).set_index("batch").round(3))
+for part, how in preds[0]["rank"]["parts"].items():
+    print(f"{part}: {how}")
+measured = load_recorded()
+measured = measured[(measured.get("preset") == "k3-rank")] if "preset" in measured else measured.iloc[:0]
+print("recorded k3-rank device runs:", "none yet (modelled only)" if measured.empty else len(measured))
+
+# %%
+claims = speed_claims(("gb300",))
+b1 = next((r for r in preds if r["batch"] == 1), preds[0])
+k = b1["rank"]
+lo, hi = k["tokens_per_s_per_sequence_range"]
+point = k["tokens_per_s_per_sequence"]
+names = [f"published: {c['label']}" for _, c in claims.iterrows()] + [
+    f"k3-rank bandwidth bound (GB300 HBM + wire bytes, batch {b1['batch']})",
+    f"k3-rank predicted (model: H200-speed rank + NVL72 wire, batch {b1['batch']})"]
+values = list(claims["per_user"]) + [k["bound_tokens_per_s_per_sequence"], point]
+colours = ["#7f7f7f"] * len(claims) + ["#2ca02c", "#1f77b4"]
+above = [0.0] * (len(values) - 1) + [hi - point]  # the prediction's range; the others are single figures
+below = [0.0] * (len(values) - 1) + [point - lo]
+fig = go.Figure(go.Bar(x=values, y=names, orientation="h", marker_color=colours,
+                       error_x=dict(type="data", symmetric=False, array=above, arrayminus=below)))
+fig.update_layout(title=f"K3 on GB300 NVL72, tokens/s per sequence: rank 0 of {W} from its own program",
+                  xaxis_title="tokens/s per sequence", height=360, margin=dict(l=440))
+fig.write_html(out / "k3_rank_prediction.html", include_plotlyjs=True)
+fig.show()
+published = float(claims["per_user"].max())
+bound = k["bound_tokens_per_s_per_sequence"]
+print(f"bound {bound:.0f} tok/s per sequence vs the published {published:.0f}: "
+      + ("below it — with the router and the latent down-projection whole on every rank this layout cannot reach "
+         "the claim at any schedule" if bound < published else "above it")
+      + f"; the predicted step ({k['step_ms']:.2f} ms) is the schedule's, {k['step_ms'] / k['bound_ms']:.1f}x that "
+      "bound")
+
+# %% [markdown]
+# The K3 rank program's collectives, as the wire model reads them off the program (one row each):
+
+# %%
+from kimik3.perfmodel import model_program
+from kimik3.scale.wire import collective_table
+
+display(collective_table(model_program("k3-rank", rank_batches[0], 132, 4096, 4096, "mxfp4")).drop(
+    columns="counter").head(6))
 
 # %% [markdown]
 # The program needs no all-to-all: after each all-reduce every rank holds every token, so the experts need no

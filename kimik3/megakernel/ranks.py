@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from kimik3.kernels.contracts.peers import MAX_WORLD
 from kimik3.model.config import ModelConfig
+from kimik3.model.rank_slice import check_split, part
 
-__all__ = ["LAYOUTS", "Shard", "SINGLE"]
+__all__ = ["LAYOUTS", "Shard", "SINGLE", "of_slice"]
 
 LAYOUTS = ("tp-attention+ep-experts",)
 
@@ -52,30 +53,27 @@ class Shard:
 
     def part(self, total: int, what: str) -> tuple[int, int]:
         """The rank's contiguous share ``[lo, hi)`` of ``total`` (``what`` names it in the refusal)."""
-        if total % self.world:
-            raise ValueError(f"{what} = {total} does not split evenly over {self.world} ranks: this model cannot be "
-                             f"laid out {self.layout} at world {self.world}")
-        n = total // self.world
-        return self.rank * n, (self.rank + 1) * n
+        return part(total, self.world, self.rank, what)
+
+    def slice_of(self, cfg: ModelConfig) -> ModelConfig:
+        """The rank's slice of the whole model ``cfg`` (``cfg`` itself for the single-GPU program)."""
+        return cfg.replace(rank_slice=(self.world, self.rank)) if self.world > 1 else cfg
 
     def check(self, cfg: ModelConfig) -> None:
-        """Refuse a config whose sharded dimensions do not split evenly (every rank builds the same tiles)."""
-        if self.world == 1:
-            return
-        dims = {"num_attention_heads": cfg.num_attention_heads if cfg.mla_layers else 0,
-                "kda_num_heads": cfg.kda_num_heads if cfg.kda_layers else 0,
-                "n_routed_experts": cfg.n_routed_experts if cfg.moe_layers else 0,
-                "moe_latent_size": (cfg.moe_latent_size or 0) if cfg.moe_layers else 0,
-                "shared expert channels": cfg.moe_intermediate_size * cfg.n_shared_experts if cfg.moe_layers else 0,
-                "intermediate_size": cfg.intermediate_size if any(cfg.ffn(i) == "dense"
-                                                                   for i in range(cfg.num_hidden_layers)) else 0,
-                "vocab_size": cfg.vocab_size}
-        for what, total in dims.items():
-            if total:
-                self.part(total, what)
-        if cfg.moe_layers and not cfg.moe_latent_size:
-            raise ValueError("a rank program sums the routed experts across ranks in the latent space: the model has "
-                             "no moe_latent_size (LatentMoE); a full-width combine is not built")
+        """Refuse a config whose sharded dimensions do not split evenly (every rank builds the same tiles), and a
+        config that is already a rank's slice (a rank program is built from the whole model)."""
+        if cfg.rank_slice:
+            raise ValueError(f"config {cfg.name!r} is already rank slice {cfg.rank_slice}: build the rank program from "
+                             "the whole model with its shard (of_slice(cfg) gives both)")
+        check_split(cfg, self.world)
+
+
+def of_slice(cfg: ModelConfig) -> tuple[ModelConfig, Shard]:
+    """(whole model, shard) of a config: a rank slice's deployment and rank, or the single-GPU program."""
+    if not cfg.rank_slice:
+        return cfg, SINGLE
+    world, rank = cfg.rank_slice
+    return cfg.whole(), Shard(world, world, rank)
 
 
 SINGLE = Shard()

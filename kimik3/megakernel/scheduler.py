@@ -141,7 +141,8 @@ def instruction_costs(spec: StepSpec, context_len: int | None = None, expert_dty
     Per-block totals come from ``kimik3.perf.cost.decode_cost`` (the model's own parameter shapes, D(B) expected
     distinct experts); each block's total is split between the instructions that carry it in proportion to their
     tile shapes. Every weight-carrying block of ``decode_cost`` must be carried by some instruction (checked). A rank
-    program of several keeps the shape-based numbers: ``decode_cost`` prices the whole model on one GPU."""
+    program is priced by ``decode_cost`` of its rank's slice (``ModelConfig.rank_slice``). The shape-based totals
+    before that calibration ride along as ``attrs["shape_totals"]`` (an independent count of the same bytes)."""
     cfg, B = spec.cfg, spec.batch
     ctx = spec.max_seq_len if context_len is None else context_len
     raw = np.zeros((len(spec.instructions), 4))
@@ -155,8 +156,11 @@ def instruction_costs(spec: StepSpec, context_len: int | None = None, expert_dty
         from kimik3.perf.cost import decode_cost
     except ImportError:  # the cost model is optional: fall back to the raw shape-based numbers
         decode_cost = None
-    if decode_cost is not None and spec.shard.world == 1:
-        dc = decode_cost(cfg, batch_size=B, context_len=ctx, weight_dtype=weight_dtype, expert_dtype=expert_dtype,
+    shape_totals = dict(zip(_CATS, sum((v for own in owners.values() for _, v in own), np.zeros(4)).tolist()))
+    if decode_cost is not None:
+        sh = spec.shard
+        priced = sh.slice_of(cfg)
+        dc = decode_cost(priced, batch_size=B, context_len=ctx, weight_dtype=weight_dtype, expert_dtype=expert_dtype,
                          act_dtype="bf16").by_block
         calibrated = True
         for _, row in dc.iterrows():
@@ -196,6 +200,7 @@ def instruction_costs(spec: StepSpec, context_len: int | None = None, expert_dty
         + df["flops"] / cm.sm_flops * 1e9
     df["ns"] = df["prefetch_ns"] + df["busy_ns"]
     df.attrs["calibrated_by_decode_cost"] = calibrated
+    df.attrs["shape_totals"] = shape_totals
     df.attrs["cost_model"] = cm
     df.index.name = "id"
     return df

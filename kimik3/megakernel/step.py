@@ -116,18 +116,21 @@ class Tiling:
 
     @classmethod
     def auto(cls, cfg: ModelConfig, batch: int, num_sms: int, max_seq_len: int = 4096, align: int = 16) -> Tiling:
+        """``cfg`` a rank slice (``ModelConfig.rank_slice``): the tiles cut the rank's shares, not the whole model's
+        dimensions, so a rank's phases also spread over every SM."""
         S = max(1, num_sms)
         H = cfg.hidden_size
-        nh_kda, nh_mla = max(1, cfg.kda_num_heads), max(1, cfg.num_attention_heads)
+        nh_kda, nh_mla = max(1, cfg.held("kda_heads")), max(1, cfg.held("mla_heads"))
+        sized = cfg.whole().replace(kda_num_heads=nh_kda if cfg.kda_layers else cfg.kda_num_heads,
+                                    num_attention_heads=nh_mla if cfg.mla_layers else cfg.num_attention_heads)
         ffn_rows = 0
-        if cfg.moe_layers:
-            ffn_rows = cfg.n_routed_experts + (cfg.moe_latent_size or 0) + \
-                2 * cfg.moe_intermediate_size * cfg.n_shared_experts
+        if cfg.moe_layers:  # the router and the latent down-projection are whole on every rank
+            ffn_rows = cfg.n_routed_experts + (cfg.moe_latent_size or 0) + 2 * cfg.held("shared")
         if _has_dense_ffn(cfg):
-            ffn_rows = max(ffn_rows, 2 * cfg.intermediate_size)
-        slots = min(cfg.n_routed_experts, batch * cfg.num_experts_per_tok) if cfg.n_routed_experts else 1
+            ffn_rows = max(ffn_rows, 2 * cfg.held("dense"))
+        slots = min(cfg.held("experts"), batch * cfg.num_experts_per_tok) if cfg.n_routed_experts else 1
         per_slot = max(1, S // slots)
-        mla_in = sum(b - a for a, b in mla_in_segments(cfg).values()) if cfg.mla_layers else 1
+        mla_in = sum(b - a for a, b in mla_in_segments(sized).values()) if cfg.mla_layers else 1
         kda_heads = _ceil_div(nh_kda, min(nh_kda, S))
         kda_tiles = _ceil_div(nh_kda, kda_heads)
         kda_batch = _ceil_div(batch, min(batch, S // kda_tiles)) if 2 * kda_tiles <= S else batch
@@ -141,7 +144,7 @@ class Tiling:
         mla_part_heads = max(min(nh_mla, MLA_PARTIAL_MIN_HEADS), _ceil_div(nh_mla, mla_free))
         return cls(
             batch_rows=_ceil_div(batch, min(batch, S)),
-            kda_in_rows=_aligned(kda_in_rows(cfg), S, align) if cfg.kda_layers else 1,
+            kda_in_rows=_aligned(kda_in_rows(sized), S, align) if cfg.kda_layers else 1,
             mla_in_rows=_aligned(mla_in, S, align),
             ffn_in_rows=max(2, _aligned(ffn_rows, S, align)),
             kda_heads=kda_heads,
@@ -154,7 +157,7 @@ class Tiling:
             expert_slots=1,
             expert_rows=_aligned(cfg.moe_intermediate_size, per_slot, align) if cfg.moe_layers else 1,
             expert_down_rows=_aligned(cfg.moe_latent_size or 1, S, align),
-            lm_rows=_aligned(cfg.vocab_size, S, align),
+            lm_rows=_aligned(cfg.held("vocab"), S, align),
         )
 
 
@@ -706,7 +709,7 @@ def build_step(cfg: ModelConfig | str, batch: int, max_seq_len: int = 4096, tili
     shard.check(cfg)
     if not 1 <= batch:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    t = tiling or Tiling.auto(cfg, batch, num_sms, max_seq_len)
+    t = tiling or Tiling.auto(shard.slice_of(cfg), batch, num_sms, max_seq_len)
     b = _StepBuilder(cfg, batch, max_seq_len, t, act_dtype, max_seq_len if context_len is None else context_len,
                      expert_format, shard)
     b.embedding()

@@ -208,6 +208,10 @@ def check_config_values(cfg: Any) -> None:
         need(v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < cfg.vocab_size), f,
              f"None or a token id in the vocabulary [0, {cfg.vocab_size})")
     need(cfg.rope_scaling is None or isinstance(cfg.rope_scaling, dict), "rope_scaling", "None or a dict")
+    v = cfg.rank_slice
+    need(v is None or (isinstance(v, tuple) and len(v) == 2 and all(isinstance(i, int) and not isinstance(i, bool)
+                                                                   for i in v)), "rank_slice",
+         "None or a tuple (world, rank) of ints")
 
 
 # ---------------------------------------------------------------------- memory

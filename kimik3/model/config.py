@@ -92,6 +92,9 @@ class ModelConfig:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     name: str = ""
+    # -- one rank's slice of a tensor- x expert-parallel deployment: (world, rank), None = the whole model.
+    # The modules built hold only the rank's share of the split dimensions (kimik3.model.rank_slice).
+    rank_slice: tuple[int, int] | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -162,6 +165,44 @@ class ModelConfig:
             return 0
         return len(range(0, self.num_hidden_layers, self.attn_res_block_size))
 
+    @property
+    def slice_world(self) -> int:
+        """Ranks the deployment this config is one slice of (1: the whole model)."""
+        return self.rank_slice[0] if self.rank_slice else 1
+
+    def split_dims(self) -> dict[str, int]:
+        """The whole size of every dimension a tensor- × expert-parallel layout splits (the rule:
+        :mod:`kimik3.model.rank_slice`), for the blocks this model has (0: no such block)."""
+        moe = bool(self.moe_layers)
+        dense = any(self.ffn(i) == "dense" for i in range(self.num_hidden_layers))
+        return {"kda_heads": self.kda_num_heads if self.kda_layers else 0,
+                "mla_heads": self.num_attention_heads if self.mla_layers else 0,
+                "experts": self.n_routed_experts if moe else 0,
+                "latent": (self.moe_latent_size or 0) if moe else 0,
+                "shared": self.moe_intermediate_size * self.n_shared_experts if moe else 0,
+                "dense": self.intermediate_size if dense else 0,
+                "vocab": self.vocab_size}
+
+    def share(self, what: str) -> tuple[int, int]:
+        """``[lo, hi)`` of split dimension ``what`` (a key of :meth:`split_dims`) this config's modules hold: the
+        rank's share for a rank slice, else the whole dimension."""
+        from kimik3.model.rank_slice import part
+
+        dims = self.split_dims()
+        if what not in dims:
+            raise ValueError(f"unknown split dimension {what!r}; known: {', '.join(dims)}")
+        total = dims[what]
+        return part(total, *self.rank_slice, what) if self.rank_slice else (0, total)
+
+    def held(self, what: str) -> int:
+        """How much of split dimension ``what`` the modules hold."""
+        lo, hi = self.share(what)
+        return hi - lo
+
+    def whole(self) -> ModelConfig:
+        """The model this config is a slice of (itself when it is whole)."""
+        return self.replace(rank_slice=None) if self.rank_slice else self
+
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
@@ -169,6 +210,8 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d.pop("extra", None)
         d["kda_layers"] = list(self.kda_layers)
+        if self.rank_slice is not None:
+            d["rank_slice"] = list(self.rank_slice)
         return d
 
     # ------------------------------------------------------------------ validation
@@ -215,6 +258,13 @@ class ModelConfig:
             need(self.attn_res_block_size > 0, "attn_res_block_size must be positive")
         if self.hidden_act == "situ":
             need(self.situ_beta > 0, "activation_situ_beta must be positive")
+        if self.rank_slice is not None:
+            from kimik3.model.rank_slice import check_split
+
+            world, rank = self.rank_slice
+            need(world >= 1 and 0 <= rank < world, f"rank_slice {self.rank_slice}: need world >= 1 and 0 <= rank < "
+                 "world")
+            check_split(self, world)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -426,6 +476,9 @@ def load_config(path: str | Path) -> ModelConfig:
 
 def to_hf_dict(cfg: ModelConfig) -> dict:
     """The Hugging Face ``config.json`` for ``cfg`` (the K3 release layout for kimi_k3)."""
+    if cfg.rank_slice:
+        raise ValueError(f"config {cfg.name!r} is one rank's slice {cfg.rank_slice} of a deployment, not a model a "
+                         "checkpoint holds: write the whole model's config (cfg.whole())")
     common = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
         rms_norm_eps=cfg.rms_norm_eps, hidden_act=cfg.hidden_act, intermediate_size=cfg.intermediate_size,
@@ -539,6 +592,19 @@ def _k3_shard() -> ModelConfig:
                       n_routed_experts=56, attn_res_block_size=12)
 
 
+# The rack the seeds serve K3 on (a GB300 NVL72) and the slice of it k3-rank is.
+RACK_GPUS = 72
+
+
+def _k3_rank() -> ModelConfig:
+    # Rank 0 of full-depth K3 laid out tp-attention+ep-experts over the most ranks of the rack that split every
+    # dimension evenly (32: 96 heads, 896 experts); docs/architecture.md#megakernel-across-ranks.
+    from kimik3.model.rank_slice import even_worlds
+
+    k3 = _kimi_k3()
+    return k3.replace(name="k3-rank", rank_slice=(max(even_worlds(k3, RACK_GPUS)), 0))
+
+
 def _deepseek_v3() -> ModelConfig:
     return ModelConfig(
         family="deepseek_v3", name="deepseek-v3", vocab_size=129280, hidden_size=7168, num_hidden_layers=61,
@@ -594,6 +660,7 @@ PRESETS = {
     "tiny": _tiny,
     "k3-deep-tiny": _k3_deep_tiny,
     "k3-shard": _k3_shard,
+    "k3-rank": _k3_rank,
     "kimi-k3": _kimi_k3,
     "kimi-k2": _kimi_k2,
     "deepseek-v3": _deepseek_v3,

@@ -171,7 +171,7 @@ class Experts(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        E, inner, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.expert_in_dim
+        E, inner, d = cfg.held("experts"), cfg.moe_intermediate_size, cfg.expert_in_dim
         self.w1 = nn.Parameter(torch.empty(E, inner, d))
         self.w3 = nn.Parameter(torch.empty(E, inner, d))
         self.w2 = nn.Parameter(torch.empty(E, d, inner))
@@ -187,10 +187,9 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         if cfg.moe_latent_size is not None:
             self.routed_expert_down_proj = nn.Linear(cfg.hidden_size, cfg.moe_latent_size, bias=False)
-            self.routed_expert_up_proj = nn.Linear(cfg.moe_latent_size, cfg.hidden_size, bias=False)
+            self.routed_expert_up_proj = nn.Linear(cfg.held("latent"), cfg.hidden_size, bias=False)
             self.routed_expert_norm = RMSNorm(cfg.moe_latent_size, cfg.rms_norm_eps) if cfg.moe_latent_norm else None
-        self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts \
-            else None
+        self.shared_experts = MLP(cfg, cfg.held("shared")) if cfg.n_shared_experts else None
 
     def expert(self, e: int, xl: torch.Tensor) -> torch.Tensor:
         """One routed expert's GLU FFN on latent (or hidden) inputs [n, D]. Experts held as MXFP4
@@ -287,7 +286,9 @@ class KDA(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        H, P, nh, dk, W = cfg.hidden_size, cfg.kda_proj_dim, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
+        # a rank slice holds its share of the heads (kimik3.model.rank_slice); the whole model all of them
+        H, nh, dk, W = cfg.hidden_size, cfg.held("kda_heads"), cfg.kda_head_dim, cfg.kda_conv_size
+        P = nh * dk
         self.q_proj = nn.Linear(H, P, bias=False)
         self.k_proj = nn.Linear(H, P, bias=False)
         self.v_proj = nn.Linear(H, P, bias=False)
@@ -424,7 +425,7 @@ class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        H, nh = cfg.hidden_size, cfg.num_attention_heads
+        H, nh = cfg.hidden_size, cfg.held("mla_heads")
         if cfg.q_lora_rank:
             self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)  # LoRA norms use the class default 1e-6
@@ -534,7 +535,7 @@ class DecoderLayer(nn.Module):
         if cfg.ffn(idx) == "moe":
             self.block_sparse_moe = MoE(cfg)
         else:
-            self.mlp = MLP(cfg, cfg.intermediate_size)
+            self.mlp = MLP(cfg, cfg.held("dense"))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.attn_res_block_size:
@@ -613,7 +614,7 @@ class KimiForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = KimiModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.held("vocab"), bias=False)
         self._tie()
         # inference only: no parameter takes gradients (torch.compile's freezing also needs this to treat the
         # weights as constants)
@@ -639,6 +640,10 @@ class KimiForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.device
 
     def new_state(self, batch: int, max_len: int) -> DecodeState:
+        if self.config.rank_slice:
+            raise ValueError(f"model {self.config.name!r} holds one rank's slice {self.config.rank_slice} of a "
+                             "deployment: its step needs its peers' partial sums, so it runs as a rank program "
+                             "(kimik3.megakernel.ranks), not through the reference forward")
         dev, dt = self.device, self.dtype
         states = [layer.self_attn.new_state(batch, dev, dt) if layer.kind == "kda"
                   else layer.self_attn.new_cache(batch, max_len, dev, dt) for layer in self.model.layers]

@@ -29,7 +29,7 @@ CI: dict[str, dict] = {
     "04_fused_kernels": {"compile_kernels": False},
     "05_megakernel": {"preset": "micro", "steps": 2, "interleavings": 2, "compile_kernel": False},
     "06_validation": {"presets": ["micro"], "quick": True},
-    "07_scaling_to_nvl72": {"batch_sizes": [1, 8, 64]},
+    "07_scaling_to_nvl72": {"batch_sizes": [1, 8, 64], "rank_batches": [1]},
 }
 CI.update({k: {**v, **CI[k]} for k, v in _SOLUTIONS.items()})
 
@@ -103,7 +103,7 @@ def run_all(out_root: str | Path = "runs", only: list[str] | None = None, ci: bo
 
 _POSITIVE = ("batch_size", "batch", "prompt_len", "new_tokens", "steps", "repeats", "context", "interleavings")
 _NONNEG = ("seed",)
-_POSITIVE_LISTS = ("batch_sizes",)
+_POSITIVE_LISTS = ("batch_sizes", "rank_batches")
 _NONNEG_LISTS = ("context_lens",)
 
 

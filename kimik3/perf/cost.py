@@ -139,6 +139,7 @@ def _config_key(cfg: ModelConfig) -> str:
 def _inventory_for_key(key: str) -> tuple[_Param, ...]:
     d = json.loads(key)  # the key is the config itself, so equal configs share one meta build
     d["kda_layers"] = tuple(d["kda_layers"])
+    d["rank_slice"] = tuple(d["rank_slice"]) if d.get("rank_slice") else None
     return _inventory_of(build_model(ModelConfig(**d), "meta"))
 
 
@@ -193,12 +194,15 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch_size: int | np
 
 
 def _distinct_per_layer(cfg: ModelConfig, batch: int, routing: Routing) -> list[float]:
-    """Distinct experts per MoE layer: expected under uniform routing, or exact for a given routing."""
+    """Distinct experts per MoE layer: expected under uniform routing, or exact for a given routing. A rank slice
+    counts the experts it holds: the given ids in its share, else its share of the expected or given counts."""
     moe, E, k = cfg.moe_layers, cfg.n_routed_experts, cfg.num_experts_per_tok
     if not moe:
         return []
+    lo, hi = cfg.share("experts")
+    frac = (hi - lo) / E
     if routing is None:
-        return [expected_distinct_experts(E, k, batch)] * len(moe)
+        return [expected_distinct_experts(E, k, batch) * frac] * len(moe)
     if isinstance(routing, (int, np.integer)) and not isinstance(routing, bool):
         counts = [int(routing)] * len(moe)
     elif isinstance(routing, (torch.Tensor, np.ndarray)) or (
@@ -217,7 +221,8 @@ def _distinct_per_layer(cfg: ModelConfig, batch: int, routing: Routing) -> list[
                              f"[.., batch_size={batch}, top_k={k}]")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
             raise ValueError(f"routing ids must lie in 0..{E - 1}, got {int(ids.min())}..{int(ids.max())}")
-        counts = [int(torch.unique(layer_ids).numel()) for layer_ids in ids]
+        held = [torch.unique(layer_ids) for layer_ids in ids]
+        return [float(((u >= lo) & (u < hi)).sum()) for u in held]
     elif isinstance(routing, Sequence):
         counts = [int(c) for c in routing]
         if len(counts) != len(moe):
@@ -228,7 +233,7 @@ def _distinct_per_layer(cfg: ModelConfig, batch: int, routing: Routing) -> list[
     for c in counts:
         if not 0 <= c <= E or c > batch * k:
             raise ValueError(f"distinct experts per layer must lie in 0..min(E={E}, B·k={batch * k}), got {c}")
-    return [float(c) for c in counts]
+    return [float(c) * frac for c in counts]
 
 
 # ====================================================================== AttnRes mixes
@@ -257,15 +262,16 @@ def attn_res_mixes(cfg: ModelConfig) -> list[tuple[int, str, int]]:
 
 def _kda_state_bytes(cfg: ModelConfig, state_dtype: str, act_dtype: str) -> tuple[int, int]:
     """Per sequence per KDA layer: (recurrent S, conv history) bytes (§3.4)."""
-    s = cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * _bytes(state_dtype)
-    conv = 3 * cfg.kda_proj_dim * (cfg.kda_conv_size - 1) * _bytes(act_dtype)
+    nh = cfg.held("kda_heads")  # a rank slice keeps its heads' state (the MLA latent cache is held whole)
+    s = nh * cfg.kda_head_dim * cfg.kda_head_dim * _bytes(state_dtype)
+    conv = 3 * nh * cfg.kda_head_dim * (cfg.kda_conv_size - 1) * _bytes(act_dtype)
     return int(s), int(conv)
 
 
 def _mla_entry_bytes(cfg: ModelConfig, kv_dtype: str, mla_form: str) -> float:
     """Cache bytes per token per MLA layer: latent + shared key part (§4.3), or expanded per-head K and V."""
     if mla_form == "naive":
-        return cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * _bytes(kv_dtype)
+        return cfg.held("mla_heads") * (cfg.qk_head_dim + cfg.v_head_dim) * _bytes(kv_dtype)
     return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * _bytes(kv_dtype)
 
 
@@ -473,6 +479,7 @@ def decode_cost(model_or_preset_or_config: KimiForCausalLM | ModelConfig | str, 
     sum_t = sum(lens)
     w_b, e_b, a_b = _bytes(weight_dtype), _bytes(expert_dtype), _bytes(act_dtype)
     H, E, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    held_experts = cfg.held("experts") or E
     distinct = dict(zip(cfg.moe_layers, _distinct_per_layer(cfg, B, routing)))
 
     # group the inventory by (layer, block)
@@ -510,7 +517,8 @@ def decode_cost(model_or_preset_or_config: KimiForCausalLM | ModelConfig | str, 
             r["flops_elementwise"] = B * sum(6.0 * H * c + 5.0 * c for c in cands)  # sumsq, score, mix
             r["activation_bytes"] = B * sum((c + 1) * H * a_b for c in cands)
         elif block == "kda":
-            P, nh, dk = cfg.kda_proj_dim, cfg.kda_num_heads, cfg.kda_head_dim
+            nh, dk = cfg.held("kda_heads"), cfg.kda_head_dim
+            P = nh * dk
             r["state_bytes_read"] = r["state_bytes_written"] = B * (kda_s + kda_conv)
             # gated delta rule per head: decay dk·dv, predict 2·dk·dv, rank-1 update 2·dk·dv, read 2·dk·dv (§3.2)
             r["flops_state"] = B * (7.0 * nh * dk * dk + 2.0 * nh * dk)
@@ -519,7 +527,7 @@ def decode_cost(model_or_preset_or_config: KimiForCausalLM | ModelConfig | str, 
                                           + 4.0 * nh + 7.0 * P)
             r["activation_bytes"] = B * 2 * H * a_b
         elif block == "mla":
-            nh, lat, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+            nh, lat, rope = cfg.held("mla_heads"), cfg.kv_lora_rank, cfg.qk_rope_head_dim
             nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
             r["kv_bytes_read"] = sum_t * mla_entry
             r["kv_bytes_written"] = B * mla_entry
@@ -542,27 +550,28 @@ def decode_cost(model_or_preset_or_config: KimiForCausalLM | ModelConfig | str, 
             r["flops_elementwise"] = B * (_RMSNORM_FLOPS_PER_ELEMENT * lat if cfg.moe_latent_norm else 0.0)
             r["activation_bytes"] = B * 2 * (H + lat) * a_b
         elif block == "experts":
-            per_expert = sum(p.numel for p in params) / E
+            per_expert = sum(p.numel for p in params) / held_experts
             d = distinct[layer]
             r["experts_touched"] = d
             r["weight_bytes"] += d * per_expert * e_b
-            r["flops_weights"] = 2.0 * per_expert * k * B  # B·k (token, expert) pairs, however they overlap
+            # B·k (token, expert) pairs however they overlap; a rank slice expects its share of them
+            pairs = B * k * held_experts / E
+            r["flops_weights"] = 2.0 * per_expert * pairs
             D = cfg.expert_in_dim
-            r["flops_elementwise"] = B * k * (_SITU_FLOPS_PER_ELEMENT * cfg.moe_intermediate_size + 2.0 * D)
-            r["activation_bytes"] = B * k * 2 * D * a_b
+            r["flops_elementwise"] = pairs * (_SITU_FLOPS_PER_ELEMENT * cfg.moe_intermediate_size + 2.0 * D)
+            r["activation_bytes"] = pairs * 2 * D * a_b
         elif block == "shared_experts":
-            r["flops_elementwise"] = B * (_SITU_FLOPS_PER_ELEMENT * cfg.moe_intermediate_size
-                                          * cfg.n_shared_experts + H)
+            r["flops_elementwise"] = B * (_SITU_FLOPS_PER_ELEMENT * cfg.held("shared") + H)
             r["activation_bytes"] = B * 2 * H * a_b
         elif block == "dense_mlp":
-            r["flops_elementwise"] = B * (_SITU_FLOPS_PER_ELEMENT * cfg.intermediate_size
+            r["flops_elementwise"] = B * (_SITU_FLOPS_PER_ELEMENT * cfg.held("dense")
                                           + _RMSNORM_FLOPS_PER_ELEMENT * H)
             r["activation_bytes"] = B * 2 * H * a_b
         elif block == "final_norm":
             r["flops_elementwise"] = B * _RMSNORM_FLOPS_PER_ELEMENT * H
             r["activation_bytes"] = B * 2 * H * a_b
         elif block == "lm_head":
-            r["activation_bytes"] = B * (H * a_b + cfg.vocab_size * 4)  # fp32 logits out
+            r["activation_bytes"] = B * (H * a_b + cfg.held("vocab") * 4)  # fp32 logits out
         rows.append(r)
 
     df = pd.DataFrame(rows)

@@ -72,14 +72,15 @@ def model_program(preset: str, batch: int, num_sms: int = 132, max_seq_len: int 
     from dataclasses import replace
 
     from kimik3.megakernel import build_program
+    from kimik3.megakernel.ranks import of_slice
     from kimik3.megakernel.step import Tiling
     from kimik3.model.config import get_preset
 
     _check_experts(experts)
-    cfg = get_preset(preset)
+    cfg, shard = of_slice(get_preset(preset))  # a rank slice runs its rank's program of the whole model
     t = None
     if tiling:
-        t = Tiling.auto(cfg, batch, num_sms, max_seq_len)
+        t = Tiling.auto(shard.slice_of(cfg), batch, num_sms, max_seq_len)
         whole = {"mla_partial_heads": cfg.num_attention_heads}
         over = {}
         for name, v in tiling:
@@ -88,7 +89,7 @@ def model_program(preset: str, batch: int, num_sms: int = 132, max_seq_len: int 
             over[name] = whole[name] if v == "all" else int(v)
         t = replace(t, **over)
     prog = build_program(cfg, batch, num_sms, "critical_path", max_seq_len, tiling=t, context_len=context_len,
-                         expert_format="mxfp4" if experts == "mxfp4" else "dense")
+                         expert_format="mxfp4" if experts == "mxfp4" else "dense", shard=shard)
     prog.cfg = cfg
     return prog
 
@@ -105,8 +106,14 @@ def megakernel_model(preset: str, batch: int, design: str | dict[str, Any] = CUR
     if getattr(prog, "cfg", None) is None:
         from kimik3.model.config import get_preset
 
-        prog.cfg = get_preset(preset)
+        prog.cfg = get_preset(preset).whole()
     times = instruction_times(prog, d, c, context_len)
+    tl = simulate_model(prog, times, **_timeline_options(d))
+    return times, tl
+
+
+def _timeline_options(d: dict[str, Any]) -> dict[str, bool]:
+    """The design's staging options of the model timeline (refused where inconsistent)."""
     mk = d["megakernel"]
     ahead = bool(field(mk["prefetch_ahead"]))
     if ahead and int(field(mk.get("stage_buffers", {"value": 1}))) < 2:
@@ -115,8 +122,26 @@ def megakernel_model(preset: str, batch: int, design: str | dict[str, Any] = CUR
     if field(mk["stage_wait"]) not in ("all", "rows"):
         raise ValueError(f"design {d['name']}: stage_wait must be 'all' (every thread waits for the whole stage) or "
                          f"'rows' (a warp waits only for its own rows), got {field(mk['stage_wait'])!r}")
-    tl = simulate_model(prog, times, prefetch_ahead=ahead, stage_wait_all=field(mk["stage_wait"]) == "all")
-    return times, tl
+    return {"prefetch_ahead": ahead, "stage_wait_all": field(mk["stage_wait"]) == "all"}
+
+
+def _rank(preset: str, batch: int, d: dict[str, Any], c: Constants, context_len: int, experts: str,
+          out: dict[str, Any], times: pd.DataFrame) -> dict[str, Any]:
+    """A rank slice's step with the wire and the rack-level tokens/s (:mod:`kimik3.perfmodel.ranks`); ``times``:
+    the point constants' instruction times of its program."""
+    from kimik3.perfmodel.ranks import rank_extras
+
+    prog = model_program(preset, batch, int(c.sm_count), 4096, context_len, experts, design_tiling(d))
+    opts = _timeline_options(d)
+
+    def makespan(delay: np.ndarray) -> float:
+        return float(simulate_model(prog, times, peer_delay_ns=delay, **opts)["end_ns"].max())
+
+    from kimik3.perf.cost import decode_cost
+
+    rng = out.get("predicted_ms_range", [out["predicted_ms"]] * 2)
+    nbytes = decode_cost(preset, batch, context_len, expert_dtype=experts).total_bytes
+    return rank_extras(prog, makespan, batch, c.kernel_boundary_ns, out["predicted_ms"], (rng[0], rng[1]), nbytes)
 
 
 def roofline_ms(preset: str, batch: int, context_len: int = 4096, constants: Constants | None = None,
@@ -148,17 +173,27 @@ def _check_fits(preset: str, experts: str, c: Constants) -> None:
     """The model scores one GPU's program: a preset whose weights that GPU cannot hold is refused (the full K3 is
     served across a rack; ``k3-shard`` is one rank's share), rather than simulated for minutes to a meaningless
     figure."""
-    from kimik3.perf.cost import parameter_counts
-    from kimik3.perf.hardware import get_hardware
-
-    cap = get_hardware(c.hardware).hbm_capacity
-    n = parameter_counts(preset)
-    per_expert = 2.0 if experts == "bf16" else 17 / 32  # MXFP4: half a byte per weight, a scale byte per 32
-    need = (n["total"] - n["routed_experts"]) * 2 + n["routed_experts"] * per_expert
+    cap = _capacity(c)
+    need = _need_bytes(preset, experts)
     if cap is not None and need > cap:
         raise ValueError(f"preset {preset!r} holds {need / 1e9:.0f} GB of weights ({experts} experts), more than "
                          f"the {cap / 1e9:.0f} GB of one {c.hardware}: the performance model scores one GPU's "
                          "program (k3-shard is one expert-parallel rank's share of Kimi K3)")
+
+
+def _capacity(c: Constants) -> float | None:
+    from kimik3.perf.hardware import get_hardware
+
+    return get_hardware(c.hardware).hbm_capacity
+
+
+def _need_bytes(preset: str, experts: str) -> float:
+    """Weight bytes the preset's modules hold with the routed experts in ``experts``."""
+    from kimik3.perf.cost import parameter_counts
+
+    n = parameter_counts(preset)
+    per_expert = 2.0 if experts == "bf16" else 17 / 32  # MXFP4: half a byte per weight, a scale byte per 32
+    return (n["total"] - n["routed_experts"]) * 2 + n["routed_experts"] * per_expert
 
 
 def _step(preset: str, stage: str, batch: int, d: dict[str, Any], c: Constants, context_len: int, experts: str
@@ -175,7 +210,7 @@ def _step(preset: str, stage: str, batch: int, d: dict[str, Any], c: Constants, 
             by[op] = {"count": int(len(g)), "mean_us": round(float(g["model_us"].mean()), 3),
                       "total_us": round(float(g["model_us"].sum()), 3),
                       "limited_by": str(g["limited_by"].mode().iloc[0])}
-        return predicted, by, {"makespan_ms": span / 1e6, "instructions": int(len(tl))}
+        return predicted, by, {"makespan_ms": span / 1e6, "instructions": int(len(tl)), "_times": times}
     ft = fused_times(preset, batch, d, c, context_len, expert_format=experts)
     by = {}
     for fam, g in ft.groupby("family", sort=False):
@@ -186,7 +221,7 @@ def _step(preset: str, stage: str, batch: int, d: dict[str, Any], c: Constants, 
 
 
 def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1, design: str = CURRENT_DESIGN,
-            context_len: int = 4096, constants: Constants | None = None, experts: str = "bf16",
+            context_len: int = 4096, constants: Constants | None = None, experts: str | None = None,
             ranges: bool = True) -> dict[str, Any]:
     """``{"predicted_ms", "roofline_ms", "fraction_of_roofline", "by_opcode", ...}`` for one step with the routed
     experts stored as ``experts`` ("bf16" or "mxfp4"; the roofline moves the same format's bytes).
@@ -196,13 +231,18 @@ def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1,
     kernel family. ``ranges``: also ``predicted_ms_range`` ([optimistic, pessimistic] ms: every ranged constant at
     its fast end, then at its slow end) and ``fraction_of_roofline_range`` ([pessimistic, optimistic], of the same
     roofline as the point), with the corner values in ``range_constants``. ``constants_measured`` /
-    ``constants_recalled``: which constants a measured file set and which are still constants.json's."""
-    _check(preset, stage, batch, context_len, experts)
+    ``constants_recalled``: which constants a measured file set and which are still constants.json's.
+    ``experts=None``: bf16, or mxfp4 where bf16 experts would not fit the GPU (a rank slice of K3). A rank slice
+    also gets ``rank``: its step with the wire and the rack-level tokens/s (:mod:`kimik3.perfmodel.ranks`)."""
     c = constants or load_constants()
+    if experts is None:
+        experts = "bf16" if _need_bytes(preset, "bf16") <= (_capacity(c) or float("inf")) else "mxfp4"
+    _check(preset, stage, batch, context_len, experts)
     _check_fits(preset, experts, c)
     d = load_design(design)
     roof = roofline_ms(preset, batch, context_len, c, experts)
     predicted, by, extra = _step(preset, stage, batch, d, c, context_len, experts)
+    times = extra.pop("_times", None)
     out = {"preset": preset, "stage": stage, "batch": batch, "context": context_len, "design": d["name"],
            "experts": experts, "predicted_ms": round(predicted, 6), "roofline_ms": round(roof, 6),
            "fraction_of_roofline": round(roof / predicted, 4), "by_opcode": by,
@@ -214,6 +254,10 @@ def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1,
         out.update(predicted_ms_range=[round(ms["optimistic"], 6), round(ms["pessimistic"], 6)],
                    fraction_of_roofline_range=[round(roof / ms["pessimistic"], 4), round(roof / ms["optimistic"], 4)],
                    range_constants={k: {w: corners[w].values[k] for w in corners} for k in sorted(c.ranges)})
+    from kimik3.model.config import get_preset
+
+    if stage == "megakernel" and get_preset(preset).rank_slice:
+        out.update(_rank(preset, batch, d, c, context_len, experts, out, times))
     return {**out, **c.provenance()}
 
 

@@ -29,7 +29,8 @@ __all__ = ["SYMBOLS", "instruction_symbols", "stream_ns", "instruction_times", "
 
 SYMBOLS = ("B", "bt", "nbt", "gbt", "gnbt", "NT", "NW", "nops", "nwaits", "rows", "row_bytes", "heads", "nb",
            "positions", "splits", "slots", "pairs", "distinct", "k", "E", "Dmax", "H", "dk", "nope", "kvl", "rope",
-           "ql", "qk", "dv", "Ie", "Dl", "Is", "tiles", "weight_bytes", "state_bytes", "act_bytes", "flops", "shfl")
+           "ql", "qk", "dv", "Ie", "Dl", "Is", "tiles", "weight_bytes", "state_bytes", "act_bytes", "flops", "shfl",
+           "world")
 
 
 _EXPERT_OPS = (Op.EXPERT_GATE_UP, Op.EXPERT_DOWN)
@@ -129,14 +130,16 @@ def instruction_symbols(program: Program, costs: pd.DataFrame, i: int, context_l
         nb = float(q[1] - q[0])
         t0, t1 = ins.operands[2].box[2], ins.operands[2].box[3]
         positions = float(max(0, min(context_len, t1) - t0))
-    elif op in (Op.EMBED, Op.ATTN_RES_MIX):
+    elif op in (Op.EMBED, Op.ATTN_RES_MIX, Op.ALLREDUCE_MIX):
         nb = float(a[3] - a[2])
     elif op == Op.EXPERT_GATE_UP:
         slots = float(a[1] - a[0])
     splits = facts["splits"]
     E, k = cfg.n_routed_experts or 0, cfg.num_experts_per_tok or 0
     Dmax = float(min(E, B * k)) if E else 0.0
-    distinct = E * (1.0 - (1.0 - k / E) ** B) if E else 0.0
+    world = float(getattr(program, "world", 1) or 1)
+    # the distinct experts this program's instructions cover: a rank holds E / world of them
+    distinct = E * (1.0 - (1.0 - k / E) ** B) / world if E else 0.0
     c = costs[i] if isinstance(costs, list) else costs.iloc[i]
     return {
         "B": float(B), "bt": float(bt), "nbt": float(B // bt), "gbt": float(gbt), "gnbt": float(B // gbt),
@@ -153,6 +156,7 @@ def instruction_symbols(program: Program, costs: pd.DataFrame, i: int, context_l
         "tiles": facts["tiles"],
         "weight_bytes": float(c["weight_bytes"]), "state_bytes": float(c["state_bytes"]),
         "act_bytes": float(c["act_bytes"]), "flops": float(c["flops"]), "shfl": consts.shuffle_latency_cycles,
+        "world": world,
     }
 
 
@@ -263,13 +267,18 @@ def _limit(hbm: float, act: float, reread: float, fma: float, serial: float) -> 
 
 
 def simulate_model(program: Program, times: pd.DataFrame, prefetch_ahead: bool = False,
-                   stage_wait_all: bool = True) -> pd.DataFrame:
+                   stage_wait_all: bool = True, peer_delay_ns: np.ndarray | None = None) -> pd.DataFrame:
     """Event simulation of one step: every SM walks its queue; instruction ``v`` arriving at ``a`` (its
     predecessor's end) fetches and stages from ``p0`` (``a``, or with ``prefetch_ahead`` the predecessor's start),
     starts at ``max(p0 + fetch, waits met) + wait round trips`` (+ the rest of the stage when ``stage_wait_all``),
-    and ends ``body + signal`` later, when its counter is signalled."""
+    and ends ``body + signal`` later, when its counter is signalled. ``peer_delay_ns`` (one per counter): a rank
+    program's peers run the same schedule, their signals of a cross-rank counter landing that much later (the
+    wire), as in :func:`kimik3.megakernel.timeline.simulate`."""
     ins = program.instructions
     n = len(ins)
+    delay = np.zeros(len(program.counters)) if peer_delay_ns is None else np.asarray(peer_delay_ns, dtype=float)
+    if delay.shape != (len(program.counters),) or (delay < 0).any():
+        raise ValueError(f"peer_delay_ns must hold one non-negative delay per counter ({len(program.counters)})")
     fetch = times["fetch_ns"].to_numpy()
     stage = times["stage_ns"].to_numpy()
     wrt = times["wait_rt_ns"].to_numpy()
@@ -282,25 +291,25 @@ def simulate_model(program: Program, times: pd.DataFrame, prefetch_ahead: bool =
     end = np.zeros(n)
     prev_start = [0.0] * len(qs)
     events: list[tuple[float, int, int]] = []
-    blocked: set[int] = set()
+    waiting: dict[int, set[int]] = {}  # counter -> the SMs whose head instruction waits on it (its first unmet wait)
 
-    def met(v: int) -> float | None:
+    def met(v: int) -> tuple[float, int]:
+        """(when every wait of ``v`` was met, -1), or (0, the first counter still short)."""
         t = 0.0
         for c, target in ins[v].waits:
             if len(reach[c]) < target:
-                return None
+                return 0.0, c
             t = max(t, reach[c][target - 1])
-        return t
+        return t, -1
 
     def try_start(sm: int) -> None:
         if head[sm] >= len(qs[sm]):
             return
         v = qs[sm][head[sm]]
-        r = met(v)
-        if r is None:
-            blocked.add(sm)
+        r, short = met(v)
+        if short >= 0:  # retried when that counter next moves (nothing else can release it)
+            waiting.setdefault(short, set()).add(sm)
             return
-        blocked.discard(sm)
         p0 = prev_start[sm] if prefetch_ahead and head[sm] > 0 else arrive[v]
         s = max(p0 + fetch[v], r, arrive[v]) + wrt[v]
         begin = max(s, p0 + fetch[v] + stage[v]) if stage_wait_all else s
@@ -309,22 +318,33 @@ def simulate_model(program: Program, times: pd.DataFrame, prefetch_ahead: bool =
         prev_start[sm] = begin
         heapq.heappush(events, (end[v], v, sm))
 
+    def moved(c: int) -> None:
+        for other in sorted(waiting.pop(c, ())):
+            try_start(other)
+
     for sm in range(len(qs)):
         try_start(sm)
     done = 0
     while events:
         now, v, sm = heapq.heappop(events)
+        if sm < 0:  # a delayed cross-rank signal of counter v lands
+            reach[v].append(now)
+            moved(v)
+            continue
         done += 1
-        if ins[v].signal >= 0:
+        c = ins[v].signal
+        if c >= 0 and delay[c] > 0:
             for _ in range(ins[v].amount):
-                reach[ins[v].signal].append(now)
+                heapq.heappush(events, (now + delay[c], c, -1))
+        elif c >= 0:
+            for _ in range(ins[v].amount):
+                reach[c].append(now)
         head[sm] += 1
         if head[sm] < len(qs[sm]):
             arrive[qs[sm][head[sm]]] = now
         try_start(sm)
-        for other in sorted(blocked):
-            if other != sm:
-                try_start(other)
+        if c >= 0 and delay[c] == 0:
+            moved(c)
     if done != n:
         raise ValueError(f"model simulation deadlocked after {done} of {n} instructions")
     df = pd.DataFrame({"sm": [x.sm for x in ins], "qpos": [x.qpos for x in ins], "op": [x.op.name for x in ins],

@@ -73,6 +73,18 @@ def positive_int_list(text: str) -> tuple[int, ...]:
     return out
 
 
+def bounded_int_list(lo: int, hi: int, why: str = "") -> Callable[[str], tuple[int, ...]]:
+    """Comma-separated integers, each in ``lo..hi`` (``why``: what the upper bound protects), at least one."""
+    def parse(text: str) -> tuple[int, ...]:
+        out = int_list(text)
+        bad = [v for v in out if not lo <= v <= hi]
+        if bad:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}{f' ({why})' if why else ''}, got "
+                                             f"{', '.join(map(str, bad))}")
+        return out
+    return parse
+
+
 def name_list(text: str) -> tuple[str, ...]:
     """Comma-separated names, stripped, at least one, no empty items."""
     return tuple(_items(text, "name"))
