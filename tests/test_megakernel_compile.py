@@ -29,7 +29,8 @@ from kimik3.megakernel.gpu import check_device_contract  # noqa: E402
 from kimik3.megakernel.instructions import Op, Operand  # noqa: E402
 from kimik3.megakernel.kernel_shapes import MAX_BUFS, MAX_CTRS, MAX_INSTR, PROG_WORDS, static_shapes, variant_name  # noqa: E402
 
-CI_SM90 = ["megakernel/tiny/b1", "megakernel/k3-shard/b8", "megakernel/tiny/b1-mxfp4"]
+# k3-rank: one rank's program of the rack (MKConfig.ranks: the collective opcodes, pushes, system-scope counters)
+CI_SM90 = ["megakernel/tiny/b1", "megakernel/k3-shard/b8", "megakernel/tiny/b1-mxfp4", "megakernel/k3-rank/b1-mxfp4"]
 CI_SM100 = ["megakernel/tiny/b1"]
 # the design's synchronisation, in the PTX: acquire spin with back-off, release signal, first-error CAS, error-word
 # poll, timestamps, SM id, asynchronous weight prefetch into smem, CTA barriers
@@ -57,7 +58,7 @@ def _check(result: B.BuildResult, v: R.KernelVariant, arch: str) -> None:
     assert ".reqntid 384, 1, 1" in ptx and ".minnctapersm 1" in ptx
     entry = re.search(r"\.entry\s+\w+\((.*?)\)", ptx, re.S).group(1)
     params = re.findall(r"\.param\s+\.align\s+8\s+\.b8\s+\w+\[(\d+)\]", entry)
-    assert params == ["8"] * 6, f"every parameter must be one pointer (prebuilt export), got {params}"
+    assert params == ["8"] * 7, f"every parameter must be one pointer (prebuilt export), got {params}"
     assert result.cubin[:4] == b"\x7fELF"
 
 
@@ -78,10 +79,21 @@ def test_compiles_for_sm100a(name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("name", [f"megakernel/{p}/b{b}{f}" for p in ("micro", "tiny", "k3-shard") for b in (1, 8, 64)
-                                  for f in ("", "-mxfp4")])
+                                  for f in ("", "-mxfp4")] + ["megakernel/k3-rank/b8-mxfp4"])
 def test_full_matrix(name: str, arch: str) -> None:
     v = R.get_variant(name)
     _check(B.build(v, arch), v, arch)
+
+
+def test_only_a_rank_kernel_carries_the_cross_rank_code() -> None:
+    """The kernel built for a rank program signals its peers' counter words with system-scope releases and polls
+    its own cross-rank words with system-scope acquires; one GPU's kernel compiles none of it (MKConfig.ranks)."""
+    ranks = B.build(R.get_variant("megakernel/k3-rank/b1-mxfp4"), "sm_90a").ptx
+    single = B.build(R.get_variant("megakernel/tiny/b1-mxfp4"), "sm_90a").ptx
+    assert "red.release.sys.global.add" in ranks and "ld.acquire.sys.global" in ranks
+    assert "red.release.sys" not in single and "ld.acquire.sys" not in single
+    assert static_shapes("k3-rank", 1, expert_format="mxfp4")["ranks"] is True
+    assert static_shapes("tiny", 1)["ranks"] is False
 
 
 # The VM's header check reads word H_EXPERT_FORMAT (byte 88 of the program) in the entry block, next to the magic
@@ -223,15 +235,15 @@ def test_device_contract_catches_planted_problems() -> None:
 
 def test_prebuilt_export_and_launch_signature(tiny_prebuilt: Path, tmp_path: Path) -> None:
     """The prebuilt path exports the megakernel (pointer-only entry, budget met); with TVM-FFI the loaded function
-    takes exactly the six tensors of the runner plus the CTA count, and refuses CPU tensors by device only. The
-    export is the device check's (``tiny`` batch 1, built once per session)."""
+    takes exactly the seven tensors of the runner (the last: the peer table) plus the CTA count, and refuses CPU
+    tensors by device only. The export is the device check's (``tiny`` batch 1, built once per session)."""
     from kimik3.kernels.toolchain import prebuilt as P
 
     name = "megakernel/tiny/b1"
     e = P.read_manifest(tiny_prebuilt)["kernels"][name]
     assert e["budget_violations"] == [] and e["module"] == "megakernel"
     (entry,) = e["entries"]
-    assert entry["pointer_only"] and entry["param_bytes"] == [8] * 6 and entry["block"] == [384, 1, 1]
+    assert entry["pointer_only"] and entry["param_bytes"] == [8] * 7 and entry["block"] == [384, 1, 1]
     assert entry["dynamic_shared_bytes"] > 64 * 1024
     if e["format"] != "tvm-ffi":
         pytest.skip("apache-tvm-ffi or g++ missing: cubin export only")
@@ -240,7 +252,7 @@ def test_prebuilt_export_and_launch_signature(tiny_prebuilt: Path, tmp_path: Pat
     s = static_shapes("tiny", 1)
     args = [torch.zeros(s["prog_words"], dtype=torch.int32), torch.zeros(s["max_bufs"], dtype=torch.int64),
             torch.zeros(s["max_ctrs"], dtype=torch.int32), torch.zeros(s["max_instr"], 3, dtype=torch.int64),
-            torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)]
+            torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), torch.zeros(128, dtype=torch.int64)]
     with pytest.raises(ValueError, match="expected device_type=cuda"):
         k(*args, 1)
 

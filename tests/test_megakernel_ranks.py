@@ -185,7 +185,7 @@ def test_a_push_into_the_wrong_slot_row_is_caught() -> None:
     i = _nth(ps[1], Op.O_PROJ_RESIDUAL, 2)
     ops = list(ps[1].instructions[i].operands)
     o = ops[-1]
-    ops[-1] = Operand(o.buf, o.mode, (o.box[0] - 1, o.box[1] - 1, *o.box[2:]))  # rank 0's row, not its own
+    ops[-1] = Operand(o.buf, o.mode, (*o.box[:2], o.box[2] - 1, o.box[3] - 1, *o.box[4:]))  # rank 0's row, not its own
     bad = check_deployment(_mutate(ps, 1, i, operands=tuple(ops)))
     assert {"waw", "mailbox"} <= _kinds(bad)
 
@@ -235,7 +235,7 @@ def test_mailboxes_are_symmetric_and_sized_by_the_protocol() -> None:
     H = get_preset("micro").hidden_size
     for p in ps:
         mb = {b.name: b.shape for b in p.buffers if b.kind == Kind.MAILBOX}
-        assert mb["mbox.allreduce"] == (step_module.AR_SLOTS * 4, 3, H)
+        assert mb["mbox.allreduce"] == (3, step_module.AR_SLOTS * 4, H)
         assert mb == {b.name: b.shape for b in ps[0].buffers if b.kind == Kind.MAILBOX}
 
 

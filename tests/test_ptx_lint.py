@@ -24,7 +24,9 @@ MEGAKERNEL_SRC = Path(B.__file__).parents[1] / "megakernel" / "vm.py"  # the VM:
 H200_SMS = 132
 # the dense variants and the one for MXFP4 routed experts (its expert opcodes decode codes and scales in registers):
 # all three are among tests/test_megakernel_compile.py's CI builds, so these are disk-cache hits there
-MEGAKERNELS = ["megakernel/tiny/b1", "megakernel/k3-shard/b8", "megakernel/tiny/b1-mxfp4"]
+MEGAKERNELS = ["megakernel/tiny/b1", "megakernel/k3-shard/b8", "megakernel/tiny/b1-mxfp4",
+               "megakernel/k3-rank/b1-mxfp4"]
+RANKS = "megakernel/k3-rank/b1-mxfp4"  # one rank's kernel: its peers are other GPUs
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +63,36 @@ def test_shipped_fused_kernels_pass(v: R.KernelVariant) -> None:
     report = L.lint(r.ptx, registers=r.resources["registers"], shared_bytes=r.resources["shared_bytes"], grid=1,
                     num_sms=H200_SMS, arch="sm_90a", persistent=False)
     assert list(L.violations(report)) == []
+
+
+@pytest.fixture(scope="module")
+def mk_ranks() -> B.BuildResult:
+    return B.build(R.get_variant(RANKS), "sm_90a")
+
+
+def test_rank_kernel_signals_its_peers_at_system_scope(mk_ranks: B.BuildResult) -> None:
+    assert L.peer_scope(mk_ranks.ptx) == []
+    assert "red.release.sys.global.add" in mk_ranks.ptx  # the rule looked at a peer signal
+    assert L.peer_scope(B.build(R.get_variant("megakernel/tiny/b1"), "sm_90a").ptx) == []  # no peers: nothing
+
+
+@pytest.mark.parametrize("planted, message", [
+    (("red.release.sys.global", "red.release.gpu.global"), "not a release at system scope"),
+    (("red.release.sys.global", "red.relaxed.sys.global"), "not a release at system scope"),
+    (("ld.acquire.sys.global", "ld.acquire.gpu.global"), "polls no counter word with a system-scope acquire"),
+])
+def test_planted_peer_scope_violation(mk_ranks: B.BuildResult, planted: tuple[str, str], message: str) -> None:
+    ptx = mk_ranks.ptx.replace(*planted)
+    assert ptx != mk_ranks.ptx
+    assert any(message in m for m in L.peer_scope(ptx))
+
+
+def test_planted_push_after_the_barrier(mk_ranks: B.BuildResult) -> None:
+    """A store between the barrier and a peer signal (a push the release does not cover) is caught."""
+    lines = mk_ranks.ptx.splitlines()
+    sig = next(i for i, s in enumerate(lines) if "red.release.sys" in s)
+    ptx = "\n".join(lines[:sig] + ["\tst.global.b32 \t[%rd1], %r1;"] + lines[sig:])
+    assert any("not preceded by a CTA barrier" in m for m in L.release_after_barrier(ptx))
 
 
 def test_planted_relaxed_signal(mk: B.BuildResult) -> None:

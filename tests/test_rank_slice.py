@@ -178,3 +178,16 @@ def test_export_refuses_a_rank_slice_before_touching_the_output(tmp_path, capsys
     assert main(["export", "--preset", "k3-rank", "--out", str(out)]) == 2
     assert "one rank's slice" in capsys.readouterr().err
     assert (out / "notes.txt").read_text() == "a user's file" and len(list(out.iterdir())) == 1
+
+
+def test_the_device_contract_refuses_a_rank_program_and_says_why():
+    from kimik3.megakernel.gpu import check_device_contract
+    from kimik3.megakernel.kernel_shapes import static_shapes
+
+    cfg = get_preset("micro")
+    p = build_program(cfg, 2, 8, shard=Shard(2, 2, 0))
+    single = check_device_contract(p, cfg, 2)
+    assert any("built for one GPU's program" in m for m in single)
+    ranks = check_device_contract(p, cfg, 2, static_shapes(cfg.replace(rank_slice=(2, 0)), 2))
+    assert any("column-split weights" in m and "FFN_PEER_SUM" in m for m in ranks)
+    assert check_device_contract(build_program(cfg, 2, 8), cfg, 2) == []  # one GPU's program still runs

@@ -18,6 +18,7 @@ __all__ = ["GEMV_BT", "GEMV_UNROLL", "GEMV_UNROLL_X_UNROLLED", "GEMV_MMA_ROWS", 
            "gemv_mma_unroll", "gemv_batch_tile", "gemv_tile_rows", "lm_head_tile_rows", "gemv_tiles", "gemv_item",
            "elem_offset",
            "tile_rows", "expert_row_offset", "FP4_GROUP", "FP4_GROUP_BYTES", "fp4_row_offsets", "absorb_cw",
+           "peer_address", "push_item",
            "VEC"]
 
 VEC = 8  # bf16 elements per 16-byte chunk (the device code's VEC)
@@ -141,6 +142,20 @@ def fp4_row_offsets(d1: Any, d2: Any, sd1: Any, sd2: Any, e: Any, r: Any, wide: 
     = columns / 2) and in its ``[E, sd1, sd2]`` uint8 scales (``sd2`` = columns / FP4_GROUP). Both are one byte per
     element, so the element offsets are the byte offsets."""
     return expert_row_offset(d1, d2, e, r, wide), expert_row_offset(sd1, sd2, e, r, wide)
+
+
+def peer_address(own: Any, base_me: Any, base_p: Any) -> Any:
+    """Rank p's copy of the byte at ``own`` in this rank's peer segment: every rank's segment has the same layout
+    (its counter words, then its MAILBOX buffers), so a push or a signal to rank p moves by the segments' distance
+    (``isa.PEER_TABLE``: ``base_me`` = this rank's entry, ``base_p`` = p's)."""
+    return own - base_me + base_p
+
+
+def push_item(rows_r: Any, per: Any, k: Any) -> tuple[Any, Any, Any]:
+    """Work item ``k`` of a PUSH copy of a box whose rows are (batch row, mailbox row) pairs, ``rows_r`` mailbox rows
+    per batch row and ``per`` copy units per row: (batch row offset, mailbox row offset, unit) in the box."""
+    row = k // per
+    return row // rows_r, row % rows_r, k % per
 
 
 def absorb_cw(kvl: int) -> int:

@@ -21,7 +21,7 @@ __all__ = [
     "FFN_ROUTED", "FFN_MLP", "FFN_LATENT_NORM", "FFN_PEER_SUM", "DEVICE_OPS", "COLLECTIVE_OPS",
     "ERROR_WORDS", "CTL_WORDS", "ERR_WATCHDOG", "ERR_BAD_PROGRAM", "CTA_THREADS", "BT_MAX", "SMEM_CARVEOUT_PERCENT",
     "STAGE_BYTES", "STAGE_BUFFERS", "CHUNK_BYTES", "W_STAGE_OP", "W_STAGE_ROWS", "W_STAGE_CHUNKS", "W_NEXT_BUF",
-    "W_NEXT_ELEM_LO", "W_NEXT_ELEM_HI", "W_NEXT_CHUNKS",
+    "W_NEXT_ELEM_LO", "W_NEXT_ELEM_HI", "W_NEXT_CHUNKS", "H_OFF_CBASE", "PEER_TABLE", "CODE_BYTES",
 ]
 
 
@@ -51,8 +51,9 @@ class Op(enum.IntEnum):
     ARGMAX_ALL = 18  # the next greedy token from every vocabulary shard's per-tile (max, argmax) pairs
 
 
-# the collective opcodes; the device code implements DEVICE_OPS and refuses a program holding any other (the GPU
-# side of the collectives is built apart from the host side; the CPU executors run them all)
+# the collective opcodes: one GPU's kernel implements DEVICE_OPS and refuses a program holding any other; a kernel
+# built for rank programs (MKConfig.ranks) also runs these (kernels/megakernel/collective.py); the CPU executors
+# run them all
 COLLECTIVE_OPS = frozenset({Op.ALLREDUCE_MIX, Op.ARGMAX_ALL})
 DEVICE_OPS = tuple(op for op in Op if op != Op.NOP and op not in COLLECTIVE_OPS)
 
@@ -115,6 +116,10 @@ H_OFF_BUF, H_OFF_CTR, H_OFF_INS, H_OFF_Q, H_OFF_STR, H_NSTR, H_TOTAL = 13, 14, 1
 H_MAX_WAITS, H_MAX_OPERANDS = 20, 21
 H_EXPERT_FORMAT = 22
 H_RANK, H_WORLD = 23, 24  # a rank program's rank and world size; world 0: a single-GPU program (words 25..31 zero)
+# a rank program's counter-word table (after the names): per counter its first word in the rank's counter memory
+# (kernels/contracts/peers.py counter_bases), so the device indexes a counter's words without a prefix sum;
+# 0 in a single-GPU program, whose counter c is word c
+H_OFF_CBASE = 25
 POLICIES = ("round_robin", "critical_path", "custom")  # header word H_POLICY is an index into this
 # How the routed experts are stored (header word H_EXPERT_FORMAT is an index into this): "dense" stacks w1 / w3 / w2
 # in the activation dtype; "mxfp4" holds them as the K3 release does (compressed-tensors mxfp4-pack-quantized): uint8
@@ -131,6 +136,8 @@ CW_TOTAL, CW_NAME_OFF, CW_NAME_LEN, CW_SOURCES = range(4)
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int64": 3, "int32": 4, "bool": 5, "float64": 6,
                "uint8": 7}
 DTYPE_F32, DTYPE_BF16, DTYPE_U8 = DTYPE_CODES["float32"], DTYPE_CODES["bfloat16"], DTYPE_CODES["uint8"]
+# bytes per element of each code (a PUSH copies a box of any dtype)
+CODE_BYTES = {0: 4, 1: 2, 2: 2, 3: 8, 4: 4, 5: 1, 6: 8, 7: 1}
 
 # ---------------------------------------------------------------------------------------------------- instruction
 # word offsets inside one instruction row
@@ -187,6 +194,10 @@ MXFP4_OPERANDS = {Op.EXPERT_GATE_UP: ((3, 6), (4, 7)), Op.EXPERT_DOWN: ((4, 6),)
 ERROR_WORDS = 8  # error[0] code, [1] instruction, [2] counter, [3] target, [4] value seen, [5] CTA, [6] SM, [7] step
 CTL_WORDS = 8  # ctl[0] step, [1] watchdog spins, [2] nanosleep ns per spin
 ERR_WATCHDOG, ERR_BAD_PROGRAM = 1, 2  # error[0]
+# the launch's peer table: per rank of the world, the device address of that rank's counter memory, its peer
+# segment (the MAILBOX buffers follow the counter words at the same offsets on every rank: a push to rank p writes
+# own address - peers[rank] + peers[p]); as many entries as a world may hold (kernels/contracts/peers.py MAX_WORLD)
+PEER_TABLE = 128
 # threads per CTA (one CTA per SM): 12 warps x 32 lanes x 64 B keep ~24 KiB of weight loads in flight per SM, and
 # the 168-register cap (65536 / 384) leaves room for the widest opcode; 512 threads (cap 128) spill. The host
 # refuses a program whose per-thread work assumes more (e.g. a KDA head wider than the CTA).

@@ -25,7 +25,8 @@ MAX_WORLD = 128
 
 
 def mailbox_row(slot: int, src: int, world: int) -> int:
-    """Row (box dimension 0) of a MAILBOX that source rank ``src`` pushes to in ``slot``: ``slot·world + src``."""
+    """Row of a MAILBOX (its dimension 1, the batch its dimension 0: a row is addressed as a stream entry is) that
+    source rank ``src`` pushes to in ``slot``: ``slot·world + src``."""
     if not 0 <= src < world:
         raise ValueError(f"source rank {src} outside a world of {world}")
     return slot * world + src

@@ -24,9 +24,13 @@ from kimik3.kernels.contracts.isa import (
     C1,
     FFN_MLP,
     FFN_ROUTED,
+    OPERAND_WORDS,
+    OW_MODE,
     R0,
     R1,
     W_ARGS,
+    W_OPS,
+    Mode,
 )
 from kimik3.kernels.megakernel.device_fns import (
     NW,
@@ -348,7 +352,7 @@ def _ffn_out_item(ctx: _Ctx, j: Int32, t: Int32, routed: Any, mlp: Any, av: Any,
                 out = bf16_round(out + bf16_round(am[i]))
             if jj < n:
                 off = _eoff(ctx.s_d1[io], ctx.s_d2[io], t * BT + acc_col(ctx.lane, i), entry, c0 + jj)
-                sb[off] = (sb[off].to(Float32) + out).to(BFloat16)
+                sb[off] = _ffn_store(ctx, sb, off, out, io)
     else:
         if routed:
             weight_row_dot(ctx.s_stage, su, wu0, j, nch_u, av, t * BT * xas, xas, False, gv, ar, BT, U,
@@ -369,7 +373,21 @@ def _ffn_out_item(ctx: _Ctx, j: Int32, t: Int32, routed: Any, mlp: Any, av: Any,
                 out = bf16_round(out + bf16_round(ym))
             if ctx.lane == bb % 32:
                 off = _eoff(ctx.s_d1[io], ctx.s_d2[io], b, entry, c0 + j)
-                sb[off] = (sb[off].to(Float32) + out).to(BFloat16)
+                sb[off] = _ffn_store(ctx, sb, off, out, io)
+
+
+MODE_READ = int(Mode.READ)
+
+
+@cute.jit
+def _ffn_store(ctx: _Ctx, sb: Any, off: Int64, out: Float32, io: Int32) -> BFloat16:
+    """FFN_OUT's bf16 result for the stream column: added into the block's partial sum — or, on a rank of several
+    (its output a mailbox row it writes: operand mode without READ), the rank's partial as it is."""
+    y = (sb[off].to(Float32) + out).to(BFloat16)
+    if const_expr(ctx.cfg.ranks):
+        if (ctx.s_ins[W_OPS + OPERAND_WORDS * io + OW_MODE] & MODE_READ) == 0:
+            y = out.to(BFloat16)
+    return y
 
 
 @cute.jit
@@ -418,8 +436,11 @@ def op_lm_head(ctx: _Ctx) -> None:
         for w in cutlass.range_constexpr(1, NW):
             ov, oi = s_bv[w * cfg.B + b], s_bi[w * cfg.B + b]
             v, i = (ov, oi) if argmax_take(ov, oi, v, i) else (v, i)
-        best_v[_eoff(ctx.s_d1[4], ctx.s_d2[4], b, Int32(0), ti)] = v
-        best_i[_eoff(ctx.s_d1[5], ctx.s_d2[5], b, Int32(0), ti)] = Int64(r0 + i)
+        row = Int32(0)  # [b, 0, ti]; a rank's bests: its row of the mailbox, [b, rank, ti]
+        if const_expr(cfg.ranks):
+            row = _bx(ctx, 4, R0)
+        best_v[_eoff(ctx.s_d1[4], ctx.s_d2[4], b, row, ti)] = v
+        best_i[_eoff(ctx.s_d1[5], ctx.s_d2[5], b, row, ti)] = Int64(r0 + i)
 
 
 @cute.jit

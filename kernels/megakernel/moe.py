@@ -21,6 +21,7 @@ from kimik3.kernels.common.device import fp4_decode_pair, fp4_group_scales, x_pa
 from kimik3.kernels.common.trace import evict_last, tracing_for_host
 from kimik3.kernels.contracts.addr import FP4_GROUP, FP4_GROUP_BYTES, expert_row_offset, fp4_row_offsets
 from kimik3.kernels.contracts.isa import (
+    R0,
     W_ARGS,
 )
 from kimik3.kernels.megakernel.device_fns import (
@@ -37,6 +38,7 @@ from kimik3.kernels.megakernel.mma import MMA_COLS, MMA_ROWS, acc_col, acc_row, 
 from kimik3.kernels.megakernel.operands import (
     F32_WORDS,
     I32_WORDS,
+    _bx,
     _Ctx,
     _eoff,
     _pad32,
@@ -553,8 +555,22 @@ def fp4_down_combine(ctx: _Ctx, acc: cute.Tensor, v: Float32, v8: Float32, j: In
 
 @cute.jit
 def down_out(ctx: _Ctx, b: Int32, r: Int32) -> Int64:
-    """Element offset of the combined output [b, 0, r] (operand 5)."""
-    return _eoff(ctx.s_d1[5], ctx.s_d2[5], b, Int32(0), r)
+    """Element offset of the combined output [b, 0, r] (operand 5); on a rank of several, [b, rank, r] of the latent
+    sum's mailbox (its box's row)."""
+    row = Int32(0)
+    if const_expr(ctx.cfg.ranks):
+        row = _bx(ctx, 5, R0)
+    return _eoff(ctx.s_d1[5], ctx.s_d2[5], b, row, r)
+
+
+@cute.jit
+def down_store(ctx: _Ctx, off: Int64, v: Float32) -> None:
+    """One combined output element: bf16 into the latent sum, or on a rank of several the fp32 partial the ranks
+    sum in FFN_OUT (kernels/contracts/peers.py: the latent-space combine)."""
+    if const_expr(ctx.cfg.ranks):
+        gflat(Float32, ctx.s_addr[5])[off] = v
+    else:
+        gflat(BFloat16, ctx.s_addr[5])[off] = v.to(BFloat16)
 
 
 @cute.jit
@@ -602,7 +618,6 @@ def _op_expert_down_dense(ctx: _Ctx) -> None:
     _build_slot_lists(ctx, Int32(0), Int32(cfg.dmax), True)
     hv = gchunks(ctx.s_addr[0])
     hs, nch = down_dims(ctx)
-    out = gflat(BFloat16, ctx.s_addr[5])
     a = cute.make_rmem_tensor((T,), Float32)
     acc = cute.make_rmem_tensor((APL,), Float32)
     for r in cutlass.range(r0 + ctx.warp, r1, NW, unroll=1):
@@ -620,7 +635,7 @@ def _op_expert_down_dense(ctx: _Ctx) -> None:
         for m in cutlass.range_constexpr(APL):
             b = ctx.lane + 32 * m
             if b < cfg.B:
-                out[down_out(ctx, b, r)] = acc[m].to(BFloat16)
+                down_store(ctx, down_out(ctx, b, r), acc[m])
 
 
 def fp4_down_part_base(cfg: Any) -> int:
@@ -703,7 +718,6 @@ def _op_expert_down_fp4(ctx: _Ctx) -> None:
     _build_slot_lists(ctx, Int32(0), Int32(cfg.dmax), True)
     hv = gchunks(ctx.s_addr[0])
     hs, ngr = down_dims(ctx)
-    out = gflat(BFloat16, ctx.s_addr[5])
     lane, warp = ctx.lane, ctx.warp
     ntiles, g = fp4_down_split(ctx)
     mem = warp // cutlass.max(ntiles, 1)  # (an empty box: no tile, nothing to do)
@@ -724,18 +738,18 @@ def _op_expert_down_fp4(ctx: _Ctx) -> None:
                 if mem > 0:  # member 0 keeps its combine in registers
                     fp4_down_part_put(ctx, acc, warp - ntiles, lane)
             else:
-                _fp4_down_store(ctx, out, acc, rt, lane)
+                _fp4_down_store(ctx, acc, rt, lane)
     if g > 1:  # CTA-uniform
         cute.arch.sync_threads()
         if warp < ntiles:
             fp4_down_part_sum(ctx, acc, warp, ntiles, g, lane)
-            _fp4_down_store(ctx, out, acc, r0 + warp * FP4_ROWS, lane)
+            _fp4_down_store(ctx, acc, r0 + warp * FP4_ROWS, lane)
 
 
 @cute.jit
-def _fp4_down_store(ctx: _Ctx, out: Any, acc: cute.Tensor, rt: Any, lane: Any) -> None:
+def _fp4_down_store(ctx: _Ctx, acc: cute.Tensor, rt: Any, lane: Any) -> None:
     for h in cutlass.range_constexpr(2):
         for m in cutlass.range_constexpr(fp4_combine_width(ctx.cfg)):
             off = fp4_down_out(ctx, rt, lane, h, m)
             if off >= 0:
-                out[off] = acc[h, m].to(BFloat16)
+                down_store(ctx, off, acc[h, m])

@@ -27,9 +27,11 @@ from kimik3.kernels.contracts.isa import (
     BUFFER_WORDS,
     BW_D1,
     BW_D2,
+    BW_DTYPE,
     CHUNK_BYTES,
     COUNTER_WORDS,
     CTL_WORDS,
+    CW_SOURCES,
     CW_TOTAL,
     ERR_BAD_PROGRAM,
     ERR_WATCHDOG,
@@ -39,18 +41,23 @@ from kimik3.kernels.contracts.isa import (
     H_INSTR_WORDS,
     H_MAGIC,
     H_OFF_BUF,
+    H_OFF_CBASE,
     H_OFF_CTR,
     H_OFF_INS,
     H_OFF_Q,
     H_Q,
+    H_RANK,
     H_S,
     H_VERSION,
+    H_WORLD,
     INSTR_WORDS,
     MAGIC,
     MAX_OPERANDS,
     MAX_WAITS,
     OPERAND_WORDS,
     OW_BUF,
+    OW_MODE,
+    PEER_TABLE,
     SMEM_CARVEOUT_PERCENT,
     STAGE_BUFFERS,
     STAGE_BYTES,
@@ -64,12 +71,16 @@ from kimik3.kernels.contracts.isa import (
     W_NWAITS,
     W_OP,
     W_OPS,
+    W_PEER_HI,
+    W_PEER_LO,
     W_SIGNAL,
     W_STAGE_CHUNKS,
     W_STAGE_OP,
     W_WAITS,
+    Mode,
     Op,
 )
+from kimik3.kernels.megakernel.collective import dtype_bytes, op_allreduce_mix, push_operand, signal_peers
 from kimik3.kernels.megakernel.device_fns import (
     NT,
     NW,
@@ -100,8 +111,11 @@ STAGE_CHUNKS = STAGE_BYTES // CHUNK_BYTES
 WORDS_PER_CHUNK = CHUNK_BYTES // 4
 ROW_CHUNKS = INSTR_WORDS // WORDS_PER_CHUNK  # one 16-byte copy per lane of warp 0 moves an instruction row
 assert ROW_CHUNKS == 32 and CHUNK_BYTES == 2 * VEC
-# s_run slots (launch invariants kept in shared memory; RUN_V: the queue entry of the position about to run)
+# s_run slots (launch invariants kept in shared memory; RUN_V: the queue entry of the position about to run; a
+# rank program's rank, world and counter-word table: isa.H_RANK / H_WORLD / H_OFF_CBASE)
 RUN_Q, RUN_QLEN, RUN_OFF_BUF, RUN_OFF_CTR, RUN_OFF_INS, RUN_OFF_Q, RUN_STEP, RUN_SPINS, RUN_SLEEP, RUN_V = range(10)
+RUN_RANK, RUN_WORLD, RUN_CBASE = 10, 11, 12
+MODE_PUSH = int(Mode.PUSH)
 # opcode numbers as plain ints (the dispatch compares them with traced Int32 values)
 OP_EMBED, OP_ATTN_RES_MIX, OP_NORM_PROJ, OP_MLP_GATE_UP = int(Op.EMBED), int(Op.ATTN_RES_MIX), int(Op.NORM_PROJ), \
     int(Op.MLP_GATE_UP)
@@ -111,6 +125,7 @@ OP_MLA_REDUCE, OP_O_PROJ_RESIDUAL, OP_ROUTER, OP_EXPERT_GATE_UP = int(Op.MLA_RED
     int(Op.ROUTER), int(Op.EXPERT_GATE_UP)
 OP_EXPERT_DOWN, OP_FFN_OUT, OP_LM_HEAD, OP_ARGMAX = int(Op.EXPERT_DOWN), int(Op.FFN_OUT), int(Op.LM_HEAD), \
     int(Op.ARGMAX)
+OP_ALLREDUCE_MIX, OP_ARGMAX_ALL = int(Op.ALLREDUCE_MIX), int(Op.ARGMAX_ALL)
 
 
 @dataclass(frozen=True)
@@ -150,6 +165,9 @@ class MKConfig:
     max_bufs: int
     max_ctrs: int
     fp4: bool  # the routed experts are MXFP4 (codes + E8M0 scales, isa.MXFP4_OPERANDS); the program must say so
+    # the kernel runs one rank's program of a deployment (megakernel/collective.py: the collective opcodes, pushes,
+    # per-source counter words at system scope); a kernel without it refuses a rank program (ERR_BAD_PROGRAM)
+    ranks: bool = False
     # the compile target (compile_for sets it): ptxas allocates registers per architecture, so some loop widths
     # depend on it (addr.gemv_unroll, moe.gate_up_pass / down_pass); the host execution runs the default
     # unless a case names another
@@ -214,6 +232,11 @@ def _dispatch(ctx: _Ctx, op: Int32) -> None:
     elif op == OP_ARGMAX:
         op_argmax(ctx)
     else:
+        if const_expr(cfg.ranks):
+            if op == OP_ALLREDUCE_MIX:
+                op_allreduce_mix(ctx)
+            elif op == OP_ARGMAX_ALL:  # the same walk over every rank's tiles (misc.argmax_pick)
+                op_argmax(ctx)
         if const_expr(cfg.dk > 0):
             if op == OP_KDA_STEP:
                 op_kda_step(ctx)
@@ -246,12 +269,14 @@ def _row_chunks(mProg: cute.Tensor, off_ins: Int32, v: Int32) -> Any:
 
 @cute.jit
 def _spin(mCtr: cute.Tensor, mErr: cute.Tensor, c: Int32, target: Int32, v: Int32, bidx: Int32, step: Int32,
-          max_spins: Int32, sleep_ns: Int32) -> Int32:
-    """Spin until ``counter[c] >= target`` (``ld.acquire.gpu``, ``nanosleep`` back-off). Returns 1 when it holds,
-    0 when the watchdog tripped (this thread sets the error word if it is the first in the launch: CAS 0 -> 1, then
-    the instruction, counter, target, value seen, CTA, SM and step) or another CTA's error word was seen."""
+          max_spins: Int32, sleep_ns: Int32, word: Int32, SYS: cutlass.Constexpr = False) -> Int32:
+    """Spin until counter word ``word`` (counter ``c``'s) reaches ``target`` (``ld.acquire.gpu``; ``.sys`` for a
+    cross-rank word, written by a peer GPU; ``nanosleep`` back-off). Returns 1 when it holds, 0 when the watchdog
+    tripped (this thread sets the error word if it is the first in the launch: CAS 0 -> 1, then the instruction,
+    counter, target, value seen, CTA, SM and step) or another CTA's error word was seen."""
     ok = Int32(1)
-    seen = cute.arch.load(mCtr.iterator + c, Int32, sem="acquire", scope="gpu")
+    scope = "sys" if const_expr(SYS) else "gpu"
+    seen = cute.arch.load(mCtr.iterator + word, Int32, sem="acquire", scope=scope)
     spins = Int32(0)
     while (seen < target) & (ok == 1):
         nanosleep(sleep_ns)
@@ -271,13 +296,59 @@ def _spin(mCtr: cute.Tensor, mErr: cute.Tensor, c: Int32, target: Int32, v: Int3
                 mErr[6] = Int32(cute.arch.smid())
                 mErr[7] = step
         if ok == 1:
-            seen = cute.arch.load(mCtr.iterator + c, Int32, sem="acquire", scope="gpu")
+            seen = cute.arch.load(mCtr.iterator + word, Int32, sem="acquire", scope=scope)
     return ok
+
+
+@cute.jit
+def _counter_word(mProg: cute.Tensor, s_run: cute.Tensor, c: Int32) -> tuple[Int32, Int32]:
+    """(first word in this rank's counter memory, sources) of counter ``c``: a rank program's table
+    (``isa.H_OFF_CBASE``, ``CW_SOURCES``), else word ``c`` of a local counter."""
+    base, srcs = c, Int32(0)
+    if s_run[RUN_WORLD] > 0:
+        base = mProg[s_run[RUN_CBASE] + c]
+        srcs = mProg[s_run[RUN_OFF_CTR] + c * COUNTER_WORDS + CW_SOURCES]
+    return base, srcs
+
+
+@cute.jit
+def _wait(mProg: cute.Tensor, mCtr: cute.Tensor, mErr: cute.Tensor, s_run: cute.Tensor, c: Int32, target: Int32,
+          v: Int32, bidx: Int32, cfg: cutlass.Constexpr) -> Int32:
+    """One wait of the instruction: its counter's word, or on a rank program each of a cross-rank counter's words (one
+    per source rank, each written by that rank alone: ``kernels/contracts/peers.py``)."""
+    ok = Int32(1)
+    if const_expr(cfg.ranks):
+        base, srcs = _counter_word(mProg, s_run, c)
+        if srcs == 0:
+            ok = _spin(mCtr, mErr, c, target, v, bidx, s_run[RUN_STEP], s_run[RUN_SPINS], s_run[RUN_SLEEP], base)
+        else:
+            for k in cutlass.range(srcs, unroll=1):
+                if ok == 1:
+                    ok = _spin(mCtr, mErr, c, target, v, bidx, s_run[RUN_STEP], s_run[RUN_SPINS], s_run[RUN_SLEEP],
+                               base + k, True)
+    else:
+        ok = _spin(mCtr, mErr, c, target, v, bidx, s_run[RUN_STEP], s_run[RUN_SPINS], s_run[RUN_SLEEP], c)
+    return ok
+
+
+@cute.jit
+def _push(ctx: _Ctx, mProg: cute.Tensor, s_run: cute.Tensor, mPeer: cute.Tensor) -> None:
+    """After the body: every PUSH operand's box copied to the other ranks of the instruction's peer range
+    (``collective.push_operand``), between a barrier that orders every thread's stores before any copy and the
+    VM's barrier before the release that publishes them. CTA-uniform: the peer range is the instruction's."""
+    lo, hi = ctx.s_ins[W_PEER_LO], ctx.s_ins[W_PEER_HI]
+    if hi > lo:
+        cute.arch.sync_threads()
+        for j in cutlass.range(ctx.s_ins[W_NOPS], unroll=1):
+            if (ctx.s_ins[W_OPS + OPERAND_WORDS * j + OW_MODE] & MODE_PUSH) != 0:
+                buf = ctx.s_ins[W_OPS + OPERAND_WORDS * j + OW_BUF]
+                esz = dtype_bytes(mProg[s_run[RUN_OFF_BUF] + buf * BUFFER_WORDS + BW_DTYPE])
+                push_operand(ctx, j, esz, s_run[RUN_RANK], lo, hi, mPeer)
 
 
 @cute.kernel
 def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor, mTime: cute.Tensor,
-                      mErr: cute.Tensor, mCtl: cute.Tensor, cfg: cutlass.Constexpr):
+                      mErr: cute.Tensor, mCtl: cute.Tensor, mPeer: cute.Tensor, cfg: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     warp, lane = tidx // 32, tidx % 32
@@ -313,6 +384,16 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
         good = good & (mProg[H_OFF_INS] % WORDS_PER_CHUNK == 0)  # rows are copied 16 bytes at a time
         # the expert opcodes read the routed experts in the one format the kernel was compiled for
         good = good & (mProg[H_EXPERT_FORMAT] == EXPERT_FORMATS.index("mxfp4" if cfg.fp4 else "dense"))
+        world = mProg[H_WORLD]
+        if const_expr(cfg.ranks):
+            # a rank program: its rank inside the world, and its own peer-table entry this launch's counter memory
+            # (a push or signal to rank p moves by the entries' distance: a wrong table writes another's memory)
+            rk = mProg[H_RANK]
+            inside = (rk >= 0) & (rk < world) & (world <= PEER_TABLE)
+            good = good & ((world == 0) | (inside & (mPeer[rk if inside else 0] == mCtr.iterator.toint())))
+            s_run[RUN_RANK], s_run[RUN_WORLD], s_run[RUN_CBASE] = rk, world, mProg[H_OFF_CBASE]
+        else:
+            good = good & (world == 0)  # a kernel built for one GPU refuses a rank program
         nq = mProg[H_Q] if good & (bidx < mProg[H_S]) else Int32(0)
         s_run[RUN_Q] = nq
         s_run[RUN_QLEN] = mProg[H_Q]
@@ -379,8 +460,7 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
                     c = s_ins[W_WAITS + 2 * lane]
                     target = s_run[RUN_STEP] * mProg[s_run[RUN_OFF_CTR] + c * COUNTER_WORDS + CW_TOTAL] + \
                         s_ins[W_WAITS + 2 * lane + 1]
-                    s_wok[lane] = _spin(mCtr, mErr, c, target, v, bidx, s_run[RUN_STEP], s_run[RUN_SPINS],
-                                        s_run[RUN_SLEEP])
+                    s_wok[lane] = _wait(mProg, mCtr, mErr, s_run, c, target, v, bidx, cfg)
                 if (lane < nw) | (lane == 0):
                     s_tw[lane] = cute.arch.globaltimer()
                 # the next position's row (one 16-byte chunk per lane), in flight during this body
@@ -397,10 +477,13 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
                     go = go & s_wok[w]
             if go != 0:
                 _dispatch(ctx, s_ins[W_OP])
+                if const_expr(cfg.ranks):
+                    _push(ctx, mProg, s_run, mPeer)
             else:
                 aborted = Int32(1)
             # read before the barrier: warp 0 refills s_ins right after it (the next position's fetch)
             signal, amount = s_ins[W_SIGNAL], s_ins[W_AMOUNT]
+            peer_lo, peer_hi = s_ins[W_PEER_LO], s_ins[W_PEER_HI]
             t0 = s_tw[0]
             for w in cutlass.range_constexpr(1, MAX_WAITS):
                 if w < s_ins[W_NWAITS]:
@@ -408,7 +491,17 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
             cute.arch.sync_threads()  # every thread's writes are done before the release
             if (tidx == 0) & (go != 0):
                 if signal >= 0:
-                    cute.arch.red(mCtr.iterator + signal, amount, op="add", dtype=Int32, sem="release", scope="gpu")
+                    if const_expr(cfg.ranks):
+                        base, srcs = _counter_word(mProg, s_run, signal)
+                        if srcs == 0:
+                            cute.arch.red(mCtr.iterator + base, amount, op="add", dtype=Int32, sem="release",
+                                          scope="gpu")
+                        else:  # this rank's word of the counter, on every rank of the peer range
+                            signal_peers(mCtr.iterator.toint() + Int64(base + s_run[RUN_RANK]) * 4, amount,
+                                         s_run[RUN_RANK], peer_lo, peer_hi, mPeer)
+                    else:
+                        cute.arch.red(mCtr.iterator + signal, amount, op="add", dtype=Int32, sem="release",
+                                      scope="gpu")
                 mTime[v, 0] = t0
                 mTime[v, 1] = cute.arch.globaltimer()
                 mTime[v, 2] = Int64(cute.arch.smid())
@@ -429,11 +522,11 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
 
 @cute.jit
 def megakernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor, mTime: cute.Tensor, mErr: cute.Tensor,
-               mCtl: cute.Tensor, num_ctas: Int32, stream: Any, cfg: cutlass.Constexpr):
+               mCtl: cute.Tensor, mPeer: cute.Tensor, num_ctas: Int32, stream: Any, cfg: cutlass.Constexpr):
     """Launch ``num_ctas`` persistent CTAs (one per SM, all co-resident: a cooperative launch, so a grid the GPU
     cannot hold at once is refused by the driver instead of deadlocking)."""
     _check_static(cfg)
-    megakernel_kernel(mProg, mBufs, mCtr, mTime, mErr, mCtl, cfg).launch(
+    megakernel_kernel(mProg, mBufs, mCtr, mTime, mErr, mCtl, mPeer, cfg).launch(
         grid=[num_ctas, 1, 1], block=[NT, 1, 1], stream=stream, cooperative=True,
         min_blocks_per_mp=1,  # .minnctapersm 1: without it ptxas may aim at 2 CTAs/SM and spill
         preferred_smem_carveout=SMEM_CARVEOUT_PERCENT)  # set, not left to the driver's default (isa.py)
@@ -444,7 +537,7 @@ def _specs(cfg: MKConfig) -> dict[str, tuple[Any, tuple[int, ...]]]:
     """name -> (dtype, static shape) of every tensor parameter, in call order."""
     return {"program": (Int32, (cfg.prog_words,)), "buffers": (Int64, (cfg.max_bufs,)),
             "counters": (Int32, (cfg.max_ctrs,)), "timings": (Int64, (cfg.max_instr, 3)),
-            "error": (Int32, (ERROR_WORDS,)), "ctl": (Int32, (CTL_WORDS,))}
+            "error": (Int32, (ERROR_WORDS,)), "ctl": (Int32, (CTL_WORDS,)), "peers": (Int64, (PEER_TABLE,))}
 
 
 def config_from_shapes(**shapes: Any) -> MKConfig:
@@ -477,7 +570,7 @@ def compile_for(arch: str, *, variant: str = "megakernel", tvm_ffi: bool = False
 
 def launch(compiled: Any, t: dict[str, Any], num_ctas: int, tvm_ffi: bool = True) -> None:
     """Run a compiled megakernel on CUDA tensors ``t`` (keys of ``_specs``) with ``num_ctas`` CTAs."""
-    args = [t[k] for k in ("program", "buffers", "counters", "timings", "error", "ctl")]
+    args = [t[k] for k in ("program", "buffers", "counters", "timings", "error", "ctl", "peers")]
     if tvm_ffi:
         compiled(*args, num_ctas)
         return

@@ -29,7 +29,8 @@ DEPENDENCIES: dict[str, tuple[str, ...]] = {
     "probe_latency": ("probes.bandwidth",)}
 # The megakernel's opcode families, one module each (the VM in megakernel/vm.py dispatches to them)
 OPCODE_MODULES: tuple[str, ...] = ("megakernel.operands", "megakernel.mma", "megakernel.gemv", "megakernel.kda",
-                                   "megakernel.mla", "megakernel.router", "megakernel.moe", "megakernel.misc")
+                                   "megakernel.mla", "megakernel.router", "megakernel.moe", "megakernel.misc",
+                                   "megakernel.collective")
 # DSL-free contracts a kernel module imports (the megakernel's instruction encoding and address arithmetic; the fused
 # kernels' layouts, eps values and parameter order): they decide what the kernel compiles to
 CONTRACTS: dict[str, tuple[str, ...]] = {

@@ -66,6 +66,7 @@ class _Shapes:
     dmax: int
     latent_norm: bool
     fp4: bool = False  # the routed experts are MXFP4 (codes + scales operands)
+    ranks: bool = False  # a rank program (MKConfig.ranks): mailbox rows for LM_HEAD's bests and EXPERT_DOWN's sum
 
     @property
     def nbt(self) -> int:
@@ -76,16 +77,17 @@ class _Shapes:
         return self.B // self.gbt
 
 
-def shapes_for(cfg: Any, batch: int, expert_format: str = "dense") -> _Shapes:
+def shapes_for(cfg: Any, batch: int, expert_format: str = "dense", world: int = 1) -> _Shapes:
     """The device config's loop widths for a model config, batch size and expert format (as
-    ``kimik3.megakernel.gpu``)."""
+    ``kimik3.megakernel.gpu``); ``world`` > 1: one rank's program (its slots hold only its experts)."""
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    held = E // world if E else 0
     bt = max(d for d in range(1, min(batch, BT_MAX) + 1) if batch % d == 0)
     return _Shapes(B=batch, bt=bt, gbt=gemv_batch_tile(batch), dk=cfg.kda_head_dim if cfg.kda_layers else 0,
                    conv=cfg.kda_conv_size,
                    kvl=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim, nope=cfg.qk_nope_head_dim, dv=cfg.v_head_dim,
-                   ql=int(cfg.q_lora_rank or 0), dmax=min(E, batch * k) if E else 0,
-                   latent_norm=bool(cfg.moe_latent_norm), fp4=expert_format == "mxfp4")
+                   ql=int(cfg.q_lora_rank or 0), dmax=min(held, batch * k) if E else 0,
+                   latent_norm=bool(cfg.moe_latent_norm), fp4=expert_format == "mxfp4", ranks=world > 1)
 
 
 @functools.cache
@@ -116,8 +118,15 @@ def _pass_runs(item: Callable[[int, int, int], tuple[int, int]], n: int, nbt: in
 
 
 def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: list[tuple[int, int, int]],
-              s: _Shapes, helpers: Any) -> Iterator[_Acc]:
-    """Every run of elements the device code of ``op`` touches, per operand (see the module docstring)."""
+              s: _Shapes, helpers: Any, modes: tuple[int, ...] = ()) -> Iterator[_Acc]:
+    """Every run of elements the device code of ``op`` touches, per operand (see the module docstring); ``modes``:
+    the operands' mode words (a rank program's PUSH operands are also read back, their box copied to the peers)."""
+    for j, m in enumerate(modes):  # collective.push_operand: the box, row by row, read for the copies
+        if m & int(Mode.PUSH):
+            b0, b1, r0, r1, c0, c1 = box[j]
+            for b in range(b0, b1):
+                for r in range(r0, r1):
+                    yield _Acc(j, helpers.elem_offset(dims[j][1], dims[j][2], b, r, c0), c1 - c0, "r")
     E, T, X = helpers.elem_offset, helpers.tile_rows, helpers.expert_row_offset
     G = getattr(helpers, "gemv_item", gemv_item)
     TR = getattr(helpers, "gemv_tile_rows", gemv_tile_rows)(s.gbt)  # weight rows per GEMV work item
@@ -204,8 +213,27 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
         ti, r0 = args[0], args[2]
         yield from gemv(0, (2,), 1, 3, True, T(r0, args[3]), "w", o_c0=r0,
                         tr=getattr(helpers, "lm_head_tile_rows", lm_head_tile_rows)(s.gbt))
-        yield _Acc(4, E(d1(4), d2(4), 0, 0, ti), 1, "w", B, d1(4) * d2(4))
-        yield _Acc(5, E(d1(5), d2(5), 0, 0, ti), 1, "w", B, d1(5) * d2(5))
+        row = box[4][2] if s.ranks else 0  # a rank's bests: its row of the mailbox
+        yield _Acc(4, E(d1(4), d2(4), 0, row, ti), 1, "w", B, d1(4) * d2(4))
+        yield _Acc(5, E(d1(5), d2(5), 0, row, ti), 1, "w", B, d1(5) * d2(5))
+    elif op == Op.ARGMAX_ALL:  # misc.argmax_pick over a token's whole [rank, tile] row
+        for b in range(B):
+            for r in range(d1(0)):
+                yield _Acc(0, E(d1(0), d2(0), b, r, 0), d2(0), "r")
+                yield _Acc(1, E(d1(1), d2(1), b, r, 0), d2(1), "r")  # the arg-max tile is data: any of them
+            yield _Acc(2, E(d1(2), d2(2), b, 0, 0), 1, "w")
+    elif op == Op.ALLREDUCE_MIX:  # collective.allreduce_chunk, then misc.mix_one_row on operands 1, 3, 4, 5
+        K, L = args[1], chunked(d2(2))
+        reads_entry = bool(modes and modes[2] & int(Mode.READ))
+        yield _Acc(3, 0, L, "r")
+        yield _Acc(4, 0, L, "r")
+        for b in range(box[2][0], box[2][1]):
+            for r in range(box[0][2], box[0][3]):  # every source's partial
+                yield _Acc(0, E(d1(0), d2(0), b, r, 0), L, "r")
+            yield _Acc(2, E(d1(2), d2(2), b, box[2][2], 0), L, "rw" if reads_entry else "w")
+            for k in range(K - 1):  # the candidates before the entry (the entry itself: read back above)
+                yield _Acc(1, E(d1(1), d2(1), b, 0, 0) + k * L, L, "r")
+            yield _Acc(5, E(d1(5), d2(5), b, 0, 0), L, "w")
     elif op == Op.ARGMAX:
         Tn = d2(0)
         for b in range(B):
@@ -225,7 +253,7 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
         L = fp4_cols(3) if s.fp4 else chunked(d2(3))
         xs = d1(0) * d2(0)
         yield _Acc(0, 0, L, "r", B, xs)
-        for e in range(dims[3][0]):  # the slot's expert is data: every expert of the weight
+        for e in range(box[3][0], box[3][1]):  # the slot's expert is data: every expert of the box (a rank: its own)
             for r in (r0, r1 - 1):
                 if s.fp4:
                     yield from fp4_row(3, 6, e, r)
@@ -241,7 +269,7 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
     elif op == Op.EXPERT_DOWN:
         r0, r1 = args[2], args[3]
         L = fp4_cols(4) if s.fp4 else chunked(d2(4))
-        for e in range(dims[4][0]):  # the slot's expert is data: every expert of the weight
+        for e in range(box[4][0], box[4][1]):  # the slot's expert is data: every expert of the box (a rank: its own)
             for r in (r0, r1 - 1):  # (MXFP4: a warp takes rows in pairs r, r + 1; the same rows in all)
                 if s.fp4:
                     yield from fp4_row(4, 6, e, r)
@@ -252,7 +280,7 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
             yield _Acc(2, E(d1(2), d2(2), b, 0, 0), s.dmax, "r")
             yield _Acc(3, E(d1(3), d2(3), b, 0, 0), s.dmax, "r")
             yield _Acc(0, E(d1(0), d2(0), b, 0, 0), L, "r", s.dmax, d2(0))  # (token b, slot j) rows
-            yield _Acc(5, E(d1(5), d2(5), b, 0, r0), r1 - r0, "w")  # row r -> lane b's column r
+            yield _Acc(5, E(d1(5), d2(5), b, box[5][2] if s.ranks else 0, r0), r1 - r0, "w")  # row r -> lane b's col r
     elif op == Op.KDA_STEP:
         h0, h1, b0, b1 = args
         dk, W = s.dk, s.conv
@@ -387,7 +415,7 @@ def replay(program: Any, cfg: Any, *, instructions: list[int] | None = None, hel
     n_ins = len(program.instructions)
     if instructions is not None and any(not 0 <= i < n_ins for i in instructions):
         raise ValueError(f"replay: instruction indices outside the program's {n_ins}")
-    s = shapes_for(cfg, program.batch, getattr(program, "expert_format", "dense"))
+    s = shapes_for(cfg, program.batch, getattr(program, "expert_format", "dense"), getattr(program, "world", 1))
     rep = ReplayReport()
     bufs = program.buffers
     idx = range(len(program.instructions)) if instructions is None else instructions
@@ -490,7 +518,8 @@ def replay(program: Any, cfg: Any, *, instructions: list[int] | None = None, hel
                 add("prefetch", i, f"{ins.op.name} operand {j} ({bufs[o.buf].name}, {bufs[o.buf].kind.name}) "
                                    "is marked PREFETCH")
         stage_copies(i, ins)
-        for a in _accesses(ins.op, tuple(ins.args), [tuple(b) for b in boxes], dims, s, helpers):
+        for a in _accesses(ins.op, tuple(ins.args), [tuple(b) for b in boxes], dims, s, helpers,
+                           tuple(int(o.mode) for o in ops)):
             rep.runs += 1
             if not 0 <= a.j < len(ops):
                 add("bounds", i, f"{ins.op.name} addresses operand {a.j} of {len(ops)}")

@@ -24,7 +24,7 @@ from cutlass import Float32, Int32, const_expr
 from kimik3.kernels.common.trace import host_trace
 from kimik3.kernels.verify.host_exec import LANES, HostRun, _t, _Writes, warp_sum
 
-__all__ = ["exec_misc"]
+__all__ = ["exec_misc", "exec_mix"]
 
 _DRIVERS: dict[tuple[str, Any], Any] = {}
 _COMPILED: dict[tuple[Any, ...], Any] = {}
@@ -69,17 +69,19 @@ class _MkSetup:
 
     def __init__(self, preset: str, batch: int, *, policy: str = "critical_path", sms: int | None = None,
                  seed: int = 0, expert_format: str = "dense", tiling: dict[str, int] | None = None,
-                 arch: str = "sm_90a") -> None:
+                 arch: str = "sm_90a", world: int = 1, rank: int = 0) -> None:
         from kimik3.kernels.contracts import isa
         from kimik3.kernels.megakernel.vm import config_from_shapes
 
         from kimik3.megakernel import build_program, encode_program
         from kimik3.megakernel.gpu import static_shapes
+        from kimik3.megakernel.ranks import Shard
         from kimik3.model.config import get_preset
 
         self.cfg = get_preset(preset)
+        shard = Shard(world, world, rank)  # world > 1: one rank's program (its kernel: MKConfig.ranks)
         sms = sms or (132 if preset == "k3-shard" else 8)
-        key = (preset, batch, sms, policy, expert_format, tuple(sorted((tiling or {}).items())))
+        key = (preset, batch, sms, policy, expert_format, tuple(sorted((tiling or {}).items())), world, rank)
         if key not in _PROGRAMS:  # cases of one process share the (slow to build at k3-shard) program
             tiles = None
             if tiling:  # some tile sizes other than the automatic ones (e.g. odd EXPERT_DOWN row tiles)
@@ -88,11 +90,13 @@ class _MkSetup:
                 from kimik3.megakernel.step import Tiling
 
                 tiles = dataclasses.replace(Tiling.auto(self.cfg, batch, sms), **tiling)
-            prog = build_program(preset, batch, sms, policy=policy, tiling=tiles, expert_format=expert_format)
+            prog = build_program(preset, batch, sms, policy=policy, tiling=tiles, expert_format=expert_format,
+                                 shard=shard)
             _PROGRAMS[key] = (prog, encode_program(prog))
         self.p, self.enc = _PROGRAMS[key]
         # arch: the compile target whose loop widths the opcodes take (MKConfig.arch)
-        self.mk = config_from_shapes(**static_shapes(self.cfg, batch, expert_format=expert_format), arch=arch)
+        self.mk = config_from_shapes(**static_shapes(shard.slice_of(self.cfg), batch, expert_format=expert_format),
+                                     arch=arch)
         self.B = batch
         self.isa = isa
         self.g = torch.Generator().manual_seed(seed)
@@ -227,7 +231,7 @@ def _prepare(S: _MkSetup, v: int) -> None:
             for t in S.views(v)[0][:, 0, 0].tolist():
                 if not tb[0, t].any():
                     tb[0, t] = (torch.randn(tb.shape[2], generator=S.g) * 0.1).to(tb.dtype)
-    elif op == "ARGMAX":
+    elif op in ("ARGMAX", "ARGMAX_ALL"):  # (every rank's tiles for ARGMAX_ALL)
         bv = S.buf(ins.operands[0].buf)
         bv.copy_(torch.round(bv * 2) / 2)
 
@@ -320,18 +324,20 @@ def _mk_misc_host(X: ModuleType, which: str) -> Any:
     else:
         @cute.jit
         def drive(mIns: cute.Tensor, mAddr: cute.Tensor, mD1: cute.Tensor, mD2: cute.Tensor, mVals: cute.Tensor,
-                  mOut: cute.Tensor, mOff: cute.Tensor, PHASE: cutlass.Constexpr, cfg: cutlass.Constexpr):
+                  mOut: cute.Tensor, mOff: cute.Tensor, PHASE: cutlass.Constexpr, OPS: cutlass.Constexpr,
+                  cfg: cutlass.Constexpr):
             ctx = _ctx(mk_operands, cfg, mIns, mAddr, mD1, mD2)
+            js, jn, jp, jo = OPS
             K = mIns[W_ARGS + 1]
-            nch = mD2[0] // VEC
+            nch = mD2[js] // VEC
             vals = cute.make_rmem_tensor((2 * cfg.kmax,), Float32)
             ro = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
-            for b in cutlass.range(X._bx(ctx, 0, B0), X._bx(ctx, 0, B1)):
-                sv = X.mix_row(ctx, b)
-                mOff[b] = X.mix_out(ctx, b)
+            for b in cutlass.range(X._bx(ctx, jo, B0), X._bx(ctx, jo, B1)):
+                sv = X.mix_row(ctx, b, js)
+                mOff[b] = X.mix_out(ctx, b, jo)
                 for tidx in cutlass.range(NT):
                     if const_expr(PHASE == 0):
-                        X.mix_partials(ctx, sv, K, nch, tidx, vals)
+                        X.mix_partials(ctx, sv, K, nch, tidx, vals, jn, jp)
                         for i in cutlass.range_constexpr(2 * cfg.kmax):
                             mVals[b, tidx, i] = vals[i]
                     else:
@@ -367,7 +373,7 @@ def exec_misc(x: _Instr, X: ModuleType) -> dict[int, torch.Tensor]:
         expect = {2: _box_mask(shapes[2], boxes[2])}
         we.check(expect[2])
         run.lanes_run += (b1 - b0) * X.NT
-    elif op == "ARGMAX":
+    elif op in ("ARGMAX", "ARGMAX_ALL"):  # one helper walks one rank's tiles or every rank's
         rec = torch.full((X.NT, 2), -1, dtype=torch.int64)
         _launch(_mk_misc_host(X, "argmax"), [*words, rec], (cfg,))
         nxt, wn = out(2)
@@ -378,31 +384,41 @@ def exec_misc(x: _Instr, X: ModuleType) -> dict[int, torch.Tensor]:
         wn.check(expect[2])
         run.lanes_run += B
     elif op == "ATTN_RES_MIX":
-        K = ins.args[1]
-        KM, NT, VEC = cfg.kmax, X.NT, X.VEC
-        b0, b1 = boxes[0][0], boxes[0][1]
-        H = shapes[0][2]
-        vals = torch.full((B, NT, 2 * KM), float("nan"))
-        mix = torch.full((B, H // VEC, VEC), float("nan"), dtype=torch.bfloat16)
-        moff = torch.full((B,), -1, dtype=torch.int64)
-        _launch(_mk_misc_host(X, "mix"), [*words, vals, mix, moff], (0, cfg))
-        nw = NT // LANES
-        tot = warp_sum(vals[b0:b1].view(b1 - b0, nw, LANES, 2 * KM), 2)  # block_allreduce: per warp, then
-        red = torch.zeros(b1 - b0, 2 * KM)  # the NW partials re-added in warp order from 0
-        for w in range(nw):
-            red = red + tot[:, w]
-        score = red[:, KM:] * torch.rsqrt(red[:, :KM] * (1.0 / cfg.H) + cfg.eps)
-        score[:, K:] = float("-inf")
-        alpha = torch.zeros(B, NT, 2 * KM)
-        alpha[b0:b1, 0, :KM] = torch.softmax(score, dim=-1)
-        _launch(_mk_misc_host(X, "mix"), [*words, alpha, mix, moff], (1, cfg))
-        o, wo = out(3)
-        el = torch.arange(H)
-        for b in range(b0, b1):
-            _store(wo, shapes[3], boxes[3], moff[b] + el, mix[b].reshape(-1), "mix")
-        expect = {3: _box_mask(shapes[3], boxes[3])}
-        wo.check(expect[3])
-        run.lanes_run += (b1 - b0) * NT
+        expect = exec_mix(x, X, X.MIX_OPS)
     else:
         raise ValueError(f"host execution of opcode {op} is not a misc opcode")
+    return expect
+
+
+def exec_mix(x: _Instr, X: ModuleType, ops: tuple[int, int, int, int]) -> dict[int, torch.Tensor]:
+    """The AttnRes mix of instruction ``x`` over operands ``ops`` = (stream, norm, projection, output) with the
+    helpers of ``X`` (``megakernel.misc``): every thread's partial sums, the block reduction and softmax replayed
+    (exact fp32), every thread's chunks of the mix; returns the elements the output must hold."""
+    ins, words, shapes, boxes, cfg, B, out, run = x.ins, x.words, x.shapes, x.boxes, x.cfg, x.B, x.out, x.run
+    js, _, _, jo = ops
+    K = ins.args[1]
+    KM, NT, VEC = cfg.kmax, X.NT, X.VEC
+    b0, b1 = boxes[jo][0], boxes[jo][1]
+    H = shapes[js][2]
+    vals = torch.full((B, NT, 2 * KM), float("nan"))
+    mix = torch.full((B, H // VEC, VEC), float("nan"), dtype=torch.bfloat16)
+    moff = torch.full((B,), -1, dtype=torch.int64)
+    _launch(_mk_misc_host(X, "mix"), [*words, vals, mix, moff], (0, tuple(ops), cfg))
+    nw = NT // LANES
+    tot = warp_sum(vals[b0:b1].view(b1 - b0, nw, LANES, 2 * KM), 2)  # block_allreduce: per warp, then
+    red = torch.zeros(b1 - b0, 2 * KM)  # the NW partials re-added in warp order from 0
+    for w in range(nw):
+        red = red + tot[:, w]
+    score = red[:, KM:] * torch.rsqrt(red[:, :KM] * (1.0 / cfg.H) + cfg.eps)
+    score[:, K:] = float("-inf")
+    alpha = torch.zeros(B, NT, 2 * KM)
+    alpha[b0:b1, 0, :KM] = torch.softmax(score, dim=-1)
+    _launch(_mk_misc_host(X, "mix"), [*words, alpha, mix, moff], (1, tuple(ops), cfg))
+    o, wo = out(jo)
+    el = torch.arange(H)
+    for b in range(b0, b1):
+        _store(wo, shapes[jo], boxes[jo], moff[b] + el, mix[b].reshape(-1), "mix")
+    expect = {jo: _box_mask(shapes[jo], boxes[jo])}
+    wo.check(expect[jo])
+    run.lanes_run += (b1 - b0) * NT
     return expect

@@ -3,7 +3,8 @@
 A wrong fence, a spin without back-off or a narrow weight copy compiles and passes every CPU test; on a GPU it is
 a rare hang, a stale read or a slow kernel. The rules read the emitted PTX as a control-flow graph of basic blocks
 (:func:`parse_blocks`, :func:`natural_loops`), so they hold on every path: ``release-after-barrier``,
-``acquire-spin``, ``occupancy``, ``cooperative-launch``, ``wide-weight-copies`` and ``no-scalar-load-loop``.
+``acquire-spin``, ``peer-scope``, ``occupancy``, ``cooperative-launch``, ``wide-weight-copies`` and
+``no-scalar-load-loop``.
 Each rule returns a list of human-readable violations (empty = pass); :func:`lint` runs them all.
 Design (what each rule checks, and why): docs/architecture.md#appendix-design-notes-by-room
 (``kernels/verify/ptx_lint.py``).
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["ArchLimits", "LIMITS", "BasicBlock", "parse_blocks", "natural_loops", "release_after_barrier",
-           "acquire_spin", "occupancy", "cooperative_launch", "wide_weight_copies", "scalar_load_loops",
+           "acquire_spin", "peer_scope", "occupancy", "cooperative_launch", "wide_weight_copies", "scalar_load_loops",
            "global_load_bytes", "parse_entries", "SCALAR_LOOP_ALLOW", "lint"]
 
 
@@ -173,8 +174,12 @@ def natural_loops(blocks: list[BasicBlock]) -> list[tuple[int, set[int]]]:
     return loops
 
 
+_SCOPES = ("gpu", "sys")  # a counter's scope: the GPU's, or the system's for a cross-rank word (peer GPUs)
+
+
 def release_after_barrier(ptx: str) -> list[str]:
-    """Every global add is a GPU-scope release reached, on every path, through a barrier after the last write."""
+    """Every global add is a GPU- or system-scope release reached, on every path, through a barrier after the last
+    write (which scope a peer's word needs: :func:`peer_scope`)."""
     blocks = parse_blocks(ptx)
     problems = []
     # must-analysis: fenced[b] = on every path into b, a barrier follows the last global write
@@ -186,12 +191,12 @@ def release_after_barrier(ptx: str) -> list[str]:
             sig = _SIGNAL.match(s)
             if sig:
                 sem = sig.group(3)
-                if report and ("release" not in sem or "gpu" not in sem):
-                    problems.append(f"line {no}: counter signal is not a release at GPU scope: {s}")
+                if report and ("release" not in sem or not any(x in sem for x in _SCOPES)):
+                    problems.append(f"line {no}: counter signal is not a release at GPU or system scope: {s}")
                 if report and not state:
                     problems.append(f"line {no}: counter signal not preceded by a CTA barrier on every path "
                                     f"after the last global write: {s}")
-                state = False  # the signal itself is a global write
+                # a release orders everything before it: more signals may follow (one per peer), a data write may not
             elif _BARRIER.match(s):
                 state = True
             elif _GLOBAL_WRITE.match(s):
@@ -212,7 +217,8 @@ def release_after_barrier(ptx: str) -> list[str]:
 
 
 def acquire_spin(ptx: str) -> list[str]:
-    """Every loop polling global memory with an ordered load spins on a GPU-scope acquire and backs off."""
+    """Every loop polling global memory with an ordered load spins on a GPU- or system-scope acquire and backs
+    off."""
     blocks = parse_blocks(ptx)
     problems = []
     for _header, body in natural_loops(blocks):
@@ -222,12 +228,82 @@ def acquire_spin(ptx: str) -> list[str]:
             continue
         first = min(no for no, _ in lines) if lines else 0
         acquires = [s for _, s in polls if _ORDERED_LOAD.match(s).group(2) == "acquire"
-                    and _ORDERED_LOAD.match(s).group(3) == "gpu"]
+                    and _ORDERED_LOAD.match(s).group(3) in _SCOPES]
         if not acquires:
             problems.append(f"loop at line {first}: polls global memory without a GPU-scope acquire load "
                             f"({polls[0][1]})")
         if not any("nanosleep" in s for _, s in lines):
             problems.append(f"loop at line {first}: spins on {polls[0][1]!r} with no back-off (nanosleep)")
+    return problems
+
+
+_INSTR = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][\w.:]*)\s+(.*?);")
+_REG = re.compile(r"%[\w]+")
+_ENTRY_PARAMS = re.compile(r"\.entry\s+\w+\s*\((.*?)\)", re.S)
+_PARAM_NAME = re.compile(r"([\w$]+)(?:\[\d+\])?\s*$")
+PEER_PARAM = 6  # the megakernel's peer table (kernels/megakernel/vm.py: mPeer, isa.PEER_TABLE), 0-based
+
+
+def _tainted_from_param(body: list[tuple[int, str]], param: str) -> set[str]:
+    """Registers whose value derives from what ``param`` points at: loaded from it, then through any arithmetic and
+    any load from a derived address (a fixed point over the body, order ignored: PTX reuses registers in loops)."""
+    tainted: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for _, s in body:
+            m = _INSTR.match(s)
+            if not m:
+                continue
+            op, args = m.group(1), m.group(2)
+            first = args.split(",", 1)[0].strip()
+            if first.startswith("[") or op.startswith(("st.", "red.", "bar", "bra", "setp")):
+                continue  # no destination register
+            dest = first.split()[0] if first.startswith("%") else None
+            if dest is None or dest in tainted:
+                continue
+            srcs = _REG.findall(args.split(",", 1)[1]) if "," in args else []
+            if (op.startswith("ld.param") and param in args) or any(r in tainted for r in srcs):
+                tainted.add(dest)
+                changed = True
+    return tainted
+
+
+def peer_scope(ptx: str, param_index: int = PEER_PARAM) -> list[str]:
+    """A kernel that signals its peers does it at system scope, and polls at system scope: every atomic add to an
+    address derived from the peer table (entry parameter ``param_index``: a peer GPU's counter word) is a release
+    at ``.sys`` (a ``.gpu`` release orders nothing for another GPU); and such a kernel has a spin loop with a
+    system-scope acquire and back-off (its cross-rank counter words are written by peers). A kernel that never
+    signals through the table (one GPU's) passes."""
+    problems = []
+    m = _ENTRY_PARAMS.search(ptx)
+    if not m:
+        return problems
+    params = [_PARAM_NAME.search(p.strip()) for p in m.group(1).split(",")]
+    if len(params) <= param_index or params[param_index] is None:
+        return problems
+    param = params[param_index].group(1)
+    blocks = parse_blocks(ptx)
+    body = [(no, s) for b in blocks for no, s in b.lines]
+    tainted = _tainted_from_param(body, param)
+    peer_signals = 0
+    for no, s in body:
+        sig = _SIGNAL.match(s)
+        if not sig:
+            continue
+        addr = re.search(r"\[([^\]]*)\]", s)
+        if addr and any(r in tainted for r in _REG.findall(addr.group(1))):
+            peer_signals += 1
+            quals = set((sig.group(2) + "." + sig.group(3) + s.split()[0]).split("."))
+            if not {"release", "sys"} <= quals:
+                problems.append(f"line {no}: a signal to a peer's counter word is not a release at system scope: {s}")
+    if peer_signals:
+        sys_polls = [h for h, loop in natural_loops(blocks)
+                     if any("ld.acquire.sys.global" in s for i in loop for _, s in blocks[i].lines)
+                     and any("nanosleep" in s for i in loop for _, s in blocks[i].lines)]
+        if not sys_polls:
+            problems.append("signals peers but polls no counter word with a system-scope acquire (with back-off): "
+                            "a cross-rank word is written by another GPU")
     return problems
 
 
@@ -353,6 +429,8 @@ def scalar_load_loops(ptx: str, allow: dict[str, str] | None = None) -> list[str
             lines = [(no, s) for i in sorted(bodies[header]) for no, s in blocks[i].lines]
             if any(_ORDERED_LOAD.match(s) or "nanosleep" in s for _, s in lines):
                 continue  # a wait spin (acquire-spin's business), not a hot loop
+            if any(_SIGNAL.match(s) and ".sys" in s for _, s in lines):
+                continue  # a signal to each peer (one peer-table entry per trip, world trips): no weight stream
             loads = [(no, s, global_load_bytes(s)) for no, s in lines]
             loads = [(no, s, w) for no, s, w in loads if w is not None]
             if len(loads) == 1 and loads[0][2][1]:
@@ -369,7 +447,8 @@ def lint(ptx: str, *, registers: int, shared_bytes: int, grid: int, num_sms: int
          ) -> dict[str, list[str]]:
     """All rules for one compiled kernel; ``persistent`` adds the occupancy and cooperative-launch rules."""
     out = {"release-after-barrier": release_after_barrier(ptx), "acquire-spin": acquire_spin(ptx),
-           "wide-weight-copies": wide_weight_copies(ptx), "no-scalar-load-loop": scalar_load_loops(ptx)}
+           "peer-scope": peer_scope(ptx) if persistent else [], "wide-weight-copies": wide_weight_copies(ptx),
+           "no-scalar-load-loop": scalar_load_loops(ptx)}
     if persistent:
         out["occupancy"] = occupancy(ptx, registers, shared_bytes, grid, num_sms, arch)
         if source is None or launch_function is None:

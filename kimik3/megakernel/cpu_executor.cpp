@@ -642,11 +642,9 @@ static void store_row(const Buf& b, int64_t i, const float* v, int n) {
   }
 }
 
-// Element (batch row b, column c) of an output box: [b, 0, c] of an activation, [row, b, c] of a MAILBOX (its
-// dimension 0 is slot·world + source rank, the batch its dimension 1).
-static inline int64_t row_at(const Opnd& o, int b, int c) {
-  return o.b->kind == KIND_MAILBOX ? o.b->at(o.b0, o.r0 + b, o.c0 + c) : o.b->at(o.b0 + b, o.r0, o.c0 + c);
-}
+// Element (batch row b, column c) of an output box: [b, entry, c] of an activation, as of a MAILBOX (whose
+// dimension 1 is slot·world + source rank: kernels/contracts/peers.py).
+static inline int64_t row_at(const Opnd& o, int b, int c) { return o.b->at(o.b0 + b, o.r0, o.c0 + c); }
 
 static void op_embed(Exec& ex, Worker&, const Opnd* o, const int32_t*) {
   const Buf &ids = *o[0].b, &emb = *o[1].b, &st = *o[2].b;
@@ -1218,9 +1216,9 @@ static void op_ffn_out(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
   float* sum = nullptr;
   int nb = 0, n = 0;
   auto add_source = [&](const Opnd& x, const Buf* norm, const Opnd& w) {
-    const bool peers = x.b->kind == KIND_MAILBOX;  // every rank's fp32 latent partial [source, batch, Dl]
+    const bool peers = x.b->kind == KIND_MAILBOX;  // every rank's fp32 latent partial [batch, source, Dl]
     const int K = x.c1 - x.c0;
-    nb = peers ? x.r1 - x.r0 : x.b1 - x.b0;
+    nb = x.b1 - x.b0;
     n = w.r1 - w.r0;
     float* xv = wk.buf(wk.s0, static_cast<size_t>(nb) * K);
     float* raw = wk.buf(wk.s3, K);
@@ -1228,8 +1226,8 @@ static void op_ffn_out(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
       float* xb = xv + static_cast<int64_t>(b) * K;
       if (peers) {  // summed in rank order (the same on every rank), cast once
         std::fill(raw, raw + K, 0.0f);
-        for (int r = x.b0; r < x.b1; ++r)
-          for (int c = 0; c < K; ++c) raw[c] += x.b->f(x.b->at(r, x.r0 + b, x.c0 + c));
+        for (int r = x.r0; r < x.r1; ++r)
+          for (int c = 0; c < K; ++c) raw[c] += x.b->f(x.b->at(x.b0 + b, r, x.c0 + c));
         for (int c = 0; c < K; ++c) raw[c] = rq(raw[c], bf);
       } else {
         load_rows(*x.b, x.b0 + b, x.b0 + b + 1, 0, x.c0, K, raw);
@@ -1296,7 +1294,7 @@ static void op_argmax(Exec&, Worker&, const Opnd* o, const int32_t*) {
   }
 }
 
-// Every rank's partial of these batch rows (mailbox [slot·world + source, batch, H]) summed in rank order into the
+// Every rank's partial of these batch rows (mailbox [batch, slot·world + source, H]) summed in rank order into the
 // block's partial sum (stream entry K-1: started or accumulated, as its operand's mode says), then the AttnRes mix.
 static void op_allreduce_mix(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
   const Opnd &mb = o[0], &ent = o[2];
@@ -1305,8 +1303,8 @@ static void op_allreduce_mix(Exec& ex, Worker& wk, const Opnd* o, const int32_t*
   float* s = wk.buf(wk.s4, H);
   for (int b = ent.b0; b < ent.b1; ++b) {
     std::fill(s, s + H, 0.0f);
-    for (int r = mb.b0; r < mb.b1; ++r)
-      for (int c = 0; c < H; ++c) s[c] += mb.b->f(mb.b->at(r, b, c));
+    for (int r = mb.r0; r < mb.r1; ++r)
+      for (int c = 0; c < H; ++c) s[c] += mb.b->f(mb.b->at(b, r, c));
     const int64_t i = ent.b->at(b, ent.r0, 0);
     for (int c = 0; c < H; ++c) ent.b->set(i + c, rq((ent.mode & MODE_READ) ? ent.b->f(i + c) + s[c] : s[c], bf));
   }
@@ -1314,15 +1312,15 @@ static void op_allreduce_mix(Exec& ex, Worker& wk, const Opnd* o, const int32_t*
   op_attn_res_mix(ex, wk, mix_ops, a);
 }
 
-// The next token from every vocabulary shard's per-tile bests ([source, batch, tile], rank-major = ascending id).
+// The next token from every vocabulary shard's per-tile bests ([batch, source, tile], rank-major = ascending id).
 static void op_argmax_all(Exec&, Worker&, const Opnd* o, const int32_t*) {
   const Opnd &bv = o[0], &bi = o[1], &nx = o[2];
-  for (int b = bv.r0; b < bv.r1; ++b) {
-    int br = bv.b0, bt = bv.c0;
-    for (int r = bv.b0; r < bv.b1; ++r)
+  for (int b = bv.b0; b < bv.b1; ++b) {
+    int br = bv.r0, bt = bv.c0;
+    for (int r = bv.r0; r < bv.r1; ++r)
       for (int t = bv.c0; t < bv.c1; ++t)
-        if (bv.b->f(bv.b->at(r, b, t)) > bv.b->f(bv.b->at(br, b, bt))) br = r, bt = t;
-    nx.b->pi64()[nx.b->at(b, 0, 0)] = bi.b->i64(bi.b->at(br, b, bt));
+        if (bv.b->f(bv.b->at(b, r, t)) > bv.b->f(bv.b->at(b, br, bt))) br = r, bt = t;
+    nx.b->pi64()[nx.b->at(b, 0, 0)] = bi.b->i64(bi.b->at(b, br, bt));
   }
 }
 

@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from kimik3.kernels.contracts.isa import DEVICE_OPS
+from kimik3.kernels.contracts.isa import DEVICE_OPS, PEER_TABLE
 from kimik3.kernels.contracts.meta import SUPPORTED_ARCHS as ARCHS  # the architectures kernels are built for
 from kimik3.kernels.toolchain.loader import (
     default_prebuilt_dir,
@@ -140,9 +140,17 @@ def check_device_contract(program: Program, cfg: ModelConfig, batch: int, shapes
     if program.batch != batch:
         out.append(f"program built for batch {program.batch}, kernel for {batch}")
     other = sorted({i.op.name for i in program.instructions if i.op not in DEVICE_OPS})
-    if program.world > 1 or other:
-        out.append(f"a rank program of {program.world} (opcodes {', '.join(other) or 'none'} outside the device's "
-                   f"{len(DEVICE_OPS)}): the device code runs one GPU's program")
+    if program.world > 1 and not shapes.get("ranks", False):
+        out.append(f"a rank program of {program.world}: the kernel is built for one GPU's program (MKConfig.ranks "
+                   "off: no collective opcodes, pushes or cross-rank counter words)")
+    elif program.world > 1:
+        # the collective opcodes, pushes and per-source counter words have device code (kernels/megakernel/
+        # collective.py, host-executed); two pieces of a whole rank program have none yet
+        out.append(f"a rank program of {program.world}: its column-split weights (o_proj, the latent up-projection, "
+                   "the shared / dense down-projections: a rank's input columns, rows strided by the whole width) and "
+                   "FFN_OUT's latent peer sum (FFN_PEER_SUM) have no device code yet")
+    elif other:
+        out.append(f"opcodes {', '.join(other)} outside the device's {len(DEVICE_OPS)} in one GPU's program")
     fp4 = bool(shapes.get("fp4", False))
     if (program.expert_format == "mxfp4") != fp4:
         out.append(f"program carries {program.expert_format} routed experts, the kernel is compiled for "
@@ -243,10 +251,11 @@ class _Buffers:
     timings: torch.Tensor
     error: torch.Tensor
     ctl: torch.Tensor
+    peers: torch.Tensor  # isa.PEER_TABLE: one GPU's program has itself as rank 0 (the table is read by rank kernels)
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         return dict(program=self.program, buffers=self.buffers, counters=self.counters, timings=self.timings,
-                    error=self.error, ctl=self.ctl)
+                    error=self.error, ctl=self.ctl, peers=self.peers)
 
 
 class MegakernelRunner:
@@ -311,12 +320,14 @@ class MegakernelRunner:
         n = len(self.program.instructions)
         prog = torch.zeros(self.shapes["prog_words"], dtype=torch.int32)
         prog[: encoded.numel()] = encoded
+        counters = torch.zeros(self.shapes["max_ctrs"], dtype=torch.int32, device=dev)
+        peers = torch.zeros(PEER_TABLE, dtype=torch.int64)
+        peers[0] = counters.data_ptr()
         self.bufs = _Buffers(
             program=prog.to(dev), buffers=torch.zeros(self.shapes["max_bufs"], dtype=torch.int64, device=dev),
-            counters=torch.zeros(self.shapes["max_ctrs"], dtype=torch.int32, device=dev),
-            timings=torch.zeros(self.shapes["max_instr"], 3, dtype=torch.int64, device=dev),
+            counters=counters, timings=torch.zeros(self.shapes["max_instr"], 3, dtype=torch.int64, device=dev),
             error=torch.zeros(ERROR_WORDS, dtype=torch.int32, device=dev),
-            ctl=torch.zeros(CTL_WORDS, dtype=torch.int32, device=dev))
+            ctl=torch.zeros(CTL_WORDS, dtype=torch.int32, device=dev), peers=peers.to(dev))
         self.n = n
         self.steps_done = 0
         self.broken: str | None = None
@@ -367,7 +378,8 @@ class MegakernelRunner:
         self.bufs.ctl.copy_(torch.tensor([self.steps_done, self.max_spins, self.sleep_ns, 0, 0, 0, 0, 0],
                                          dtype=torch.int32))
         t = self.bufs.as_dict()
-        self.fn(t["program"], t["buffers"], t["counters"], t["timings"], t["error"], t["ctl"], self.num_sms)
+        self.fn(t["program"], t["buffers"], t["counters"], t["timings"], t["error"], t["ctl"], t["peers"],
+                self.num_sms)
         self.steps_done += 1
         if check_error:
             self.check_error()

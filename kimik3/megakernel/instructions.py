@@ -61,6 +61,7 @@ from kimik3.kernels.contracts.isa import (
     H_NB,
     H_NSTR,
     H_OFF_BUF,
+    H_OFF_CBASE,
     H_OFF_CTR,
     H_OFF_INS,
     H_OFF_Q,
@@ -112,7 +113,7 @@ from kimik3.kernels.contracts.isa import (
     Op,
     Site,
 )
-from kimik3.kernels.contracts.peers import MAX_WORLD
+from kimik3.kernels.contracts.peers import MAX_WORLD, counter_bases
 
 __all__ = [
     "Op",
@@ -446,7 +447,9 @@ def encode_program(p: Program) -> torch.Tensor:
     off_ins = off_ctr + C * COUNTER_WORDS
     off_q = off_ins + N * INSTR_WORDS
     off_str = off_q + S * Q
-    total = off_str + len(words)
+    ranks = p.world > 1
+    off_cbase = off_str + len(words) if ranks else 0  # a rank program's counter-word table (isa.H_OFF_CBASE)
+    total = off_str + len(words) + (C if ranks else 0)
     t = torch.zeros(total, dtype=torch.int32)
     hdr = [0] * HEADER_WORDS
     hdr[H_MAGIC], hdr[H_VERSION], hdr[H_HEADER_WORDS], hdr[H_N], hdr[H_INSTR_WORDS] = (MAGIC, VERSION, HEADER_WORDS,
@@ -459,6 +462,7 @@ def encode_program(p: Program) -> torch.Tensor:
     hdr[H_NSTR], hdr[H_TOTAL], hdr[H_MAX_WAITS], hdr[H_MAX_OPERANDS] = len(words), total, MAX_WAITS, MAX_OPERANDS
     hdr[H_EXPERT_FORMAT] = EXPERT_FORMATS.index(p.expert_format)
     hdr[H_RANK], hdr[H_WORLD] = (p.rank, p.world) if p.world > 1 else (0, 0)
+    hdr[H_OFF_CBASE] = off_cbase
     t[:HEADER_WORDS] = torch.tensor(hdr, dtype=torch.int64).to(torch.int32)
     if NB:
         bt = torch.zeros(NB, BUFFER_WORDS, dtype=torch.int32)
@@ -511,7 +515,9 @@ def encode_program(p: Program) -> torch.Tensor:
             qt[s, : len(q)] = torch.tensor(q, dtype=torch.int32)
         t[off_q:off_str] = qt.flatten()
     if words:
-        t[off_str:] = torch.tensor(words, dtype=torch.int32)
+        t[off_str:off_str + len(words)] = torch.tensor(words, dtype=torch.int32)
+    if ranks and C:
+        t[off_cbase:] = torch.tensor(counter_bases([c.sources for c in p.counters]), dtype=torch.int32)
     return t
 
 
@@ -559,6 +565,11 @@ def decode_program(t: torch.Tensor) -> Program:
     queues = [[i for i in row if i >= 0] for row in t[off_q:off_str].view(S, Q).tolist()] if S * Q else \
         [[] for _ in range(S)]
     world = h[H_WORLD] or 1
+    if world > 1:  # the device indexes counter words through this table: it must be the protocol's layout
+        cb = t[h[H_OFF_CBASE]:h[H_OFF_CBASE] + C].tolist() if h[H_OFF_CBASE] else []
+        if cb != counter_bases([c.sources for c in counters]):
+            raise ValueError("rank program's counter-word table (header word H_OFF_CBASE) is not the counters' "
+                             "layout (kernels/contracts/peers.py counter_bases)")
     return Program(buffers, instructions, queues, counters, batch, max_len, layers, policy,
                    EXPERT_FORMATS[h[H_EXPERT_FORMAT]], h[H_RANK], world)
 

@@ -428,7 +428,7 @@ def _mla_reduce(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> 
 
 def _o_proj_residual(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
     a = F.linear(v[0][:, 0, :], v[1][0])
-    out = v[2]  # stream[:, j] cols [B, 1, n], or across ranks this rank's partial in the mailbox [1, B, n]
+    out = v[2]  # stream[:, j] cols [B, 1, n], or across ranks this rank's partial row of the mailbox [B, 1, n]
     out.copy_((out.reshape(a.shape) + a if ins.args[0] else a).reshape(out.shape))  # a block boundary starts anew
 
 
@@ -494,14 +494,14 @@ def _expert_down(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) ->
             h.new_zeros(0, v[4].shape[1], h.shape[2])
     y = torch.einsum("bsi,sri->bsr", h, w2)  # every chosen expert's w2 rows, in the activation dtype
     acc = (f32(y) * w[..., None]).sum(1)  # combine in fp32 with the router weights (0 where unused), cast once
-    v[5].copy_(acc.to(v[5].dtype).reshape(v[5].shape))  # (across ranks: an fp32 partial [1, B, n] in the mailbox)
+    v[5].copy_(acc.to(v[5].dtype).reshape(v[5].shape))  # (across ranks: an fp32 partial row [B, 1, n] of the mailbox)
 
 
 def _ffn_out(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
     flags, k, out = ins.args[0], 0, None
     if flags & FFN_ROUTED:
-        if flags & FFN_PEER_SUM:  # every rank's fp32 partial [sources, B, Dl]: summed in rank order, cast once
-            x = _rank_sum(v[k]).to(it.dtype)
+        if flags & FFN_PEER_SUM:  # every rank's fp32 partial [B, sources, Dl]: summed in rank order, cast once
+            x = _rank_sum(v[k].transpose(0, 1)).to(it.dtype)
         else:
             x = v[k][:, 0, :]
         k += 1
@@ -519,7 +519,7 @@ def _ffn_out(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> Non
         k += 2
     p = v[k]
     # the stream's column tile [B, 1, n] accumulates (so does a bare reference call without operands, as
-    # kernels/verify makes); a rank's partial [1, B, n] is written, pushed for the all-reduce
+    # kernels/verify makes); a rank's partial row [B, 1, n] is written, pushed for the all-reduce
     ops = getattr(ins, "operands", ())
     if len(ops) <= k or ops[k].reads:
         p[:, 0, :].copy_(p[:, 0, :] + out)
@@ -532,7 +532,7 @@ def _lm_head(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> Non
     y = f32(F.linear(xn, v[2][0]))
     v[3][:, 0, :].copy_(y)
     best = y.argmax(-1)  # first maximum: ties resolve to the lowest vocabulary id, like torch.argmax
-    v[4].copy_(y.gather(1, best[:, None])[:, 0].reshape(v[4].shape))  # [B, 1, 1], or [1, B, 1] in a mailbox
+    v[4].copy_(y.gather(1, best[:, None])[:, 0].reshape(v[4].shape))  # [B, 1, 1], a row of a mailbox too
     v[5].copy_((best + ins.args[2]).reshape(v[5].shape))
 
 
@@ -551,9 +551,9 @@ def _rank_sum(parts: torch.Tensor) -> torch.Tensor:
 
 
 def _allreduce_mix(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
-    """Every rank's partial of these rows [sources, b, H], summed in rank order in fp32 (the same order on every
+    """Every rank's partial of these rows [b, sources, H], summed in rank order in fp32 (the same order on every
     rank, so every rank's stream stays identical), into the block's partial sum; then the AttnRes mix."""
-    s = _rank_sum(v[0])
+    s = _rank_sum(v[0].transpose(0, 1))
     entry = v[2][:, 0, :]
     entry.copy_(f32(entry) + s if ins.operands[2].reads else s)
     cands = [v[1][:, j, :] for j in range(ins.args[1] - 1)] + [entry]
@@ -561,10 +561,10 @@ def _allreduce_mix(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) 
 
 
 def _argmax_all(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
-    """The per-tile bests of every vocabulary shard [sources, B, tiles], rank-major (= ascending vocabulary id, so
+    """The per-tile bests of every vocabulary shard [B, sources, tiles], rank-major (= ascending vocabulary id, so
     the first maximum is still the lowest id) -> the next token."""
-    B = v[0].shape[1]
-    vals, idx = v[0].permute(1, 0, 2).reshape(B, -1), v[1].permute(1, 0, 2).reshape(B, -1)
+    B = v[0].shape[0]
+    vals, idx = v[0].reshape(B, -1), v[1].reshape(B, -1)
     tile = vals.argmax(-1)
     v[2][:, 0, 0] = idx.gather(1, tile[:, None])[:, 0]
 

@@ -19,6 +19,8 @@ PROG_WORDS = 1 << 22  # 16 MiB of int32 program (room for tiny at B = 64 on 132 
 MAX_INSTR = 1 << 15  # timing rows
 MAX_BUFS = 1 << 12  # buffer-table entries
 MAX_CTRS = 1 << 12
+# a full-depth rank program (k3-rank: 93 layers, ~63k instructions, ~8.7M words at batch 8) needs more
+RANK_PROG_WORDS, RANK_MAX_INSTR = 1 << 24, 1 << 17
 # ERROR_WORDS, CTL_WORDS, ERR_WATCHDOG, ERR_BAD_PROGRAM: the launch's error / control words, defined with the
 # program encoding in kernels/contracts/isa.py (the device code reads the same definitions)
 
@@ -37,6 +39,13 @@ def static_shapes(cfg: ModelConfig | str, batch: int, prog_words: int = PROG_WOR
     variant's shapes."""
     _check_format(expert_format)
     cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
+    # a rank slice (k3-rank): the kernel of its rank program, which addresses the whole model's widths; its slots
+    # hold only the rank's experts
+    ranks, held = bool(cfg.rank_slice), cfg.held("experts")
+    if ranks:
+        prog_words = max(prog_words, RANK_PROG_WORDS)
+        max_instr = max(max_instr, RANK_MAX_INSTR)
+    cfg = cfg.whole()
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     return dict(
         B=int(batch), H=cfg.hidden_size, eps=float(cfg.rms_norm_eps), lora_eps=1e-6, situ=cfg.hidden_act == "situ",
@@ -48,10 +57,10 @@ def static_shapes(cfg: ModelConfig | str, batch: int, prog_words: int = PROG_WOR
         nh=cfg.num_attention_heads if cfg.mla_layers else 0, ql=int(cfg.q_lora_rank or 0), kvl=cfg.kv_lora_rank,
         rope=cfg.qk_rope_head_dim, nope=cfg.qk_nope_head_dim, dv=cfg.v_head_dim,
         mla_scale=float(cfg.mla_softmax_scale) if cfg.mla_layers else 1.0,
-        E=E, topk=k, dmax=min(E, batch * k) if E else 0, renorm=bool(cfg.norm_topk_prob),
+        E=E, topk=k, dmax=min(held, batch * k) if E else 0, renorm=bool(cfg.norm_topk_prob),
         route_scale=float(cfg.routed_scaling_factor), latent_norm=bool(cfg.moe_latent_norm),
         kmax=cfg.attn_res_slots + 1, prog_words=int(prog_words), max_instr=int(max_instr), max_bufs=int(max_bufs),
-        max_ctrs=int(max_ctrs), fp4=expert_format == "mxfp4")
+        max_ctrs=int(max_ctrs), fp4=expert_format == "mxfp4", ranks=ranks)
 
 
 def variant_name(cfg: ModelConfig | str, batch: int, expert_format: str = "dense") -> str:

@@ -274,14 +274,14 @@ class _StepBuilder:
     def push_partial(self, c0: int, c1: int) -> Operand:
         """The rank's partial sum of hidden columns ``c0:c1``, pushed into the next all-reduce's mailbox slot."""
         row = mailbox_row(self.n_reduce % AR_SLOTS, self.shard.rank, self.world)
-        return self.op(self.ar_mbox, W | Mode.PUSH, (row, row + 1, 0, self.B, c0, c1))
+        return self.op(self.ar_mbox, W | Mode.PUSH, (0, self.B, row, row + 1, c0, c1))
 
     def reduce_operands(self, b0: int, b1: int, K: int, start: bool) -> list[Operand]:
         """ALLREDUCE_MIX's leading operands: every rank's partial of batch rows ``b0:b1`` (the current slot), the
         stream entries before the block's partial, and that partial (started or accumulated)."""
         slot = self.n_reduce % AR_SLOTS
         H = self.H
-        return [self.op(self.ar_mbox, R, (slot * self.world, (slot + 1) * self.world, b0, b1, 0, H)),
+        return [self.op(self.ar_mbox, R, (b0, b1, slot * self.world, (slot + 1) * self.world, 0, H)),
                 self.op(self.stream, R, (b0, b1, 0, K - 1, 0, H)),
                 self.op(self.stream, W if start else RW, (b0, b1, K - 1, K, 0, H))]
 
@@ -302,10 +302,11 @@ class _StepBuilder:
         self.attn_o = self.buf("attn_o", Kind.ACT,
                                (B, 1, max(cfg.kda_proj_dim, cfg.num_attention_heads * cfg.v_head_dim)), act)
         self.batch_tiles = _split(B, self.t.batch_rows)
-        if self.world > 1:  # the mailboxes peers push into: [slot·world + source rank, batch, columns]
-            self.ar_mbox = self.buf("mbox.allreduce", Kind.MAILBOX, (AR_SLOTS * self.world, B, H), act)
+        if self.world > 1:  # the mailboxes peers push into: [batch, slot·world + source rank, columns] (a row of
+            # them addressed as a stream entry is: the producers' stores need no other form)
+            self.ar_mbox = self.buf("mbox.allreduce", Kind.MAILBOX, (B, AR_SLOTS * self.world, H), act)
             if cfg.moe_layers:
-                self.moe_mbox = self.buf("mbox.latent_sum", Kind.MAILBOX, (MOE_SLOTS * self.world, B,
+                self.moe_mbox = self.buf("mbox.latent_sum", Kind.MAILBOX, (B, MOE_SLOTS * self.world,
                                                                            cfg.moe_latent_size), self.acc)
 
     # ------------------------------------------------------------------------------------ tiled building blocks
@@ -632,7 +633,7 @@ class _StepBuilder:
             n = r1 - r0
             w2c, w2s = self.expert_rows(w2, r0, r1)
             out = self.op(acc_b, W, (0, B, 0, 1, r0, r1)) if one else \
-                self.op(self.moe_mbox, W | Mode.PUSH, (row, row + 1, 0, B, r0, r1))
+                self.op(self.moe_mbox, W | Mode.PUSH, (0, B, row, row + 1, r0, r1))
             self.add(Op.EXPERT_DOWN, layer, (0, 0, r0, r1), [
                 self.op(mh, R), self.op(sel, R), self.op(use, R), self.op(mw, R), w2c, out, *w2s],
                 f"L{layer}.expert_down",
@@ -643,7 +644,7 @@ class _StepBuilder:
         if one:
             routed = [self.op(acc_b, R)]
         else:
-            routed = [self.op(self.moe_mbox, R, (0, self.world, 0, B, 0, Dl))]
+            routed = [self.op(self.moe_mbox, R, (0, B, 0, self.world, 0, Dl))]
             flags |= FFN_PEER_SUM
         if cfg.moe_latent_norm:
             routed.append(self.op(self.weight(mp + "routed_expert_norm.weight", (Dl,)), P))
@@ -669,18 +670,18 @@ class _StepBuilder:
         tiles = _span(v0, v1, self.t.lm_rows)
         logits = self.buf("logits", Kind.OUTPUT, (B, 1, V), acc)
         one = self.world == 1
-        if one:  # the tiles' bests, or on a rank of several pushed to every rank: [source rank, batch, tile]
+        if one:  # the tiles' bests, or on a rank of several pushed to every rank: [batch, source rank, tile]
             bv = self.buf("lm_best_val", Kind.ACT, (B, 1, len(tiles)), acc)
             bi = self.buf("lm_best_idx", Kind.ACT, (B, 1, len(tiles)), torch.int64)
         else:
-            bv = self.buf("mbox.lm_best_val", Kind.MAILBOX, (self.world, B, len(tiles)), acc)
-            bi = self.buf("mbox.lm_best_idx", Kind.MAILBOX, (self.world, B, len(tiles)), torch.int64)
+            bv = self.buf("mbox.lm_best_val", Kind.MAILBOX, (B, self.world, len(tiles)), acc)
+            bi = self.buf("mbox.lm_best_idx", Kind.MAILBOX, (B, self.world, len(tiles)), torch.int64)
         nxt = self.buf("next_token", Kind.OUTPUT, (B, 1, 1), torch.int64)
         me = self.shard.rank
         for ti, (r0, r1) in enumerate(tiles):
             n = r1 - r0
             best = [self.op(bv, W, (0, B, 0, 1, ti, ti + 1)), self.op(bi, W, (0, B, 0, 1, ti, ti + 1))] if one else \
-                [self.op(b, W | Mode.PUSH, (me, me + 1, 0, B, ti, ti + 1)) for b in (bv, bi)]
+                [self.op(b, W | Mode.PUSH, (0, B, me, me + 1, ti, ti + 1)) for b in (bv, bi)]
             self.add(Op.LM_HEAD, L, (ti, 0, r0, r1), [
                 self.op(self.mix, R), self.op(fn, P), self.op(lm, P, (0, 1, r0, r1, 0, H)),
                 self.op(logits, W, (0, B, 0, 1, r0, r1)), *best], "out.lm_head",
