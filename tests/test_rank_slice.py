@@ -140,6 +140,7 @@ def test_predict_scores_a_rank_with_the_wire_and_the_rack():
     assert set(k["parts"]) == {"local step", "wire", "bound", "rack"}
 
 
+@pytest.mark.slow  # ~40 s: notebook 07 runs the same k3-rank prediction in CI; the rank lines are checked here
 def test_predict_command_prints_the_rank_and_the_rack_for_k3_rank(capsys):
     from kimik3.perfmodel.cli import main
 
