@@ -24,7 +24,7 @@ from cutlass import Float32, Int32, const_expr
 from kimik3.kernels.common.trace import host_trace
 from kimik3.kernels.verify.host_exec import LANES, HostRun, _t, _Writes, warp_sum
 
-__all__ = ["exec_misc", "exec_mix"]
+__all__ = ["exec_misc", "exec_mix", "compare_outputs"]
 
 _DRIVERS: dict[tuple[str, Any], Any] = {}
 _COMPILED: dict[tuple[Any, ...], Any] = {}
@@ -422,3 +422,23 @@ def exec_mix(x: _Instr, X: ModuleType, ops: tuple[int, int, int, int]) -> dict[i
     wo.check(expect[jo])
     run.lanes_run += (b1 - b0) * NT
     return expect
+
+
+def compare_outputs(S: _MkSetup, x: _Instr, expect: dict[int, torch.Tensor], run: HostRun,
+                    errors: dict[str, float]) -> None:
+    """The host-executed outputs of ``x`` (its poisoned copies, at the elements ``expect`` names) against what the
+    interpreter's body stored in the shared buffers: the worst relative error per float output into ``errors``,
+    any integer mismatch into ``run.problems``."""
+    from kimik3.validation.metric import rel_error
+
+    for j, t in x.outs.items():
+        ref = S.buf(x.ins.operands[j].buf)
+        m = expect[j]
+        got, want = t[m], ref[m]
+        name = f"{x.op}.{S.p.buffers[x.ins.operands[j].buf].name}"
+        if want.dtype.is_floating_point:
+            errors[name] = max(errors.get(name, 0.0), rel_error(got.float(), want.float()))
+        elif not torch.equal(got.long(), want.long()):
+            k = int((got.long() != want.long()).nonzero()[0, 0])
+            run.problems.append(f"{x.tag} {name}: {int((got.long() != want.long()).sum())} element(s) differ from "
+                                f"the interpreter, first {int(got[k])} vs {int(want[k])}")

@@ -28,6 +28,7 @@ from kimik3.kernels.verify.host_exec_mk import (
     _MkSetup,
     _prepare,
     _store,
+    compare_outputs,
     exec_misc,
     exec_mix,
 )
@@ -137,23 +138,6 @@ def check_pushes(S: _MkSetup, v: int, C: ModuleType, run: HostRun) -> int:
     return n
 
 
-def _compare(S: _MkSetup, x: _Instr, expect: dict[int, torch.Tensor], run: HostRun, errors: dict[str, float]
-             ) -> None:
-    from kimik3.validation.metric import rel_error
-
-    for j, t in x.outs.items():
-        ref = S.buf(x.ins.operands[j].buf)
-        m = expect[j]
-        got, want = t[m], ref[m]
-        name = f"{x.op}.{S.p.buffers[x.ins.operands[j].buf].name}"
-        if want.dtype.is_floating_point:
-            errors[name] = max(errors.get(name, 0.0), rel_error(got.float(), want.float()))
-        elif not torch.equal(got.long(), want.long()):
-            k = int((got.long() != want.long()).nonzero()[0, 0])
-            run.problems.append(f"{x.tag} {name}: {int((got.long() != want.long()).sum())} element(s) differ from "
-                                f"the interpreter, first {int(got[k])} vs {int(want[k])}")
-
-
 def _ranks_case(case: dict[str, Any], mods: dict[str, ModuleType]) -> tuple[HostRun, dict[str, float], str]:
     S = _MkSetup(case["preset"], int(case["batch"]), seed=int(case.get("seed", 0)), world=int(case["world"]),
                  rank=int(case["rank"]))
@@ -171,7 +155,7 @@ def _ranks_case(case: dict[str, Any], mods: dict[str, ModuleType]) -> tuple[Host
             x = _Instr(S, v, run)
             expect = exec_allreduce_mix(x, C, M) if ins.op.name == "ALLREDUCE_MIX" else exec_misc(x, M)
             _interpret(S, v)
-            _compare(S, x, expect, run, errors)
+            compare_outputs(S, x, expect, run, errors)
             seen[ins.op.name] += 1
     missing = [k for k, n in seen.items() if not n]
     if missing:

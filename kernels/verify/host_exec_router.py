@@ -33,7 +33,16 @@ from kimik3.kernels.verify.host_exec import (
     load_mutant,
     warp_sum,
 )
-from kimik3.kernels.verify.host_exec_mk import _corners, _Instr, _interpret, _launch, _MkSetup, _prepare, exec_misc
+from kimik3.kernels.verify.host_exec_mk import (
+    _corners,
+    _Instr,
+    _interpret,
+    _launch,
+    _MkSetup,
+    _prepare,
+    compare_outputs,
+    exec_misc,
+)
 from kimik3.kernels.verify.host_exec_mk_moe import exec_expert_down, exec_expert_gate_up, exec_router
 
 __all__ = ["run_topk", "topk_spec", "run_case", "main"]
@@ -249,28 +258,14 @@ def _run_mk_instruction(S: _MkSetup, v: int, mods: dict[str, ModuleType], run: H
                         ) -> None:
     """Host-execute instruction v (its opcode's helpers from ``mods``), then the interpreter's body on the same
     inputs (the reference, which also produces what later instructions read); compare the outputs."""
-    from kimik3.validation.metric import rel_error
-
     _prepare(S, v)
     x = _Instr(S, v, run)
-    ins, op, tag = x.ins, x.op, x.tag
-    if op not in _EXEC:
-        raise ValueError(f"host execution of opcode {op} is not in this module")
-    host, module = _EXEC[op]
+    if x.op not in _EXEC:
+        raise ValueError(f"host execution of opcode {x.op} is not in this module")
+    host, module = _EXEC[x.op]
     expect = host(x, mods[module])  # operand -> elements the opcode must store
     _reference(S, v)
-    for j, t in x.outs.items():
-        ref = S.buf(ins.operands[j].buf)
-        m = expect[j]
-        got, want = t[m], ref[m]
-        name = f"{op}.{S.p.buffers[ins.operands[j].buf].name}"
-        if want.dtype.is_floating_point:
-            e = rel_error(got.float(), want.float())
-            errors[name] = max(errors.get(name, 0.0), e)
-        elif not torch.equal(got.long(), want.long()):
-            k = int((got.long() != want.long()).nonzero()[0, 0])
-            run.problems.append(f"{tag} {name}: {int((got.long() != want.long()).sum())} element(s) differ from "
-                                f"the interpreter, first {int(got[k])} vs {int(want[k])}")
+    compare_outputs(S, x, expect, run, errors)
 
 
 def _mk_mutants(mutant: list) -> dict[str, ModuleType]:

@@ -126,9 +126,9 @@ def _timeline_options(d: dict[str, Any]) -> dict[str, bool]:
 
 
 def _rank(preset: str, batch: int, d: dict[str, Any], c: Constants, context_len: int, experts: str,
-          out: dict[str, Any], times: pd.DataFrame) -> dict[str, Any]:
+          out: dict[str, Any], times: pd.DataFrame, nbytes: float) -> dict[str, Any]:
     """A rank slice's step with the wire and the rack-level tokens/s (:mod:`kimik3.perfmodel.ranks`); ``times``:
-    the point constants' instruction times of its program."""
+    the point constants' instruction times of its program; ``nbytes``: the bytes its step moves (the roofline's)."""
     from kimik3.perfmodel.ranks import rank_extras
 
     prog = model_program(preset, batch, int(c.sm_count), 4096, context_len, experts, design_tiling(d))
@@ -137,10 +137,7 @@ def _rank(preset: str, batch: int, d: dict[str, Any], c: Constants, context_len:
     def makespan(delay: np.ndarray) -> float:
         return float(simulate_model(prog, times, peer_delay_ns=delay, **opts)["end_ns"].max())
 
-    from kimik3.perf.cost import decode_cost
-
     rng = out.get("predicted_ms_range", [out["predicted_ms"]] * 2)
-    nbytes = decode_cost(preset, batch, context_len, expert_dtype=experts).total_bytes
     return rank_extras(prog, makespan, batch, c.kernel_boundary_ns, out["predicted_ms"], (rng[0], rng[1]), nbytes)
 
 
@@ -257,7 +254,7 @@ def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1,
     from kimik3.model.config import get_preset
 
     if stage == "megakernel" and get_preset(preset).rank_slice:
-        out.update(_rank(preset, batch, d, c, context_len, experts, out, times))
+        out.update(_rank(preset, batch, d, c, context_len, experts, out, times, roof / 1e3 * c.achievable_Bps))
     return {**out, **c.provenance()}
 
 
