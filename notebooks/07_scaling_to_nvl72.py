@@ -399,8 +399,9 @@ print(f"k3-rank (rank 0 of {W}; holds {held}): {rc['weight_bytes'].sum() / 1e9:.
 # each collective's wire time (assumed latency + pushed bytes over one direction of GB300 NVLink) delaying the peers'
 # signals; tokens/s per sequence is one over that step. The **bandwidth bound** is the rank's bytes at the GB300's
 # datasheet HBM bandwidth plus its wire bytes, no latency — a real ceiling. Context 4096 (the model's cache
-# capacity). Which parts are measured: none yet; a device check that runs `k3-rank` on an H200 records the local
-# step, and this cell then shows it beside the model.
+# capacity). Which parts are measured: the local step only where a device check has run `k3-rank` alone on a GPU
+# (`scripts/device_check.py`, phase `ranks`: the rank's program at batch 1 and 8, its peers' counter words credited
+# and their pushes into a sink) — its recorded run then shows beside the model, its wire still modelled.
 
 # %%
 preds = [predict("k3-rank", "megakernel", b, context_len=4096) for b in rank_batches]
@@ -419,8 +420,15 @@ display(pd.DataFrame(rows).set_index("batch").round(3))
 for part, how in preds[0]["rank"]["parts"].items():
     print(f"{part}: {how}")
 measured = load_recorded()
-measured = measured[(measured.get("preset") == "k3-rank")] if "preset" in measured else measured.iloc[:0]
-print("recorded k3-rank device runs:", "none yet (modelled only)" if measured.empty else len(measured))
+measured = measured[(measured["block"] == "rank_step") & (measured.get("preset") == "k3-rank")] \
+    if "preset" in measured else measured.iloc[:0]
+if measured.empty:
+    print("recorded k3-rank device runs: none yet (every figure above is modelled)")
+else:  # the recorded local step (measured) with the wire added by the same model
+    display(pd.DataFrame({"batch": measured["batch_size"], "device": measured["device"],
+                          "local ms (measured)": measured["seconds"] * 1e3, "step ms (+ wire model)":
+                          measured["nvl72_step_ms"], "tok/s per sequence": measured["nvl72_tokens_per_s_per_sequence"],
+                          "commit": measured["commit"]}).set_index("batch"))
 
 # %%
 claims = speed_claims(("gb300",))
@@ -435,6 +443,15 @@ values = list(claims["per_user"]) + [k["bound_tokens_per_s_per_sequence"], point
 colours = ["#7f7f7f"] * len(claims) + ["#2ca02c", "#1f77b4"]
 above = [0.0] * (len(values) - 1) + [hi - point]  # the prediction's range; the others are single figures
 below = [0.0] * (len(values) - 1) + [point - lo]
+m1 = measured[measured["batch_size"] == b1["batch"]].tail(1)
+if not m1.empty:  # the latest recorded run at that batch: measured rank + modelled wire, with its range
+    rec = m1.iloc[0]
+    mlo, mhi = rec["nvl72_tokens_per_s_per_sequence_range"]
+    names.append(f"k3-rank predicted (measured rank on {rec['device']} + NVL72 wire model, batch {b1['batch']})")
+    values.append(rec["nvl72_tokens_per_s_per_sequence"])
+    colours.append("#d62728")
+    above.append(mhi - values[-1])
+    below.append(values[-1] - mlo)
 fig = go.Figure(go.Bar(x=values, y=names, orientation="h", marker_color=colours,
                        error_x=dict(type="data", symmetric=False, array=above, arrayminus=below)))
 fig.update_layout(title=f"K3 on GB300 NVL72, tokens/s per sequence: rank 0 of {W} from its own program",

@@ -1,4 +1,4 @@
-"""The GPU device check: one command, one run inside 6 minutes on an H200 with a quarter of it left as slack,
+"""The GPU device check: one command, one run inside 8 minutes on an H200 with a quarter of it left as slack,
 every result written as it goes, and an exit status that is 0 only when everything it planned ran and agreed with
 ``naive``. Every megakernel launch runs in a child process with a hard timeout: a hang or fault costs its item,
 named, not the run.
@@ -68,15 +68,16 @@ __all__ = ["main", "plan", "run_phases", "verdict", "judge_tests", "judge_bench"
            "carried_files", "verify_prebuilt", "write", "read"]
 
 Phase = Callable[[Path, argparse.Namespace], None]
-# the order of the run: the megakernel's preflight and tests first, its benchmark rows last
+# the order of the run: the megakernel's preflight and tests first, its benchmark rows, then the rank items, last
 PHASES: dict[str, Phase] = {
     "preflight": phases.phase_preflight, "smoke": phases.phase_smoke,
     "megakernel_tests": phases.phase_megakernel_tests,
     "copy_bandwidth": phases.phase_copy_bandwidth, "constants": phases.phase_constants, "tests": phases.phase_tests,
     "kernels": phases_bench.phase_kernels, "bench": phases_bench.phase_bench,
-    "megakernel_mxfp4": phases.phase_megakernel_mxfp4, "megakernel": phases.phase_megakernel}
+    "megakernel_mxfp4": phases.phase_megakernel_mxfp4, "megakernel": phases.phase_megakernel,
+    "ranks": phases.phase_ranks}
 DRY_PHASES: dict[str, Phase | None] = {**PHASES, "copy_bandwidth": None, "kernels": phases.phase_kernels_dry}
-CHILD_PHASES = ("preflight", "smoke", "constants", "megakernel_mxfp4", "megakernel")
+CHILD_PHASES = ("preflight", "smoke", "constants", "megakernel_mxfp4", "megakernel", "ranks")
 DRY_PHASE_LIMIT_S = 900.0
 # the names the tests and earlier callers use
 _write, _read, _judge, _speedups = write, read, phases_bench.judge_kernel, phases_bench.speedups
@@ -173,7 +174,8 @@ def _build(args: argparse.Namespace) -> int:
     out = Path(args.build_prebuilt)
     targets, mk_targets = select(args.presets, args.batches)
     t0 = time.time()
-    names = megakernel_variants(args.presets, args.batches)  # dense, then those for MXFP4 routed experts
+    # dense, then those for MXFP4 routed experts, then those for rank programs
+    names = megakernel_variants(args.presets, args.batches, ranks=True)
     mk = [get_variant(n) for n in names]
     # the DSL runtime is compressed once, by the last export into the directory (xz of 43 MB takes a while)
     build_prebuilt_kernels(args.arch, out, targets, ship_runtime=False)

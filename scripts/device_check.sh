@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU device check (scripts/device_check.py) as the one command for the device tool. It runs on the GPU
 # machine, from the repository root of the copy that travels there, writes its JSON files into $OUT as it goes
-# (00_provenance ... 11_megakernel, summary.json, measurements.json, children/) and exits non-zero unless everything
+# (00_provenance ... 12_ranks, summary.json, measurements.json, children/) and exits non-zero unless everything
 # planned ran and agreed with naive (summary.json names each failure). Phases and budgets: docs/device-check.md.
 #
 # 1. Before the call, on a CPU machine with the CuTe DSL (`. .venv/bin/activate`), after any kernel change:
@@ -20,8 +20,8 @@
 #        -d .whl apache-tvm-ffi==0.1.15.post2
 #    Delete prebuilt/libcute_dsl_runtime.so if a local load unpacked it (the .xz travels); the dry run reports the
 #    carried total (working tree + prebuilt + .whl), which must stay under 64 MiB.
-# 2. The call (270 s planned, inside a 6-minute window):
-#      run(command="bash scripts/device_check.sh", carry=["prebuilt", ".whl"], timeout_s=420)
+# 2. The call (375 s planned, inside a 500-second window):
+#      run(command="bash scripts/device_check.sh", carry=["prebuilt", ".whl"], timeout_s=560)
 #    Add --quick (shorter budgets, fewer rows) when little device time is left.
 #    Then give_back unless rerunning at once.
 # 3. Afterwards: copy $OUT/measurements.json to data/measurements/<date>-h200.json and mark the rows of

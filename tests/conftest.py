@@ -96,9 +96,10 @@ def oracle_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_prebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The ``tiny`` batch-1 targets of the device check (fused ops and the megakernel, dense and MXFP4 experts),
+    """The ``tiny`` batch-1 targets of the device check (fused ops and the megakernel, dense and MXFP4 experts, and
+    the kernel of tiny's rank programs),
     exported once per session: the dry-run tests and the megakernel's export test read the same folder (the
     megakernel's export takes tens of seconds)."""
     from device_check_script import build_prebuilt
 
-    return build_prebuilt(tmp_path_factory.mktemp("prebuilt"), "--presets", "tiny", "--batches", "1")
+    return build_prebuilt(tmp_path_factory.mktemp("prebuilt"), "--presets", "tiny,tiny-rank", "--batches", "1")

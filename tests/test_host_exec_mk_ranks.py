@@ -2,10 +2,11 @@
 host over one rank's program of a deployment.
 
 ``kimik3.kernels.verify.host_exec_mk_ranks`` runs ALLREDUCE_MIX's rank-order sum over every thread and chunk, then
-its AttnRes mix, and ARGMAX_ALL's walk over every rank's tiles, against the CPU interpreter's bodies on the same
-buffers; every PUSH operand's copy is checked to cover its box byte for byte, once. micro and tiny, worlds of 2 and
-4, ranks at both ends; planted bugs (a source dropped from the sum, start and accumulate swapped, every batch row
-pushed as the first, one rank's tiles only) must fail. Through a subprocess, as every host execution.
+its AttnRes mix, ARGMAX_ALL's walk over every rank's tiles and MOE_COMBINE's latent sum and norm, against the CPU
+interpreter's bodies on the same buffers; every PUSH operand's copy is checked to cover its box byte for byte, once.
+micro and tiny, worlds of 2 and 4, ranks at both ends; planted bugs (a source dropped from either sum, start and
+accumulate swapped, every batch row pushed as the first, one rank's tiles only, the norm weight's chunk) must fail.
+Through a subprocess, as every host execution.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ MUTANTS: dict[str, tuple[list, dict]] = {
                                                       "_bx(ctx, j, B0), _bx(ctx, j, R0) + dr"]]], CASES[0]),
     # ARGMAX_ALL walks rank 0's tiles only (ARGMAX, one rank's d1 = 1, cannot tell)
     "mk-argmax-all-one-rank": (["megakernel.misc", [["T = ctx.s_d1[0] * ctx.s_d2[0]", "T = ctx.s_d2[0]"]]], _B8),
+    # the latent combine leaves the first rank's expert partial out
+    "mk-combine-source-dropped": (["megakernel.collective", [["for r in cutlass.range(r0, r1, unroll=1):",
+                                                              "for r in cutlass.range(r0 + 1, r1, unroll=1):"]]],
+                                  CASES[2]),
+    # every chunk normalised with the norm weight's first chunk
+    "mk-combine-norm-chunk": (["megakernel.collective", [["gchunks(ctx.s_addr[1])[(c, None)]",
+                                                          "gchunks(ctx.s_addr[1])[(0, None)]"]]], CASES[2]),
 }
 
 
@@ -71,4 +79,4 @@ def test_a_single_gpu_program_has_no_collective_to_run(tmp_path: Path) -> None:
 
     r = run_cases("kimik3.kernels.verify.host_exec_mk_ranks",
                   [{"family": "mk.ranks", "preset": "micro", "batch": 2, "world": 1, "rank": 0}], tmp_path, 600)[0]
-    assert not r["ok"] and any("no ['ALLREDUCE_MIX', 'ARGMAX_ALL', 'PUSH']" in p for p in r["problems"])
+    assert not r["ok"] and any("no ['ALLREDUCE_MIX', 'ARGMAX_ALL', 'MOE_COMBINE', 'PUSH']" in p for p in r["problems"])

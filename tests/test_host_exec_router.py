@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GROUPED = {"n_group": 4, "topk_group": 2}
 # MXFP4 routed experts, the first MoE layer of a micro batch-8 program: the MXFP4 mutants' case
 MX8 = {"family": "mk.moe", "preset": "micro", "batch": 8, "layers": "first_moe", "expert_format": "mxfp4"}
+# rank 1 of 2: the second half of the experts
+RANK = {"family": "mk.moe", "preset": "tiny", "batch": 8, "layers": "first_moe", "world": 2, "rank": 1}
 
 
 def _cases_ci() -> list[dict]:
@@ -57,6 +59,8 @@ def _cases_ci() -> list[dict]:
     # not stored (EXPERT_DOWN: 7 rows; EXPERT_GATE_UP: 20 + 12 rows)
     cases += [{**MX8, "family": "mk.EXPERT_DOWN", "tiling": {"expert_down_rows": 7}},
               {**MX8, "family": "mk.EXPERT_GATE_UP", "tiling": {"expert_rows": 20}}]
+    # one rank's program: its experts only take slots, by their index among the rank's (the weights it holds)
+    cases += [RANK, {**MX8, "world": 4, "rank": 3}]
     return cases
 
 
@@ -87,6 +91,9 @@ MUTANTS: dict[str, tuple[list, dict]] = {
     "mk-router-compaction": (["megakernel.router", [["return base + cute.arch.popc(bal & below)",
                                                      "return base + cute.arch.popc(bal & ~below)"]]],
                              {"family": "mk.ROUTER", "preset": "micro", "batch": 8, "ties": True}),
+    "mk-router-rank-expert-id": (["megakernel.router", [["return Int64(e - lo)", "return Int64(e)"]]], RANK),
+    "mk-router-rank-range": (["megakernel.router", [["return used & (e >= lo) & (e < hi)",
+                                                     "return used & (e < hi)"]]], RANK),
     "mk-down-expert-stride": (["megakernel.moe", [[
         "wv = gchunks(ctx.s_addr[4] + expert_row_offset(ctx.s_d1[4], ctx.s_d2[4], e, r, Int64) * 2)",
         "wv = gchunks(ctx.s_addr[4] + (Int64(e) + Int64(r)) * Int64(ctx.s_d2[4]) * 2)"]]],

@@ -29,8 +29,10 @@ from kimik3.megakernel.gpu import check_device_contract  # noqa: E402
 from kimik3.megakernel.instructions import Op, Operand  # noqa: E402
 from kimik3.megakernel.kernel_shapes import MAX_BUFS, MAX_CTRS, MAX_INSTR, PROG_WORDS, static_shapes, variant_name  # noqa: E402
 
-# k3-rank: one rank's program of the rack (MKConfig.ranks: the collective opcodes, pushes, system-scope counters)
-CI_SM90 = ["megakernel/tiny/b1", "megakernel/k3-shard/b8", "megakernel/tiny/b1-mxfp4", "megakernel/k3-rank/b1-mxfp4"]
+# k3-rank: one rank's program of the rack (MKConfig.ranks: the collective opcodes, pushes, system-scope counters);
+# tiny-rank: the loopback check's kernel (every rank of tiny over 2 in one launch: the local-rank table)
+CI_SM90 = ["megakernel/tiny/b1", "megakernel/k3-shard/b8", "megakernel/tiny/b1-mxfp4", "megakernel/k3-rank/b1-mxfp4",
+           "megakernel/tiny-rank/b1"]
 CI_SM100 = ["megakernel/tiny/b1"]
 # the design's synchronisation, in the PTX: acquire spin with back-off, release signal, first-error CAS, error-word
 # poll, timestamps, SM id, asynchronous weight prefetch into smem, CTA barriers
@@ -58,7 +60,7 @@ def _check(result: B.BuildResult, v: R.KernelVariant, arch: str) -> None:
     assert ".reqntid 384, 1, 1" in ptx and ".minnctapersm 1" in ptx
     entry = re.search(r"\.entry\s+\w+\((.*?)\)", ptx, re.S).group(1)
     params = re.findall(r"\.param\s+\.align\s+8\s+\.b8\s+\w+\[(\d+)\]", entry)
-    assert params == ["8"] * 7, f"every parameter must be one pointer (prebuilt export), got {params}"
+    assert params == ["8"] * 8, f"every parameter must be one pointer (prebuilt export), got {params}"
     assert result.cubin[:4] == b"\x7fELF"
 
 
@@ -235,15 +237,16 @@ def test_device_contract_catches_planted_problems() -> None:
 
 def test_prebuilt_export_and_launch_signature(tiny_prebuilt: Path, tmp_path: Path) -> None:
     """The prebuilt path exports the megakernel (pointer-only entry, budget met); with TVM-FFI the loaded function
-    takes exactly the seven tensors of the runner (the last: the peer table) plus the CTA count, and refuses CPU
-    tensors by device only. The export is the device check's (``tiny`` batch 1, built once per session)."""
+    takes exactly the eight tensors of the runner (the last two: the peer table and the local-rank table) plus the
+    CTA count, and refuses CPU tensors by device only. The export is the device check's (``tiny`` batch 1, built
+    once per session)."""
     from kimik3.kernels.toolchain import prebuilt as P
 
     name = "megakernel/tiny/b1"
     e = P.read_manifest(tiny_prebuilt)["kernels"][name]
     assert e["budget_violations"] == [] and e["module"] == "megakernel"
     (entry,) = e["entries"]
-    assert entry["pointer_only"] and entry["param_bytes"] == [8] * 7 and entry["block"] == [384, 1, 1]
+    assert entry["pointer_only"] and entry["param_bytes"] == [8] * 8 and entry["block"] == [384, 1, 1]
     assert entry["dynamic_shared_bytes"] > 64 * 1024
     if e["format"] != "tvm-ffi":
         pytest.skip("apache-tvm-ffi or g++ missing: cubin export only")
@@ -252,7 +255,8 @@ def test_prebuilt_export_and_launch_signature(tiny_prebuilt: Path, tmp_path: Pat
     s = static_shapes("tiny", 1)
     args = [torch.zeros(s["prog_words"], dtype=torch.int32), torch.zeros(s["max_bufs"], dtype=torch.int64),
             torch.zeros(s["max_ctrs"], dtype=torch.int32), torch.zeros(s["max_instr"], 3, dtype=torch.int64),
-            torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), torch.zeros(128, dtype=torch.int64)]
+            torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), torch.zeros(128, dtype=torch.int64),
+            torch.zeros(40, dtype=torch.int64)]
     with pytest.raises(ValueError, match="expected device_type=cuda"):
         k(*args, 1)
 

@@ -181,14 +181,16 @@ def test_export_refuses_a_rank_slice_before_touching_the_output(tmp_path, capsys
     assert (out / "notes.txt").read_text() == "a user's file" and len(list(out.iterdir())) == 1
 
 
-def test_the_device_contract_refuses_a_rank_program_and_says_why():
+@pytest.mark.parametrize("preset, world, rank", [("micro", 2, 1), ("micro", 4, 3), ("tiny", 2, 1)])
+def test_a_rank_program_fits_the_ranks_kernel_only(preset, world, rank):
     from kimik3.megakernel.gpu import check_device_contract
     from kimik3.megakernel.kernel_shapes import static_shapes
 
-    cfg = get_preset("micro")
-    p = build_program(cfg, 2, 8, shard=Shard(2, 2, 0))
-    single = check_device_contract(p, cfg, 2)
-    assert any("built for one GPU's program" in m for m in single)
-    ranks = check_device_contract(p, cfg, 2, static_shapes(cfg.replace(rank_slice=(2, 0)), 2))
-    assert any("column-split weights" in m and "FFN_PEER_SUM" in m for m in ranks)
+    cfg = get_preset(preset)
+    for fmt in ("dense", "mxfp4"):
+        p = build_program(cfg, 2, 8, shard=Shard(world, world, rank), expert_format=fmt)
+        single = check_device_contract(p, cfg, 2, static_shapes(cfg, 2, expert_format=fmt))
+        assert any("built for one GPU's program" in m for m in single)
+        assert check_device_contract(p, cfg, 2, static_shapes(cfg.replace(rank_slice=(world, rank)), 2,
+                                                              expert_format=fmt)) == []
     assert check_device_contract(build_program(cfg, 2, 8), cfg, 2) == []  # one GPU's program still runs

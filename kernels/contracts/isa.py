@@ -18,10 +18,12 @@ __all__ = [
     "Op", "Kind", "Mode", "NormRole", "Site",
     "MAGIC", "VERSION", "HEADER_WORDS", "MAX_WAITS", "MAX_OPERANDS", "OPERAND_WORDS", "INSTR_WORDS",
     "BUFFER_WORDS", "COUNTER_WORDS", "POLICIES", "EXPERT_FORMATS", "MXFP4_OPERANDS", "DTYPE_CODES",
-    "FFN_ROUTED", "FFN_MLP", "FFN_LATENT_NORM", "FFN_PEER_SUM", "DEVICE_OPS", "COLLECTIVE_OPS",
+    "FFN_ROUTED", "FFN_MLP", "FFN_LATENT_NORM", "DEVICE_OPS", "COLLECTIVE_OPS",
     "ERROR_WORDS", "CTL_WORDS", "ERR_WATCHDOG", "ERR_BAD_PROGRAM", "CTA_THREADS", "BT_MAX", "SMEM_CARVEOUT_PERCENT",
     "STAGE_BYTES", "STAGE_BUFFERS", "CHUNK_BYTES", "W_STAGE_OP", "W_STAGE_ROWS", "W_STAGE_CHUNKS", "W_NEXT_BUF",
-    "W_NEXT_ELEM_LO", "W_NEXT_ELEM_HI", "W_NEXT_CHUNKS", "H_OFF_CBASE", "PEER_TABLE", "CODE_BYTES",
+    "W_NEXT_ELEM_LO", "W_NEXT_ELEM_HI", "W_NEXT_CHUNKS", "H_OFF_CBASE", "PEER_TABLE", "CODE_BYTES", "CTL_LOCAL",
+    "LOCAL_PROGRAM", "LOCAL_BUFFERS", "LOCAL_COUNTERS", "LOCAL_TIMINGS", "LOCAL_ERROR", "LOCAL_FIELDS", "MAX_LOCAL",
+    "LOCAL_TABLE",
 ]
 
 
@@ -49,12 +51,13 @@ class Op(enum.IntEnum):
     ALLREDUCE_MIX = 17  # batch tile: sum the ranks' partial sums from the mailbox in rank order into the stream,
     #                     then the AttnRes mix that follows (an ATTN_RES_MIX fused behind an all-reduce)
     ARGMAX_ALL = 18  # the next greedy token from every vocabulary shard's per-tile (max, argmax) pairs
+    MOE_COMBINE = 19  # batch tile: sum the ranks' fp32 latent expert partials in rank order, cast once, latent norm
 
 
 # the collective opcodes: one GPU's kernel implements DEVICE_OPS and refuses a program holding any other; a kernel
 # built for rank programs (MKConfig.ranks) also runs these (kernels/megakernel/collective.py); the CPU executors
 # run them all
-COLLECTIVE_OPS = frozenset({Op.ALLREDUCE_MIX, Op.ARGMAX_ALL})
+COLLECTIVE_OPS = frozenset({Op.ALLREDUCE_MIX, Op.ARGMAX_ALL, Op.MOE_COMBINE})
 DEVICE_OPS = tuple(op for op in Op if op != Op.NOP and op not in COLLECTIVE_OPS)
 
 
@@ -177,9 +180,6 @@ B0, B1, R0, R1, C0, C1 = range(6)  # box fields, relative to OW_BOX
 # ---------------------------------------------------------------------------------------------------- arguments
 # FFN_OUT arg 0 flags: which sources the column tile sums (and whether the routed one is latent-normed)
 FFN_ROUTED, FFN_MLP, FFN_LATENT_NORM = 1, 2, 4
-# with FFN_ROUTED: the latent sum operand is a MAILBOX of every rank's fp32 expert partial; the column tile sums
-# them in rank order (fp32) before the latent norm (the LatentMoE's cross-rank sum, fused into FFN_OUT)
-FFN_PEER_SUM = 8
 
 # ---------------------------------------------------------------------------------------------------- operands
 # The expert opcodes of an "mxfp4" program: (codes operand, its scales operand) per weight. Operands 0..5 are the
@@ -192,7 +192,16 @@ MXFP4_OPERANDS = {Op.EXPERT_GATE_UP: ((3, 6), (4, 7)), Op.EXPERT_DOWN: ((4, 6),)
 
 # ---------------------------------------------------------------------------------------------------- launch
 ERROR_WORDS = 8  # error[0] code, [1] instruction, [2] counter, [3] target, [4] value seen, [5] CTA, [6] SM, [7] step
-CTL_WORDS = 8  # ctl[0] step, [1] watchdog spins, [2] nanosleep ns per spin
+CTL_WORDS = 8  # ctl[0] step, [1] watchdog spins, [2] nanosleep ns per spin, [CTL_LOCAL] local ranks
+# One launch of a kernel built for rank programs may run L > 1 ranks of a deployment on one GPU (loopback): ctl[3] =
+# L, CTA c runs local rank c // (grid / L) as its CTA c % (grid / L), on that rank's tensors, whose base addresses
+# are entries LOCAL_FIELDS·l + k of the launch's local table (k: LOCAL_PROGRAM .. LOCAL_ERROR); L of 0 or 1: the
+# launch runs the tensors it is given. The ranks' counter memories and mailboxes are then one allocation, and the
+# peer table names every local rank's part of it.
+CTL_LOCAL = 3
+LOCAL_PROGRAM, LOCAL_BUFFERS, LOCAL_COUNTERS, LOCAL_TIMINGS, LOCAL_ERROR = range(5)
+LOCAL_FIELDS, MAX_LOCAL = 5, 8
+LOCAL_TABLE = LOCAL_FIELDS * MAX_LOCAL
 ERR_WATCHDOG, ERR_BAD_PROGRAM = 1, 2  # error[0]
 # the launch's peer table: per rank of the world, the device address of that rank's counter memory, its peer
 # segment (the MAILBOX buffers follow the counter words at the same offsets on every rank: a push to rank p writes

@@ -1,12 +1,13 @@
-"""Megakernel device code across ranks: ALLREDUCE_MIX, and the VM's cross-rank half — a PUSH operand's box copied to
-every peer of the instruction's range, the per-source counter words a wait polls and a signal adds to (the protocol:
-``kernels/contracts/peers.py``; design: docs/architecture.md#megakernel-across-ranks).
+"""Megakernel device code across ranks: ALLREDUCE_MIX, MOE_COMBINE, and the VM's cross-rank half — a PUSH operand's
+box copied to every peer of the instruction's range, the per-source counter words a wait polls and a signal adds to
+(the protocol: ``kernels/contracts/peers.py``; design: docs/architecture.md#megakernel-across-ranks).
 
 As in ``misc.py``, the GPU-only layer (thread indices, the copies, the system-scope atomics) wraps ``@cute.jit``
-helpers that take the batch row, chunk or work item as plain integers (``allreduce_chunk``, ``push_geometry``,
-``push_span``, ``dtype_bytes``), which ``kernels/verify/host_exec_mk_ranks.py`` runs on the host. Compiled into a
-kernel built for rank programs only (``MKConfig.ranks``); a rank's peers are other GPUs, so every cross-rank
-signal is a release and every poll of a cross-rank word an acquire at system scope.
+helpers that take the batch row, chunk or work item as plain integers (``allreduce_chunk``, ``combine_chunk``,
+``combine_norm_chunk``, ``push_geometry``, ``push_span``, ``dtype_bytes``), which
+``kernels/verify/host_exec_mk_ranks.py`` runs on the host. Compiled into a kernel built for rank programs only
+(``MKConfig.ranks``); a rank's peers are other GPUs, so every cross-rank signal is a release and every poll of a
+cross-rank word an acquire at system scope.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from kimik3.kernels.contracts.isa import (
     OW_MODE,
     R0,
     R1,
+    W_ARGS,
     W_OPS,
     Mode,
 )
-from kimik3.kernels.megakernel.device_fns import NT, VEC, gchunks, gflat
+from kimik3.kernels.megakernel.device_fns import NT, NW, VEC, block_allreduce, gchunks, gflat
 from kimik3.kernels.megakernel.misc import mix_one_row
-from kimik3.kernels.megakernel.operands import _bx, _Ctx, _eoff
+from kimik3.kernels.megakernel.operands import F32_RED, _bx, _Ctx, _eoff
 
 MODE_READ, MODE_PUSH = int(Mode.READ), int(Mode.PUSH)
 # ALLREDUCE_MIX's mix operands: the stream before the entry (1), the norm weight (3), the projection (4), the mix (5)
@@ -85,6 +87,80 @@ def op_allreduce_mix(ctx: _Ctx) -> None:
             eo = allreduce_chunk(ctx, b, c, ro)
             cute.copy(st, ro, gchunks(ctx.s_addr[2] + eo * 2)[(0, None)])
         mix_one_row(ctx, b, ALLREDUCE_MIX_OPS)
+
+
+# ---------------------------------------------------------------------------------------------- MOE_COMBINE
+@cute.jit
+def combine_chunk(ctx: _Ctx, b: Int32, c: Int32, ro: cute.Tensor) -> Float32:
+    """Chunk ``c`` (8 latent columns) of batch row ``b``: every rank's fp32 expert partial in the mailbox (operand 0,
+    ``[b, R0 + r, C0 + 8c + k]`` for the box's rows, in source rank order) summed in fp32 in that order, into ``ro``
+    as bf16 (the cast the single-GPU step makes once). Returns the sum of the bf16 values squared: the chunk's share
+    of the latent norm's mean square."""
+    r0, r1 = _bx(ctx, 0, R0), _bx(ctx, 0, R1)
+    mb = gflat(Float32, ctx.s_addr[0])
+    acc = cute.make_rmem_tensor((VEC,), Float32)
+    acc.fill(0.0)
+    for r in cutlass.range(r0, r1, unroll=1):
+        row = _eoff(ctx.s_d1[0], ctx.s_d2[0], b, r, _bx(ctx, 0, C0) + c * VEC)
+        for k in cutlass.range_constexpr(VEC):
+            acc[k] = acc[k] + mb[row + k]
+    ro.store(acc.load().to(BFloat16))
+    v = ro.load().to(Float32)
+    return (v * v).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)
+
+
+@cute.jit
+def combine_out(ctx: _Ctx, b: Int32, c: Int32, jo: Int32) -> Int64:
+    """Element offset of chunk ``c`` of batch row ``b`` in MOE_COMBINE's output (operand ``jo``, the last)."""
+    return _eoff(ctx.s_d1[jo], ctx.s_d2[jo], b, _bx(ctx, jo, R0), _bx(ctx, jo, C0) + c * VEC)
+
+
+@cute.jit
+def combine_rstd(ctx: _Ctx, sumsq: Float32, n: Int32) -> Float32:
+    """The latent norm's ``rsqrt(mean(x²) + eps)`` over a row of ``n`` values whose squares sum to ``sumsq``."""
+    return cute.math.rsqrt(sumsq / Float32(n) + ctx.cfg.eps, fastmath=False)
+
+
+@cute.jit
+def combine_norm_chunk(ctx: _Ctx, c: Int32, rstd: Float32, ro: cute.Tensor) -> None:
+    """Chunk ``c`` of the summed row (in ``ro``, bf16) normalised as ``kimik3.model.modeling.rms_norm`` does it:
+    ``bf16(γ · bf16(x · rstd))`` with γ the latent norm weight (operand 1)."""
+    ld = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
+    rg = cute.make_rmem_tensor((VEC,), BFloat16)
+    cute.copy(ld, gchunks(ctx.s_addr[1])[(c, None)], rg)
+    xn = (ro.load().to(Float32) * rstd).to(BFloat16)
+    ro.store((rg.load().to(Float32) * xn.to(Float32)).to(BFloat16))
+
+
+@cute.jit
+def op_moe_combine(ctx: _Ctx) -> None:
+    """MOE_COMBINE: per batch row of the output box, every rank's fp32 latent partial summed in rank order and cast
+    to bf16 (``combine_chunk``: each thread its chunks c = tidx, tidx + NT, ...); with the latent norm (args 0)
+    one CTA reduction of the squares, the rstd (``combine_rstd``), and each thread normalises the chunks it stored
+    (``combine_norm_chunk``: it reads back its own stores, so no barrier between). Known limits: the partials are
+    read with 4-byte loads, one rank after another (W = 32 ranks and a 3584-wide latent are 458 KB per row)."""
+    st = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+    ld = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)
+    norm = ctx.s_ins[W_ARGS]
+    jo = Int32(1) + (Int32(1) if norm != 0 else Int32(0))
+    n = _bx(ctx, 0, C1) - _bx(ctx, 0, C0)
+    nch = n // VEC
+    ro = cute.make_rmem_tensor((VEC,), BFloat16)
+    vals = cute.make_rmem_tensor((1,), Float32)
+    s_red = cute.make_tensor(ctx.s_f32.iterator + F32_RED, cute.make_layout(NW))
+    for b in cutlass.range(_bx(ctx, jo, B0), _bx(ctx, jo, B1), unroll=1):
+        vals[0] = Float32(0.0)
+        for c in cutlass.range(ctx.tidx, nch, NT, unroll=1):
+            vals[0] = vals[0] + combine_chunk(ctx, b, c, ro)
+            cute.copy(st, ro, gchunks(ctx.s_addr[jo] + combine_out(ctx, b, c, jo) * 2)[(0, None)])
+        if norm != 0:
+            block_allreduce(vals, s_red, 1)
+            rstd = combine_rstd(ctx, vals[0], n)
+            for c in cutlass.range(ctx.tidx, nch, NT, unroll=1):
+                at = gchunks(ctx.s_addr[jo] + combine_out(ctx, b, c, jo) * 2)
+                cute.copy(ld, at[(0, None)], ro)
+                combine_norm_chunk(ctx, c, rstd, ro)
+                cute.copy(st, ro, at[(0, None)])
 
 
 # ---------------------------------------------------------------------------------------------- pushes

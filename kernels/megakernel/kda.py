@@ -84,20 +84,22 @@ def kda_beta(mp: Any, row: Int64, h: Any, dk: cutlass.Constexpr) -> Float32:
 
 @cute.jit
 def kda_conv_gate(mp: Any, fa0: Int32, conv: Any, conv_out: Any, cw: Any, fb: Any, dt: Any, alog: Any,
-                  row: Int64, d1c: Int32, d2c: Int32, d2w: Int32, d2f: Int32, b: Any, h: Any, i: Any, sf: Any,
-                  sq: Any, sk: Any, sv: Any, sdec: Any, sgt: Any, vals: cute.Tensor, dk: cutlass.Constexpr,
+                  row: Int64, d1c: Int32, d2c: Int32, d2w: Int32, d2f: Int32, b: Any, h: Any, hwt: Any, i: Any,
+                  sf: Any, sq: Any, sk: Any, sv: Any, sdec: Any, sgt: Any, vals: cute.Tensor, dk: cutlass.Constexpr,
                   W: cutlass.Constexpr, LB: cutlass.Constexpr) -> None:
     """Thread ``i < dk`` of pair (h, b): channel c = h·dk + i of q, k, v through the width-W conv + SiLU (the
     history, read from ``conv``, shifted into ``conv_out``: the same buffer on the GPU), the decay exp(g) from
     f_a·f_b (rounded like the reference's bf16 linear) and the output gate, into the scratch ``sf``; Σq², Σk²
-    partials into ``vals``."""
+    partials into ``vals``. ``hwt``: head h's index in the head weights (conv, f_b, dt_bias, A_log) — h itself,
+    or on a rank, which holds only its heads' weights, h's place among them."""
     hw = 4 * dk + 1
     c = h * dk + i
+    cwt = hwt * dk + i  # the channel in the weights
     z = [Float32(0.0), Float32(0.0), Float32(0.0)]
     for jj in cutlass.range_constexpr(3):
         raw = mp[row + h * hw + jj * dk + i].to(Float32)
         hist = kda_hist_offset(d1c, d2c, b, jj, c, W)
-        wrow = _eoff(Int32(1), d2w, Int32(0), Int32(jj), c * W)
+        wrow = _eoff(Int32(1), d2w, Int32(0), Int32(jj), cwt * W)
         win = [conv[hist + t].to(Float32) for t in range(W - 1)] + [raw]  # oldest first
         a = Float32(0.0)
         for t in cutlass.range_constexpr(W):
@@ -106,11 +108,11 @@ def kda_conv_gate(mp: Any, fa0: Int32, conv: Any, conv_out: Any, cw: Any, fb: An
             conv_out[hist + t] = win[t + 1].to(BFloat16)
         z[jj] = bf16_round(a * _sigmoid(a))
     u = Float32(0.0)
-    frow = _eoff(Int32(1), d2f, Int32(0), c, Int32(0))
+    frow = _eoff(Int32(1), d2f, Int32(0), cwt, Int32(0))
     for jj in cutlass.range(dk, unroll=1):
         u = u + mp[row + fa0 + jj].to(Float32) * fb[frow + jj].to(Float32)
-    u = bf16_round(u) + dt[c]  # F.linear in bf16 rounds, then fp32 + dt_bias
-    lam = cute.math.exp(alog[h])
+    u = bf16_round(u) + dt[cwt]  # F.linear in bf16 rounds, then fp32 + dt_bias
+    lam = cute.math.exp(alog[hwt])
     g = Float32(0.0)
     if const_expr(LB is not None):
         g = LB * _sigmoid(lam * u)
@@ -202,6 +204,7 @@ def op_kda_step(ctx: _Ctx) -> None:
     h0, h1, b0, b1 = ctx.s_ins[W_ARGS], ctx.s_ins[W_ARGS + 1], ctx.s_ins[W_ARGS + 2], ctx.s_ins[W_ARGS + 3]
     mp = gflat(BFloat16, ctx.s_addr[0])
     fa0 = _bx(ctx, 1, C0)
+    wh0 = _bx(ctx, 6, C0)  # the tile's first head in the head weights (A_log's box): h0 on one GPU
     conv = gflat(BFloat16, ctx.s_addr[2])
     S = gflat(Float32, ctx.s_addr[3])
     fb = gflat(BFloat16, ctx.s_addr[4])
@@ -224,7 +227,7 @@ def op_kda_step(ctx: _Ctx) -> None:
             vals.fill(0.0)
             if i < dk:
                 kda_conv_gate(mp, fa0, conv, conv, cw, fb, dt, alog, row, ctx.s_d1[2], ctx.s_d2[2], ctx.s_d2[7],
-                              ctx.s_d2[4], b, h, i, sf, sq, sk, sv, sdec, sgt, vals, dk, W, cfg.kda_lb)
+                              ctx.s_d2[4], b, h, h - h0 + wh0, i, sf, sq, sk, sv, sdec, sgt, vals, dk, W, cfg.kda_lb)
             block_allreduce(vals, s_red, 2)
             rq, rk = kda_rnorms(vals[0], vals[1], dk)
             srow = _eoff(ctx.s_d1[3], ctx.s_d2[3], b, h, Int32(0))

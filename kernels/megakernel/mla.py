@@ -200,8 +200,9 @@ def op_mla_q(ctx: _Ctx) -> None:
             cute.arch.sync_threads()
             for task in cutlass.range(ctx.warp, ntask, NW, unroll=1):  # absorb W_UK: q_lat = q_nope · W_UK[h]
                 cb, rg = absorb_coords(task, ctx.lane, CW)
-                absorb_lane(ctx.s_addr[3], nchr, h * nope, cb, rg, s_xbf, Int32(xq0), accw, nope, RG,
-                            absorb_unroll(BT), nb)
+                # W_UK's rows of head h from its box (h · nope on one GPU; a rank holds only its heads' rows)
+                absorb_lane(ctx.s_addr[3], nchr, (h - h0) * nope + _bx(ctx, 3, R0), cb, rg, s_xbf, Int32(xq0),
+                            accw, nope, RG, absorb_unroll(BT), nb)
                 _butterfly_from(accw, VEC * nb, steps)
                 for bb in cutlass.range_constexpr(nb):
                     if bb % RG == rg:  # every row group holds the sums: lane group bb mod RG stores row bb

@@ -4,11 +4,11 @@ the chosen experts compacted into slots, and the slots' weights and use flags.
 ``op_router`` is a thin GPU-only layer (thread / warp / lane indices, shuffles, the ballot, barriers, the global
 stores) around ``@cute.jit`` helpers that take the token, lane and slot as plain integers: a lane's candidates and
 the top-k's steps (``router_choices``, ``router_lane_best``, ``router_retire``, ``router_weight``, ``router_record``,
-``router_scale``; every comparison across lanes is ``common.device.argmax_take``), the compaction
-(``router_slot_of``, ``router_round_end``, which the expert opcodes' slot lists in ``megakernel/moe.py`` reuse) and
-the slot outputs (``router_slot``). ``kernels/verify/host_exec_mk_moe.py`` runs the same helpers on the host and
-replays the thin layer (butterfly, ballot) in the kernel's order. Design: ``docs/architecture.md`` (map; appendix:
-the megakernel VM)."""
+``router_scale``; every comparison across lanes is ``common.device.argmax_take``), the compaction over this
+program's experts (``router_range``, ``router_mine``, ``router_local``; ``router_slot_of``, ``router_round_end``,
+which the expert opcodes' slot lists in ``megakernel/moe.py`` reuse) and the slot outputs (``router_slot``).
+``kernels/verify/host_exec_mk_moe.py`` runs the same helpers on the host and replays the thin layer (butterfly,
+ballot) in the kernel's order. Design: ``docs/architecture.md`` (map; appendix: the megakernel VM)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8, const_expr
 from kimik3.kernels.common.device import argmax_take, warp_argmax  # noqa: F401 (the host replay calls argmax_take)
+from kimik3.kernels.contracts.isa import W_ARGS
 from kimik3.kernels.megakernel.device_fns import (
     NT,
     NW,
@@ -109,6 +110,28 @@ def router_round_end(base: Int32, bal: Any) -> Int32:
 
 
 @cute.jit
+def router_range(ctx: _Ctx) -> tuple[Int32, Int32]:
+    """The experts the slots take, ``[lo, hi)``: a rank's own (ROUTER args 0, 1), every expert on one GPU (args
+    0, 0)."""
+    lo, hi = ctx.s_ins[W_ARGS], ctx.s_ins[W_ARGS + 1]
+    whole = hi <= lo
+    return (Int32(0) if whole else lo), (Int32(ctx.cfg.E) if whole else hi)
+
+
+@cute.jit
+def router_mine(e: Int32, used: Any, lo: Int32, hi: Int32) -> Any:
+    """Whether expert ``e`` takes a slot here: chosen by some token, and one of the experts ``[lo, hi)`` this
+    program holds (a slot then stores ``e - lo``, its index among them)."""
+    return used & (e >= lo) & (e < hi)
+
+
+@cute.jit
+def router_local(e: Int32, lo: Int32) -> Int64:
+    """What a slot stores for expert ``e``: its index among the experts this program holds (``e - lo``)."""
+    return Int64(e - lo)
+
+
+@cute.jit
 def router_slot(ctx: _Ctx, b: Int32, j: Int32) -> tuple[Float32, Int32, Int64, Int64]:
     """Slot j of token b: the summed weight of its choices compacted into slot j, whether any is, and the element
     offsets of (b, 0, j) in the weights (operand 3) and use flags (operand 4)."""
@@ -160,16 +183,20 @@ def op_router(ctx: _Ctx) -> None:
         if ctx.lane == 0:
             router_scale(ctx, b, wsum)
     cute.arch.sync_threads()
-    if ctx.warp == 0:  # compact the chosen experts, ascending, into slots
+    if ctx.warp == 0:  # compact the chosen experts (this program's: router_range), ascending, into slots
+        lo, hi = router_range(ctx)
         base = Int32(0)
         for m in cutlass.range_constexpr(EPL):
             e = ctx.lane + 32 * m
             u = s_used[e] != 0  # [E, EP) was zeroed too
-            bal = cute.arch.vote_ballot_sync(u)
+            mine = router_mine(e, u, lo, hi)
+            bal = cute.arch.vote_ballot_sync(mine)
             slot = router_slot_of(base, bal, cute.arch.lanemask_lt())
-            if u:
-                s_slot[EP + e] = slot
-                sel[slot] = Int64(e)
+            if u:  # another rank's expert: no slot here (router_slot never matches -1)
+                s_slot[EP + e] = Int32(-1)
+            if mine:
+                s_slot[EP + e] = Int32(slot)
+                sel[slot] = router_local(e, lo)
             base = router_round_end(base, bal)
         for j in cutlass.range(base + ctx.lane, cfg.dmax, 32, unroll=1):
             sel[j] = Int64(-1)

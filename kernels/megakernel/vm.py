@@ -30,6 +30,7 @@ from kimik3.kernels.contracts.isa import (
     BW_DTYPE,
     CHUNK_BYTES,
     COUNTER_WORDS,
+    CTL_LOCAL,
     CTL_WORDS,
     CW_SOURCES,
     CW_TOTAL,
@@ -51,7 +52,15 @@ from kimik3.kernels.contracts.isa import (
     H_VERSION,
     H_WORLD,
     INSTR_WORDS,
+    LOCAL_BUFFERS,
+    LOCAL_COUNTERS,
+    LOCAL_ERROR,
+    LOCAL_FIELDS,
+    LOCAL_PROGRAM,
+    LOCAL_TABLE,
+    LOCAL_TIMINGS,
     MAGIC,
+    MAX_LOCAL,
     MAX_OPERANDS,
     MAX_WAITS,
     OPERAND_WORDS,
@@ -80,7 +89,13 @@ from kimik3.kernels.contracts.isa import (
     Mode,
     Op,
 )
-from kimik3.kernels.megakernel.collective import dtype_bytes, op_allreduce_mix, push_operand, signal_peers
+from kimik3.kernels.megakernel.collective import (
+    dtype_bytes,
+    op_allreduce_mix,
+    op_moe_combine,
+    push_operand,
+    signal_peers,
+)
 from kimik3.kernels.megakernel.device_fns import (
     NT,
     NW,
@@ -114,7 +129,7 @@ assert ROW_CHUNKS == 32 and CHUNK_BYTES == 2 * VEC
 # s_run slots (launch invariants kept in shared memory; RUN_V: the queue entry of the position about to run; a
 # rank program's rank, world and counter-word table: isa.H_RANK / H_WORLD / H_OFF_CBASE)
 RUN_Q, RUN_QLEN, RUN_OFF_BUF, RUN_OFF_CTR, RUN_OFF_INS, RUN_OFF_Q, RUN_STEP, RUN_SPINS, RUN_SLEEP, RUN_V = range(10)
-RUN_RANK, RUN_WORLD, RUN_CBASE = 10, 11, 12
+RUN_RANK, RUN_WORLD, RUN_CBASE, RUN_LOCAL = 10, 11, 12, 13
 MODE_PUSH = int(Mode.PUSH)
 # opcode numbers as plain ints (the dispatch compares them with traced Int32 values)
 OP_EMBED, OP_ATTN_RES_MIX, OP_NORM_PROJ, OP_MLP_GATE_UP = int(Op.EMBED), int(Op.ATTN_RES_MIX), int(Op.NORM_PROJ), \
@@ -125,7 +140,7 @@ OP_MLA_REDUCE, OP_O_PROJ_RESIDUAL, OP_ROUTER, OP_EXPERT_GATE_UP = int(Op.MLA_RED
     int(Op.ROUTER), int(Op.EXPERT_GATE_UP)
 OP_EXPERT_DOWN, OP_FFN_OUT, OP_LM_HEAD, OP_ARGMAX = int(Op.EXPERT_DOWN), int(Op.FFN_OUT), int(Op.LM_HEAD), \
     int(Op.ARGMAX)
-OP_ALLREDUCE_MIX, OP_ARGMAX_ALL = int(Op.ALLREDUCE_MIX), int(Op.ARGMAX_ALL)
+OP_ALLREDUCE_MIX, OP_ARGMAX_ALL, OP_MOE_COMBINE = int(Op.ALLREDUCE_MIX), int(Op.ARGMAX_ALL), int(Op.MOE_COMBINE)
 
 
 @dataclass(frozen=True)
@@ -237,6 +252,8 @@ def _dispatch(ctx: _Ctx, op: Int32) -> None:
                 op_allreduce_mix(ctx)
             elif op == OP_ARGMAX_ALL:  # the same walk over every rank's tiles (misc.argmax_pick)
                 op_argmax(ctx)
+            elif op == OP_MOE_COMBINE:
+                op_moe_combine(ctx)
         if const_expr(cfg.dk > 0):
             if op == OP_KDA_STEP:
                 op_kda_step(ctx)
@@ -346,9 +363,37 @@ def _push(ctx: _Ctx, mProg: cute.Tensor, s_run: cute.Tensor, mPeer: cute.Tensor)
                 push_operand(ctx, j, esz, s_run[RUN_RANK], lo, hi, mPeer)
 
 
+@cute.jit
+def _local_rank(mCtl: cute.Tensor, bidx: Int32, grid: Int32) -> tuple[Int32, Int32, Int32]:
+    """(local ranks L of the launch, this CTA's local rank, its CTA index within that rank): ``isa.CTL_LOCAL``; L of
+    0 or 1, or one the grid does not split into, runs the launch's own tensors as one rank."""
+    nloc = mCtl[CTL_LOCAL]
+    split = (nloc > 1) & (nloc <= MAX_LOCAL)
+    cpr = grid // nloc if split else grid
+    split = split & (cpr * nloc == grid)
+    lr = bidx // cpr if split else Int32(0)
+    return (nloc if split else Int32(1)), lr, (bidx - lr * cpr if split else bidx)
+
+
+@cute.jit
+def _mine(cfg: cutlass.Constexpr, s_run: cute.Tensor, mLocal: cute.Tensor, k: cutlass.Constexpr,
+          t: cute.Tensor) -> Any:
+    """Launch argument ``t`` (field ``k`` of ``isa.LOCAL_PROGRAM`` .. ``LOCAL_ERROR``) as this CTA's rank has it:
+    ``t`` itself on one GPU's kernel or a launch of one rank, else its layout on the local rank's table entry
+    (``s_run[RUN_LOCAL]``). Called at each use: a base read from the table is not kept live in registers across
+    the opcode bodies (a kernel argument costs none)."""
+    if const_expr(cfg.ranks):
+        at = s_run[RUN_LOCAL]
+        addr = t.iterator.toint() if at < 0 else mLocal[cutlass.max(at, 0) + k]
+        t = cute.make_tensor(cute.make_ptr(t.element_type, addr, cute.AddressSpace.gmem, assumed_align=16),
+                             t.layout)
+    return t
+
+
 @cute.kernel
 def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor, mTime: cute.Tensor,
-                      mErr: cute.Tensor, mCtl: cute.Tensor, mPeer: cute.Tensor, cfg: cutlass.Constexpr):
+                      mErr: cute.Tensor, mCtl: cute.Tensor, mPeer: cute.Tensor, mLocal: cute.Tensor,
+                      cfg: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     warp, lane = tidx // 32, tidx % 32
@@ -379,38 +424,52 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
     # Launch-invariant values live in smem, not registers: the opcode bodies need every register they can get
     # (ptxas allocates for the worst branch, and whatever is live across the dispatch counts against all of them).
     s_run = C.smem_tensor(alloc, Int32, (16,), "megakernel")
+    if const_expr(cfg.ranks):
+        # several ranks in this one launch (isa.CTL_LOCAL): this CTA's rank and its entries of the local table
+        grid, _, _ = cute.arch.grid_dim()
+        nloc, lr, bidx = _local_rank(mCtl, bidx, grid)
+        if tidx == 0:
+            s_run[RUN_LOCAL] = Int32(-1) if nloc == 1 else lr * LOCAL_FIELDS
+        cute.arch.sync_threads()
+    lProg = _mine(cfg, s_run, mLocal, LOCAL_PROGRAM, mProg)
+    lCtr = _mine(cfg, s_run, mLocal, LOCAL_COUNTERS, mCtr)
+    lErr = _mine(cfg, s_run, mLocal, LOCAL_ERROR, mErr)
     if tidx == 0:
-        good = (mProg[H_MAGIC] == MAGIC) & (mProg[H_VERSION] == VERSION) & (mProg[H_INSTR_WORDS] == INSTR_WORDS)
-        good = good & (mProg[H_OFF_INS] % WORDS_PER_CHUNK == 0)  # rows are copied 16 bytes at a time
+        good = (lProg[H_MAGIC] == MAGIC) & (lProg[H_VERSION] == VERSION) & (lProg[H_INSTR_WORDS] == INSTR_WORDS)
+        good = good & (lProg[H_OFF_INS] % WORDS_PER_CHUNK == 0)  # rows are copied 16 bytes at a time
         # the expert opcodes read the routed experts in the one format the kernel was compiled for
-        good = good & (mProg[H_EXPERT_FORMAT] == EXPERT_FORMATS.index("mxfp4" if cfg.fp4 else "dense"))
-        world = mProg[H_WORLD]
+        good = good & (lProg[H_EXPERT_FORMAT] == EXPERT_FORMATS.index("mxfp4" if cfg.fp4 else "dense"))
+        world = lProg[H_WORLD]
         if const_expr(cfg.ranks):
             # a rank program: its rank inside the world, and its own peer-table entry this launch's counter memory
             # (a push or signal to rank p moves by the entries' distance: a wrong table writes another's memory)
-            rk = mProg[H_RANK]
+            rk = lProg[H_RANK]
             inside = (rk >= 0) & (rk < world) & (world <= PEER_TABLE)
-            good = good & ((world == 0) | (inside & (mPeer[rk if inside else 0] == mCtr.iterator.toint())))
-            s_run[RUN_RANK], s_run[RUN_WORLD], s_run[RUN_CBASE] = rk, world, mProg[H_OFF_CBASE]
+            good = good & ((world == 0) | (inside & (mPeer[rk if inside else 0] == lCtr.iterator.toint())))
+            s_run[RUN_RANK], s_run[RUN_WORLD], s_run[RUN_CBASE] = rk, world, lProg[H_OFF_CBASE]
         else:
             good = good & (world == 0)  # a kernel built for one GPU refuses a rank program
-        nq = mProg[H_Q] if good & (bidx < mProg[H_S]) else Int32(0)
+        nq = lProg[H_Q] if good & (bidx < lProg[H_S]) else Int32(0)
         s_run[RUN_Q] = nq
-        s_run[RUN_QLEN] = mProg[H_Q]
-        s_run[RUN_OFF_BUF], s_run[RUN_OFF_CTR] = mProg[H_OFF_BUF], mProg[H_OFF_CTR]
-        s_run[RUN_OFF_INS], s_run[RUN_OFF_Q] = mProg[H_OFF_INS], mProg[H_OFF_Q]
+        s_run[RUN_QLEN] = lProg[H_Q]
+        s_run[RUN_OFF_BUF], s_run[RUN_OFF_CTR] = lProg[H_OFF_BUF], lProg[H_OFF_CTR]
+        s_run[RUN_OFF_INS], s_run[RUN_OFF_Q] = lProg[H_OFF_INS], lProg[H_OFF_Q]
         s_run[RUN_STEP], s_run[RUN_SPINS], s_run[RUN_SLEEP] = mCtl[0], mCtl[1], mCtl[2]
         v0 = Int32(-1)
         if nq > 0:
-            v0 = mProg[mProg[H_OFF_Q] + bidx * mProg[H_Q]]
+            v0 = lProg[lProg[H_OFF_Q] + bidx * lProg[H_Q]]
         s_run[RUN_V] = v0
         if (good == False) & (bidx == 0):  # noqa: E712  (a DSL Boolean, not a Python bool)
-            mErr[0] = ERR_BAD_PROGRAM
+            lErr[0] = ERR_BAD_PROGRAM
     cute.arch.sync_threads()
     ahead = Int32(0)  # 1 when the previous queue position ran: it has issued this one's row and stage copies
     aborted = Int32(0)
     for q in cutlass.range(s_run[RUN_Q], unroll=1):
         v = s_run[RUN_V]
+        pProg = _mine(cfg, s_run, mLocal, LOCAL_PROGRAM, mProg)
+        pBufs = _mine(cfg, s_run, mLocal, LOCAL_BUFFERS, mBufs)
+        pCtr = _mine(cfg, s_run, mLocal, LOCAL_COUNTERS, mCtr)
+        pErr = _mine(cfg, s_run, mLocal, LOCAL_ERROR, mErr)
         par = q % STAGE_BUFFERS
         s_stage = stages[(None, None, par)]  # this instruction's stage buffer (the next one fills the other)
         ctx = _Ctx(cfg=cfg, tidx=tidx, warp=warp, lane=lane, s_ins=s_ins, s_addr=s_addr, s_d1=s_d1, s_d2=s_d2,
@@ -419,7 +478,7 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
             # ---- fetch: warp 0 moves the row (prefetched by the previous position, else copied now) into s_ins
             if warp == 0:
                 if ahead == 0:
-                    cute.copy(cp_row, _row_chunks(mProg, s_run[RUN_OFF_INS], v)[(lane, None)], s_nxt4[(lane, None)])
+                    cute.copy(cp_row, _row_chunks(pProg, s_run[RUN_OFF_INS], v)[(lane, None)], s_nxt4[(lane, None)])
                     cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(0)  # warp 0's groups hold only rows: this is the row landing
                 for k in cutlass.range_constexpr(WORDS_PER_CHUNK):
@@ -429,9 +488,9 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
             nops = s_ins[W_NOPS]
             if (warp == 1) & (lane < nops):
                 buf = s_ins[W_OPS + OPERAND_WORDS * lane + OW_BUF]
-                s_addr[lane] = mBufs[buf]
-                s_d1[lane] = mProg[s_run[RUN_OFF_BUF] + buf * BUFFER_WORDS + BW_D1]
-                s_d2[lane] = mProg[s_run[RUN_OFF_BUF] + buf * BUFFER_WORDS + BW_D2]
+                s_addr[lane] = pBufs[buf]
+                s_d1[lane] = pProg[s_run[RUN_OFF_BUF] + buf * BUFFER_WORDS + BW_D1]
+                s_d2[lane] = pProg[s_run[RUN_OFF_BUF] + buf * BUFFER_WORDS + BW_D2]
             # ---- stage copies (warps 1..): static weights only, so they may precede the waits
             if ahead == 0:  # first position (or after a gap): this instruction's own stage, from W_STAGE_*
                 cute.arch.sync_threads()  # _row0 reads the operand table
@@ -444,7 +503,7 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
             nbuf = s_ins[W_NEXT_BUF]
             if (nbuf >= 0) & (warp > 0):  # the next position's stage, into the other buffer
                 elem = (Int64(s_ins[W_NEXT_ELEM_HI]) << 32) | (Int64(s_ins[W_NEXT_ELEM_LO]) & Int64(0xFFFFFFFF))
-                src = gchunks(mBufs[nbuf] + elem * 2)
+                src = gchunks(pBufs[nbuf] + elem * 2)
                 dst = stages[(None, None, 1 - par)]
                 for c in cutlass.range(tidx - 32, s_ins[W_NEXT_CHUNKS], NT - 32, unroll=1):
                     cute.copy(cp_atom, src[(c, None)], dst[(c, None)])
@@ -455,17 +514,17 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
                 # the next position's queue entry (static program data), loaded with the waits' first round trip
                 vn = Int32(-1)
                 if q + 1 < s_run[RUN_Q]:
-                    vn = mProg[s_run[RUN_OFF_Q] + bidx * s_run[RUN_QLEN] + q + 1]
+                    vn = pProg[s_run[RUN_OFF_Q] + bidx * s_run[RUN_QLEN] + q + 1]
                 if lane < nw:
                     c = s_ins[W_WAITS + 2 * lane]
-                    target = s_run[RUN_STEP] * mProg[s_run[RUN_OFF_CTR] + c * COUNTER_WORDS + CW_TOTAL] + \
+                    target = s_run[RUN_STEP] * pProg[s_run[RUN_OFF_CTR] + c * COUNTER_WORDS + CW_TOTAL] + \
                         s_ins[W_WAITS + 2 * lane + 1]
-                    s_wok[lane] = _wait(mProg, mCtr, mErr, s_run, c, target, v, bidx, cfg)
+                    s_wok[lane] = _wait(pProg, pCtr, pErr, s_run, c, target, v, bidx, cfg)
                 if (lane < nw) | (lane == 0):
                     s_tw[lane] = cute.arch.globaltimer()
                 # the next position's row (one 16-byte chunk per lane), in flight during this body
                 if vn >= 0:
-                    cute.copy(cp_row, _row_chunks(mProg, s_run[RUN_OFF_INS], vn)[(lane, None)], s_nxt4[(lane, None)])
+                    cute.copy(cp_row, _row_chunks(pProg, s_run[RUN_OFF_INS], vn)[(lane, None)], s_nxt4[(lane, None)])
                 cute.arch.cp_async_commit_group()
                 if lane == 0:
                     s_run[RUN_V] = vn
@@ -478,7 +537,7 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
             if go != 0:
                 _dispatch(ctx, s_ins[W_OP])
                 if const_expr(cfg.ranks):
-                    _push(ctx, mProg, s_run, mPeer)
+                    _push(ctx, _mine(cfg, s_run, mLocal, LOCAL_PROGRAM, mProg), s_run, mPeer)
             else:
                 aborted = Int32(1)
             # read before the barrier: warp 0 refills s_ins right after it (the next position's fetch)
@@ -489,22 +548,25 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
                 if w < s_ins[W_NWAITS]:
                     t0 = t0 if t0 > s_tw[w] else s_tw[w]
             cute.arch.sync_threads()  # every thread's writes are done before the release
+            aProg = _mine(cfg, s_run, mLocal, LOCAL_PROGRAM, mProg)
+            aCtr = _mine(cfg, s_run, mLocal, LOCAL_COUNTERS, mCtr)
+            aTime = _mine(cfg, s_run, mLocal, LOCAL_TIMINGS, mTime)
             if (tidx == 0) & (go != 0):
                 if signal >= 0:
                     if const_expr(cfg.ranks):
-                        base, srcs = _counter_word(mProg, s_run, signal)
+                        base, srcs = _counter_word(aProg, s_run, signal)
                         if srcs == 0:
-                            cute.arch.red(mCtr.iterator + base, amount, op="add", dtype=Int32, sem="release",
+                            cute.arch.red(aCtr.iterator + base, amount, op="add", dtype=Int32, sem="release",
                                           scope="gpu")
                         else:  # this rank's word of the counter, on every rank of the peer range
-                            signal_peers(mCtr.iterator.toint() + Int64(base + s_run[RUN_RANK]) * 4, amount,
+                            signal_peers(aCtr.iterator.toint() + Int64(base + s_run[RUN_RANK]) * 4, amount,
                                          s_run[RUN_RANK], peer_lo, peer_hi, mPeer)
                     else:
-                        cute.arch.red(mCtr.iterator + signal, amount, op="add", dtype=Int32, sem="release",
+                        cute.arch.red(aCtr.iterator + signal, amount, op="add", dtype=Int32, sem="release",
                                       scope="gpu")
-                mTime[v, 0] = t0
-                mTime[v, 1] = cute.arch.globaltimer()
-                mTime[v, 2] = Int64(cute.arch.smid())
+                aTime[v, 0] = t0
+                aTime[v, 1] = cute.arch.globaltimer()
+                aTime[v, 2] = Int64(cute.arch.smid())
             ahead = Int32(1)
         else:  # a gap in the queue, or the launch is aborting: nothing was staged for the next position
             cute.arch.cp_async_wait_group(0)  # no copy of an earlier position may land in a buffer reused after it
@@ -512,7 +574,7 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
             if tidx == 0:
                 vn = Int32(-1)
                 if q + 1 < s_run[RUN_Q]:
-                    vn = mProg[s_run[RUN_OFF_Q] + bidx * s_run[RUN_QLEN] + q + 1]
+                    vn = pProg[s_run[RUN_OFF_Q] + bidx * s_run[RUN_QLEN] + q + 1]
                 s_run[RUN_V] = vn
             cute.arch.sync_threads()
             ahead = Int32(0)
@@ -522,11 +584,12 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
 
 @cute.jit
 def megakernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor, mTime: cute.Tensor, mErr: cute.Tensor,
-               mCtl: cute.Tensor, mPeer: cute.Tensor, num_ctas: Int32, stream: Any, cfg: cutlass.Constexpr):
+               mCtl: cute.Tensor, mPeer: cute.Tensor, mLocal: cute.Tensor, num_ctas: Int32, stream: Any,
+               cfg: cutlass.Constexpr):
     """Launch ``num_ctas`` persistent CTAs (one per SM, all co-resident: a cooperative launch, so a grid the GPU
     cannot hold at once is refused by the driver instead of deadlocking)."""
     _check_static(cfg)
-    megakernel_kernel(mProg, mBufs, mCtr, mTime, mErr, mCtl, mPeer, cfg).launch(
+    megakernel_kernel(mProg, mBufs, mCtr, mTime, mErr, mCtl, mPeer, mLocal, cfg).launch(
         grid=[num_ctas, 1, 1], block=[NT, 1, 1], stream=stream, cooperative=True,
         min_blocks_per_mp=1,  # .minnctapersm 1: without it ptxas may aim at 2 CTAs/SM and spill
         preferred_smem_carveout=SMEM_CARVEOUT_PERCENT)  # set, not left to the driver's default (isa.py)
@@ -537,7 +600,8 @@ def _specs(cfg: MKConfig) -> dict[str, tuple[Any, tuple[int, ...]]]:
     """name -> (dtype, static shape) of every tensor parameter, in call order."""
     return {"program": (Int32, (cfg.prog_words,)), "buffers": (Int64, (cfg.max_bufs,)),
             "counters": (Int32, (cfg.max_ctrs,)), "timings": (Int64, (cfg.max_instr, 3)),
-            "error": (Int32, (ERROR_WORDS,)), "ctl": (Int32, (CTL_WORDS,)), "peers": (Int64, (PEER_TABLE,))}
+            "error": (Int32, (ERROR_WORDS,)), "ctl": (Int32, (CTL_WORDS,)), "peers": (Int64, (PEER_TABLE,)),
+            "local": (Int64, (LOCAL_TABLE,))}
 
 
 def config_from_shapes(**shapes: Any) -> MKConfig:
@@ -570,7 +634,7 @@ def compile_for(arch: str, *, variant: str = "megakernel", tvm_ffi: bool = False
 
 def launch(compiled: Any, t: dict[str, Any], num_ctas: int, tvm_ffi: bool = True) -> None:
     """Run a compiled megakernel on CUDA tensors ``t`` (keys of ``_specs``) with ``num_ctas`` CTAs."""
-    args = [t[k] for k in ("program", "buffers", "counters", "timings", "error", "ctl", "peers")]
+    args = [t[k] for k in ("program", "buffers", "counters", "timings", "error", "ctl", "peers", "local")]
     if tvm_ffi:
         compiled(*args, num_ctas)
         return

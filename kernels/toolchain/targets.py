@@ -7,8 +7,9 @@ shape) and the device check's plan. Adding a pair here adds it to the export, th
 
 from __future__ import annotations
 
-__all__ = ["FUSED_TARGETS", "MEGAKERNEL_TARGETS", "MEGAKERNEL_MXFP4_TARGETS", "PROBE_TARGETS", "fused_cases",
-           "megakernel_cases", "megakernel_variants", "probe_variants", "select"]
+__all__ = ["FUSED_TARGETS", "MEGAKERNEL_TARGETS", "MEGAKERNEL_MXFP4_TARGETS", "MEGAKERNEL_RANK_TARGETS",
+           "PROBE_TARGETS", "fused_cases", "megakernel_cases", "megakernel_variants", "rank_variants", "probe_variants",
+           "select"]
 
 # (preset, batch, expert format) of every fused decode step that is exported
 FUSED_TARGETS: tuple[tuple[str, int, str], ...] = (
@@ -22,6 +23,12 @@ MEGAKERNEL_TARGETS: tuple[tuple[str, int], ...] = (("tiny", 1), ("k3-shard", 1),
 # (preset, batch) of the megakernel variants compiled for MXFP4 routed experts (``megakernel/<preset>/b<batch>-mxfp4``:
 # the program carries the experts as the K3 release stores them)
 MEGAKERNEL_MXFP4_TARGETS: tuple[tuple[str, int], ...] = (("tiny", 1), ("k3-shard", 1), ("k3-shard", 8))
+# (rank-slice preset, batch, expert format) of the megakernel variants built for rank programs (MKConfig.ranks): the
+# loopback check's (every rank of tiny over 2 in one launch) and one rank of K3 on the rack at batch 1 and 8 (its
+# experts MXFP4: bf16 ones would not fit one GPU). Apart from the single-GPU targets: they run rank programs only.
+MEGAKERNEL_RANK_TARGETS: tuple[tuple[str, int, str], ...] = (
+    ("tiny-rank", 1, "dense"), ("k3-rank", 1, "mxfp4"), ("k3-rank", 8, "mxfp4"),
+)
 
 # registry names of the probe kernels exported for the device check's constants phase (scripts/devcheck/probes.py):
 # the bandwidth sweep (threads, loads in flight per thread, CTAs per SM), the pointer chase and the signal ping-pong
@@ -59,13 +66,23 @@ def megakernel_cases(preset: str | None = None, expert_format: str = "dense") ->
     return [(p, b) for p, b in targets if preset is None or p == preset]
 
 
-def megakernel_variants(presets: str = "", batches: str = "") -> list[str]:
-    """Registry names of the exported megakernel variants, dense then MXFP4, restricted to comma-separated
-    ``presets`` / ``batches`` ("" = all) as :func:`select` restricts the targets."""
+def megakernel_variants(presets: str = "", batches: str = "", ranks: bool = False) -> list[str]:
+    """Registry names of the exported megakernel variants, dense then MXFP4 (``ranks``: then those built for rank
+    programs), restricted to comma-separated ``presets`` / ``batches`` ("" = all) as :func:`select` restricts the
+    targets."""
     _, dense = select(presets, batches)  # (validates the arguments)
     ps, bs = _parse(presets, batches)
     fp4 = [(p, b) for p, b in MEGAKERNEL_MXFP4_TARGETS if (not ps or p in ps) and (not bs or b in bs)]
-    return [f"megakernel/{p}/b{b}" for p, b in dense] + [f"megakernel/{p}/b{b}-mxfp4" for p, b in fp4]
+    out = [f"megakernel/{p}/b{b}" for p, b in dense] + [f"megakernel/{p}/b{b}-mxfp4" for p, b in fp4]
+    return out + (rank_variants(presets, batches) if ranks else [])
+
+
+def rank_variants(presets: str = "", batches: str = "") -> list[str]:
+    """Registry names of the exported megakernel variants for rank programs (:data:`MEGAKERNEL_RANK_TARGETS`),
+    restricted as :func:`megakernel_variants`."""
+    ps, bs = _parse(presets, batches)
+    return [f"megakernel/{p}/b{b}" + ("" if f == "dense" else f"-{f}") for p, b, f in MEGAKERNEL_RANK_TARGETS
+            if (not ps or p in ps) and (not bs or b in bs)]
 
 
 def _parse(presets: str, batches: str) -> tuple[list[str], list[int]]:
@@ -80,8 +97,8 @@ def _parse(presets: str, batches: str) -> tuple[list[str], list[int]]:
 def select(presets: str = "", batches: str = "") -> tuple[list[tuple[str, int, str]], list[tuple[str, int]]]:
     """The fused and megakernel targets restricted to comma-separated ``presets`` / ``batches`` ("" = all)."""
     ps, bs = _parse(presets, batches)
-    known = {p for p, _, _ in FUSED_TARGETS} | {p for p, _ in MEGAKERNEL_TARGETS} | {p for p, _ in
-                                                                                       MEGAKERNEL_MXFP4_TARGETS}
+    known = {p for p, _, _ in FUSED_TARGETS} | {p for p, _ in MEGAKERNEL_TARGETS} | {
+        p for p, _ in MEGAKERNEL_MXFP4_TARGETS} | {p for p, _, _ in MEGAKERNEL_RANK_TARGETS}
     unknown = [p for p in ps if p not in known]
     if unknown:
         raise ValueError(f"no prebuilt targets for preset(s) {unknown}; known: {sorted(known)}")

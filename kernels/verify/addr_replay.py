@@ -87,7 +87,7 @@ def shapes_for(cfg: Any, batch: int, expert_format: str = "dense", world: int = 
                    conv=cfg.kda_conv_size,
                    kvl=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim, nope=cfg.qk_nope_head_dim, dv=cfg.v_head_dim,
                    ql=int(cfg.q_lora_rank or 0), dmax=min(held, batch * k) if E else 0,
-                   latent_norm=bool(cfg.moe_latent_norm), fp4=expert_format == "mxfp4", ranks=world > 1)
+                   latent_norm=bool(cfg.moe_latent_norm) and world == 1, fp4=expert_format == "mxfp4", ranks=world > 1)
 
 
 @functools.cache
@@ -234,6 +234,15 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
             for k in range(K - 1):  # the candidates before the entry (the entry itself: read back above)
                 yield _Acc(1, E(d1(1), d2(1), b, 0, 0) + k * L, L, "r")
             yield _Acc(5, E(d1(5), d2(5), b, 0, 0), L, "w")
+    elif op == Op.MOE_COMBINE:  # collective.combine_chunk over every source's row, then (args 0) the norm pass
+        jo = 2 if args[0] else 1
+        L = box[0][5] - box[0][4]
+        if args[0]:
+            yield _Acc(1, 0, L, "r")
+        for b in range(box[jo][0], box[jo][1]):
+            for r in range(box[0][2], box[0][3]):  # every source's fp32 partial
+                yield _Acc(0, E(d1(0), d2(0), b, r, box[0][4]), L, "r")
+            yield _Acc(jo, E(d1(jo), d2(jo), b, box[jo][2], box[jo][4]), L, "rw" if args[0] else "w")
     elif op == Op.ARGMAX:
         Tn = d2(0)
         for b in range(B):
@@ -286,12 +295,13 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
         dk, W = s.dk, s.conv
         hw = 4 * dk + 1
         for h in range(h0, h1):
-            yield _Acc(5, h * dk, dk, "r")  # dt_bias[c]
-            yield _Acc(6, h, 1, "r")  # A_log[h]
+            hw_ = h - h0 + box[6][4]  # the head's place in the head weights (A_log's box: h on one GPU)
+            yield _Acc(5, hw_ * dk, dk, "r")  # dt_bias[c]
+            yield _Acc(6, hw_, 1, "r")  # A_log[h]
             yield _Acc(8, 0, dk, "r")  # o_norm
-            yield _Acc(4, E(1, d2(4), 0, h * dk, 0), dk, "r", dk, d2(4))  # f_b rows of the head's channels
+            yield _Acc(4, E(1, d2(4), 0, hw_ * dk, 0), dk, "r", dk, d2(4))  # f_b rows of the head's channels
             for jj in range(3):
-                yield _Acc(7, E(1, d2(7), 0, jj, h * dk * W), dk * W, "r")
+                yield _Acc(7, E(1, d2(7), 0, jj, hw_ * dk * W), dk * W, "r")
             for b in range(b0, b1):
                 row = E(d1(0), d2(0), b, 0, 0)
                 yield _Acc(0, row + h * hw, hw, "r")
@@ -309,8 +319,8 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
         for h in range(h0, h1):
             yield _Acc(2, row0(2) + (h - h0) * qk * ql, ql, "r", qk, ql)  # q_b rows (h - h0)·qk + j
             cw = getattr(helpers, "absorb_cw", absorb_cw)(kvl) * VEC  # W_UK columns per absorption task
-            for i in range(kvl // cw):  # task i: its column block of W_UK rows h·nope + nn, of mla_q's latent
-                yield _Acc(3, E(1, d2(3), 0, h * s.nope, i * cw), cw, "r", s.nope, d2(3))
+            for i in range(kvl // cw):  # task i: its column block of W_UK rows (from its box) + nn, of mla_q's latent
+                yield _Acc(3, E(1, d2(3), 0, (h - h0) * s.nope + box[3][2], i * cw), cw, "r", s.nope, d2(3))
                 for b in range(B):
                     yield _Acc(4, E(d1(4), d2(4), b, h, i * cw), cw, "w")
             for b in range(B):

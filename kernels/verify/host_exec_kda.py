@@ -233,8 +233,8 @@ def _mk_kda_drivers(K: ModuleType) -> tuple[Any, Any, Any]:
             mBeta[n] = K.kda_beta(mp, row, h, dk)
             for i in cutlass.range(dk):
                 vals.fill(0.0)
-                K.kda_conv_gate(mp, fa0, conv, conv_out, cw, fb, dt, alog, row, d1c, d2c, d2w, d2f, b, h, i, sf, sq,
-                                sk, sv, sdec, sgt, vals, dk, W, LB)
+                K.kda_conv_gate(mp, fa0, conv, conv_out, cw, fb, dt, alog, row, d1c, d2c, d2w, d2f, b, h, h, i, sf,
+                                sq, sk, sv, sdec, sgt, vals, dk, W, LB)
                 mVals[n, i, 0] = vals[0]
                 mVals[n, i, 1] = vals[1]
                 for jj in cutlass.range_constexpr(3):  # the history elements the helper shifted

@@ -89,27 +89,32 @@ def _mk_router_compact_host(M: ModuleType) -> Any:
     """Warp 0's compaction of the used experts into slots: per round of 32 experts the ballot (``vote.ballot``:
     GPU only, built here from the lanes' flags), each lane's slot (``M.router_slot_of`` with the lane's mask of lower
     lanes) and the round's end (``M.router_round_end``); the used lanes' slots into the scratch as the opcode
-    does, and per expert the slot it stores its id at (mRec, -1: unused); mBase[0]: the slots taken."""
+    does, and per expert the slot it stores at (mRec, -1: unused) and what (mId: ``M.router_local``); mBase[0]: the
+    slots taken."""
     key = ("mk_router_compact", M)
     if key in _DRIVERS:
         return _DRIVERS[key]
 
     @cute.jit
-    def drive(mI32: cute.Tensor, mRec: cute.Tensor, mBase: cute.Tensor, EP: cutlass.Constexpr,
-              EPL: cutlass.Constexpr):
+    def drive(mI32: cute.Tensor, mRec: cute.Tensor, mId: cute.Tensor, mBase: cute.Tensor, lo: Int32, hi: Int32,
+              EP: cutlass.Constexpr, EPL: cutlass.Constexpr):
         base = Int32(0)
         for m in cutlass.range_constexpr(EPL):
             bal = cutlass.Uint32(0)
             for lane in cutlass.range(LANES):
-                if mI32[lane + 32 * m] != 0:
+                if M.router_mine(lane + 32 * m, mI32[lane + 32 * m] != 0, lo, hi):
                     bal = bal | (cutlass.Uint32(1) << cutlass.Uint32(lane))
             for lane in cutlass.range(LANES):
                 e = lane + 32 * m
                 below = (cutlass.Uint32(1) << cutlass.Uint32(lane)) - cutlass.Uint32(1)
                 slot = M.router_slot_of(base, bal, below)
+                mine = M.router_mine(e, mI32[e] != 0, lo, hi)
                 if mI32[e] != 0:
-                    mI32[EP + e] = slot
+                    mI32[EP + e] = Int32(-1)
+                if mine:
+                    mI32[EP + e] = Int32(slot)
                     mRec[e] = slot
+                    mId[e] = M.router_local(e, lo)
             base = M.router_round_end(base, bal)
         mBase[0] = base
 
@@ -482,14 +487,17 @@ def exec_router(x: _Instr, M: ModuleType) -> dict[int, torch.Tensor]:
     zi = [torch.zeros(LANES, dtype=torch.int32) for _ in range(2)]
     _launch(_mk_router_host(M), [*words, s_i32, s_f32, ch, ix, z[0], zi[0], z[1], zi[1], torch.zeros(LANES)],
             (cfg,))
-    # warp 0's compaction: the used experts, ascending, into slots; each used lane stores its id at its slot
+    # warp 0's compaction: this program's used experts (ROUTER args: a rank's own), ascending, into slots; each
+    # stores its index among them at its slot
+    lo, hi = (x.ins.args[0], x.ins.args[1]) if x.ins.args[1] > x.ins.args[0] else (0, E)
     crec = torch.full((EPL * LANES,), -1, dtype=torch.int32)
+    cid = torch.full((EPL * LANES,), -1, dtype=torch.int64)
     cbase = torch.full((1,), -1, dtype=torch.int32)
-    _launch(_mk_router_compact_host(M), [s_i32, crec, cbase], (EP, EPL))
+    _launch(_mk_router_compact_host(M), [s_i32, crec, cid, cbase, lo, hi], (EP, EPL))
     sel, wsel = out(2)
     wsel = _Writes(wsel.name, sel.view(-1), run.problems)
     used = (crec >= 0).nonzero()[:, 0]
-    wsel.store((crec[used].long(),), used, "compaction")
+    wsel.store((crec[used].long(),), cid[used], "compaction")
     base = int(cbase[0])
     tail = [j for lane in range(LANES) for j in range(base + lane, cfg.dmax, 32)]
     if tail:

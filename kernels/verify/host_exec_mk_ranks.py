@@ -2,9 +2,10 @@
 program of a deployment (``build_program(..., shard=Shard(W, W, rank))``), instruction by instruction against the
 CPU interpreter's bodies on the same buffers (``host_exec_mk``): ALLREDUCE_MIX (every thread's chunks of the
 rank-order sum into the block's partial sum, then the AttnRes mix through ``host_exec_mk.exec_mix``), ARGMAX_ALL
-(``misc.argmax_pick`` over every rank's tiles), and every PUSH operand's copy (``push_geometry`` / ``push_span``
-over every work item: each byte of the box exactly once, none outside it, 16-byte units only where aligned). The
-other opcodes run the interpreter's body (they produce what these read). Cases: micro / tiny, W = 2 and 4
+(``misc.argmax_pick`` over every rank's tiles), MOE_COMBINE (every thread's chunks of the rank-order latent sum,
+then the norm pass) and every PUSH operand's copy (``push_geometry`` / ``push_span`` over every work item: each
+byte of the box exactly once, none outside it, 16-byte units only where aligned). The other opcodes run the
+interpreter's body (they produce what these read). Cases: micro / tiny, W = 2 and 4
 (``tests/test_host_exec_mk_ranks.py``). Design: docs/architecture.md#megakernel-across-ranks.
 """
 
@@ -33,7 +34,7 @@ from kimik3.kernels.verify.host_exec_mk import (
     exec_mix,
 )
 
-__all__ = ["exec_allreduce_mix", "check_pushes", "run_case", "main"]
+__all__ = ["exec_allreduce_mix", "exec_moe_combine", "check_pushes", "run_case", "main"]
 
 _DRIVERS: dict[tuple[str, Any], Any] = {}
 MODULES = ("megakernel.collective", "megakernel.misc")
@@ -61,6 +62,38 @@ def _host(C: ModuleType, which: str) -> Any:
                         mOff[b, c] = C.allreduce_chunk(ctx, b, c, ro)
                         for v in cutlass.range_constexpr(VEC):
                             mVal[b, c, v] = ro[v]
+    elif which == "combine":
+        @cute.jit
+        def drive(mIns: cute.Tensor, mAddr: cute.Tensor, mD1: cute.Tensor, mD2: cute.Tensor, mOff: cute.Tensor,
+                  mVal: cute.Tensor, mSq: cute.Tensor, cfg: cutlass.Constexpr):
+            ctx = _ctx(mk_operands, cfg, mIns, mAddr, mD1, mD2)
+            jo = Int32(1) + (Int32(1) if ctx.s_ins[C.W_ARGS] != 0 else Int32(0))
+            nch = (C._bx(ctx, 0, C.C1) - C._bx(ctx, 0, C.C0)) // VEC
+            ro = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+            for b in cutlass.range(C._bx(ctx, jo, B0), C._bx(ctx, jo, B1)):
+                for tidx in cutlass.range(NT):
+                    part = cutlass.Float32(0.0)
+                    for c in cutlass.range(tidx, nch, NT):
+                        part = part + C.combine_chunk(ctx, b, c, ro)
+                        mOff[b, c] = C.combine_out(ctx, b, c, jo)
+                        for v in cutlass.range_constexpr(VEC):
+                            mVal[b, c, v] = ro[v]
+                    mSq[b, tidx] = part
+    elif which == "combine_norm":
+        @cute.jit
+        def drive(mIns: cute.Tensor, mAddr: cute.Tensor, mD1: cute.Tensor, mD2: cute.Tensor, mTot: cute.Tensor,
+                  mVal: cute.Tensor, b0: Int32, b1: Int32, cfg: cutlass.Constexpr):
+            ctx = _ctx(mk_operands, cfg, mIns, mAddr, mD1, mD2)
+            n = C._bx(ctx, 0, C.C1) - C._bx(ctx, 0, C.C0)
+            ro = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+            for b in cutlass.range(b0, b1):
+                rstd = C.combine_rstd(ctx, mTot[b], n)
+                for c in cutlass.range(n // VEC):
+                    for v in cutlass.range_constexpr(VEC):
+                        ro[v] = mVal[b, c, v]
+                    C.combine_norm_chunk(ctx, c, rstd, ro)
+                    for v in cutlass.range_constexpr(VEC):
+                        mVal[b, c, v] = ro[v]
     else:
         @cute.jit
         def drive(mIns: cute.Tensor, mAddr: cute.Tensor, mD1: cute.Tensor, mD2: cute.Tensor, mGeo: cute.Tensor,
@@ -96,6 +129,29 @@ def exec_allreduce_mix(x: _Instr, C: ModuleType, M: ModuleType) -> dict[int, tor
         expect.update(exec_mix(x, M, C.ALLREDUCE_MIX_OPS))
     finally:
         stream.copy_(saved)  # the reference runs on the instruction's inputs
+    return expect
+
+
+def exec_moe_combine(x: _Instr, C: ModuleType) -> dict[int, torch.Tensor]:
+    """Host-execute MOE_COMBINE instruction ``x`` with the helpers of ``C`` (``megakernel.collective``): every
+    thread's chunks of the rank-order sum (their offsets, bf16 values and squares), the squares summed per row (the
+    CTA reduction's stand-in), then — with the latent norm — every chunk normalised; the final values stored
+    (write-once, inside the box)."""
+    ins, words, shapes, boxes, cfg, B = x.ins, x.words, x.shapes, x.boxes, x.cfg, x.B
+    VEC, jo = C.VEC, 2 if ins.args[0] else 1
+    n = boxes[0][5] - boxes[0][4]
+    off = torch.full((B, n // VEC), -1, dtype=torch.int64)
+    val = torch.full((B, n // VEC, VEC), float("nan"), dtype=torch.bfloat16)
+    sq = torch.zeros((B, C.NT), dtype=torch.float32)
+    _launch(_host(C, "combine"), [*words, off, val, sq], (cfg,))
+    b0, b1 = boxes[jo][0], boxes[jo][1]
+    if ins.args[0]:
+        _launch(_host(C, "combine_norm"), [*words, sq.sum(1), val, b0, b1], (cfg,))
+    _, we = x.out(jo)
+    el = (off[b0:b1, :, None] + torch.arange(VEC)).reshape(-1)
+    _store(we, shapes[jo], boxes[jo], el, val[b0:b1].reshape(-1), "combine")
+    expect = {jo: _box_mask(shapes[jo], boxes[jo])}
+    we.check(expect[jo])
     return expect
 
 
@@ -145,15 +201,16 @@ def _ranks_case(case: dict[str, Any], mods: dict[str, ModuleType]) -> tuple[Host
     C, M = mods["megakernel.collective"], mods["megakernel.misc"]
     run = HostRun({})
     errors: dict[str, float] = {}
-    seen = {"ALLREDUCE_MIX": 0, "ARGMAX_ALL": 0, "PUSH": 0}
+    seen = {"ALLREDUCE_MIX": 0, "ARGMAX_ALL": 0, "MOE_COMBINE": 0, "PUSH": 0}
     # the collectives on the buffers as the instructions before leave them: random inputs (the mailbox rows of
     # this rank's peers are never written here), then what each collective's reference stored
     for v, ins in enumerate(S.p.instructions):
         seen["PUSH"] += check_pushes(S, v, C, run)
-        if ins.op.name in ("ALLREDUCE_MIX", "ARGMAX_ALL"):
+        if ins.op.name in ("ALLREDUCE_MIX", "ARGMAX_ALL", "MOE_COMBINE"):
             _prepare(S, v)
             x = _Instr(S, v, run)
-            expect = exec_allreduce_mix(x, C, M) if ins.op.name == "ALLREDUCE_MIX" else exec_misc(x, M)
+            expect = exec_allreduce_mix(x, C, M) if ins.op.name == "ALLREDUCE_MIX" else \
+                exec_moe_combine(x, C) if ins.op.name == "MOE_COMBINE" else exec_misc(x, M)
             _interpret(S, v)
             compare_outputs(S, x, expect, run, errors)
             seen[ins.op.name] += 1

@@ -303,7 +303,8 @@ def _mk_case(case: dict[str, Any], mutated: dict[str, ModuleType]) -> tuple[Host
     mods.update(mutated)
     S = _MkSetup(case["preset"], int(case["batch"]), policy=case.get("policy", "critical_path"),
                  seed=int(case.get("seed", 0)), expert_format=case.get("expert_format", "dense"),
-                 tiling=case.get("tiling"), arch=case.get("arch", "sm_90a"))
+                 tiling=case.get("tiling"), arch=case.get("arch", "sm_90a"), world=int(case.get("world", 1)),
+                 rank=int(case.get("rank", 0)))
     S.ties = bool(case.get("ties", False))
     chain = {"ROUTER": ("ROUTER",), "EXPERT_GATE_UP": ("ROUTER", "EXPERT_GATE_UP"),
              "EXPERT_DOWN": groups["moe"], **groups}.get(op, (op,))
@@ -343,7 +344,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """One host execution: ``family`` (router, router.ties, mk.<OPCODE>, mk.moe, mk.misc), ``preset``, ``batch``;
     optional ``shapes`` overrides, ``gemv`` (router: False takes the reference's scores), ``ties``, ``layers``
     (megakernel: a list or ``"first_moe"``), ``sample`` (``"corners"``), ``expert_format`` (megakernel: "dense" or
-    "mxfp4"), ``tiling`` (megakernel: ``Tiling`` fields to override), ``arch`` (megakernel: the compile target whose
+    "mxfp4"), ``tiling`` (megakernel: ``Tiling`` fields to override), ``world`` / ``rank`` (megakernel: one rank's
+    program of a deployment), ``arch`` (megakernel: the compile target whose
     loop widths run, ``MKConfig.arch``; default sm_90a), ``mutant`` ([module, [[old, new], ...]];
     module ``common.device`` for a megakernel family: the expert opcodes run with the mutated shared helpers). Returns
     problems, errors, the tolerance and ``ok``."""

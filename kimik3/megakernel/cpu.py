@@ -120,7 +120,7 @@ def encoding_header() -> str:
     for name in ("MAGIC", "VERSION", "HEADER_WORDS", "INSTR_WORDS", "BUFFER_WORDS", "COUNTER_WORDS",
                  "OPERAND_WORDS", "MAX_OPERANDS", "MAX_WAITS", "W_OP", "W_LAYER", "W_SM", "W_QPOS", "W_ARGS",
                  "W_SIGNAL", "W_AMOUNT", "W_NWAITS", "W_WAITS", "W_NOPS", "W_OPS", "FFN_ROUTED", "FFN_MLP",
-                 "FFN_LATENT_NORM", "FFN_PEER_SUM", "W_PEER_LO", "W_PEER_HI", "CW_TOTAL", "CW_SOURCES", "H_RANK",
+                 "FFN_LATENT_NORM", "W_PEER_LO", "W_PEER_HI", "CW_TOTAL", "CW_SOURCES", "H_RANK",
                  "H_WORLD"):
         value = getattr(src, name) if hasattr(src, name) else _SCHEDULER_FLAGS[name]
         lines.append(f"#define {name} {int(value)}")

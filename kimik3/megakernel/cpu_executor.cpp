@@ -753,6 +753,9 @@ static void op_kda_step(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
   const Opnd &blk = o[0], &fa = o[1], &conv = o[2], &Sd = o[3], &fb = o[4], &dt = o[5], &alog = o[6], &cw = o[7],
              &onorm = o[8], &out = o[9];
   const int nb = blk.b1 - blk.b0;
+  // the head weights (f_b, dt_bias, A_log, conv) from the tile's first head in A_log's box: h0 on one GPU, its place
+  // among the rank's heads on a rank (which holds only its heads' weights); the state is indexed by the head itself
+  const int wh0 = alog.c0;
   float* q = wk.buf(wk.s0, 3 * static_cast<size_t>(dk));  // q, k, v of one head
   float* tmp = wk.buf(wk.s1, static_cast<size_t>(dk) * 5);  // g, dt bias, gate, norm weight, head output
   float* r = wk.buf(wk.s2, 2 * static_cast<size_t>(dk));  // prediction, output
@@ -760,7 +763,7 @@ static void op_kda_step(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
   float* fav = wk.buf(wk.s3, static_cast<size_t>(nb) * dk);
   float* U = wk.buf(wk.s4, static_cast<size_t>(nb) * nh * dk);
   load_rows(*fa.b, blk.b0, blk.b1, 0, fa.c0, dk, fav);
-  gemv(*fb.b, fb.b->at(0, static_cast<int64_t>(h0) * dk, 0), fb.b->d2, nh * dk, fav, nb, dk, U, nh * dk);
+  gemv(*fb.b, fb.b->at(0, static_cast<int64_t>(wh0) * dk, 0), fb.b->d2, nh * dk, fav, nb, dk, U, nh * dk);
   float* g = tmp;
   float* dtv = tmp + dk;
   float* gate = tmp + 2 * dk;
@@ -769,7 +772,7 @@ static void op_kda_step(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
   const bool f32 = conv.b->dt == DT_F32 && cw.b->dt == DT_F32 && blk.b->dt == DT_F32;
   for (int b = blk.b0; b < blk.b1; ++b) {
     for (int h = h0; h < h1; ++h) {
-      const int hl = h - h0;
+      const int hl = h - h0, hwt = wh0 + hl;
       const int64_t bb = blk.b->at(b, 0, blk.c0 + static_cast<int64_t>(hl) * hw);
       // the head's state (read and rewritten below, last touched a step ago: usually not in cache) starts moving
       // in now, under the convolution and gate arithmetic
@@ -779,7 +782,7 @@ static void op_kda_step(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
       for (int t = 0; t < 3; ++t) {
         if (f32) {
           float* cs = reinterpret_cast<float*>(conv.b->p) + conv.b->at(b, t, static_cast<int64_t>(h) * dk * (Wc - 1));
-          const float* wv = reinterpret_cast<const float*>(cw.b->p) + cw.b->at(0, t, static_cast<int64_t>(h) * dk * Wc);
+          const float* wv = reinterpret_cast<const float*>(cw.b->p) + cw.b->at(0, t, static_cast<int64_t>(hwt) * dk * Wc);
           const float* rw = reinterpret_cast<const float*>(blk.b->p) + bb + t * dk;
           for (int d = 0; d < dk; ++d, cs += Wc - 1, wv += Wc) {
             const float raw = rw[d];
@@ -794,7 +797,7 @@ static void op_kda_step(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
           for (int d = 0; d < dk; ++d) {
             const int64_t ch = static_cast<int64_t>(h) * dk + d;  // channel within the projection
             const int64_t cbase = conv.b->at(b, t, ch * (Wc - 1));
-            const int64_t wbase = cw.b->at(0, t, ch * Wc);
+            const int64_t wbase = cw.b->at(0, t, (static_cast<int64_t>(hwt) * dk + d) * Wc);
             float raw = blk.b->f(bb + t * dk + d);
             float acc = 0;
             for (int w = 0; w < Wc - 1; ++w) acc += conv.b->f(cbase + w) * cw.b->f(wbase + w);
@@ -820,8 +823,8 @@ static void op_kda_step(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
       }
       // decay gate: u = f_b(f_a) + dt_bias, g = lb * sigmoid(exp(A_log) * u)  or  -exp(A_log) * softplus(u)
       const float* u = U + (static_cast<int64_t>(b - blk.b0) * nh + hl) * dk;
-      const float lam = std::exp(alog.b->f(alog.b->at(0, 0, h)));
-      load_span(*dt.b, dt.b->at(0, 0, static_cast<int64_t>(h) * dk), dk, dtv);
+      const float lam = std::exp(alog.b->f(alog.b->at(0, 0, hwt)));
+      load_span(*dt.b, dt.b->at(0, 0, static_cast<int64_t>(hwt) * dk), dk, dtv);
       for (int d = 0; d < dk; ++d) g[d] = rq(u[d], bf) + dtv[d];
       if (!std::isnan(lb)) {
         const float lbf = static_cast<float>(lb);
@@ -964,7 +967,7 @@ static void op_mla_q(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
   float* lat = wk.buf(wk.s2, static_cast<size_t>(nb) * kvl);
   for (int hl = 0; hl < hh; ++hl) {
     // absorb W_UK: q_lat[b] = Q_nope[b] . W_UK[h], every row of the batch in one pass over the head's W_UK
-    pv_acc(*wuk.b, wuk.b->at(0, static_cast<int64_t>(h0 + hl) * nope, 0), wuk.b->d2, nope, Q + hl * qk, hh * qk, nb,
+    pv_acc(*wuk.b, wuk.b->at(0, wuk.r0 + static_cast<int64_t>(hl) * nope, 0), wuk.b->d2, nope, Q + hl * qk, hh * qk, nb,
            kvl, lat);
     for (int b = 0; b < nb; ++b) {
       const float* Qh = Q + (static_cast<int64_t>(b) * hh + hl) * qk;
@@ -1066,7 +1069,7 @@ static void op_mla_reduce(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a)
       for (int i = 0; i < kvl; ++i) ol[i] = rq(ol[i] / den, bf);
     }
     // W_UV of the head once for all rows
-    gemv(*wuv.b, wuv.b->at(0, static_cast<int64_t>(h0 + hl) * dv, 0), wuv.b->d2, dv, OL, nb, kvl, Y, dv);
+    gemv(*wuv.b, wuv.b->at(0, wuv.r0 + static_cast<int64_t>(hl) * dv, 0), wuv.b->d2, dv, OL, nb, kvl, Y, dv);
     for (int b = part.b0; b < part.b1; ++b) {
       const float* y = Y + static_cast<int64_t>(b - part.b0) * dv;
       for (int d = 0; d < dv; ++d) {
@@ -1136,7 +1139,8 @@ static void op_router(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
   for (int e = lo; e < hi; ++e)
     if (chosen[e]) uniq.push_back(e);
   int64_t* sp = sel.b->pi64();
-  for (int j = 0; j < D; ++j) sp[sel.b->at(0, 0, j)] = j < static_cast<int>(uniq.size()) ? uniq[j] : -1;
+  // (a slot holds the expert's index among the rank's: e - lo, the rank holds only its experts)
+  for (int j = 0; j < D; ++j) sp[sel.b->at(0, 0, j)] = j < static_cast<int>(uniq.size()) ? uniq[j] - lo : -1;
   for (int b = 0; b < B; ++b)
     for (int j = 0; j < D; ++j) {
       float w = 0;
@@ -1216,30 +1220,19 @@ static void op_ffn_out(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
   float* sum = nullptr;
   int nb = 0, n = 0;
   auto add_source = [&](const Opnd& x, const Buf* norm, const Opnd& w) {
-    const bool peers = x.b->kind == KIND_MAILBOX;  // every rank's fp32 latent partial [batch, source, Dl]
-    const int K = x.c1 - x.c0;
+    const int K = x.c1 - x.c0;  // x's box: the weight's input columns (across ranks, the rank's share of them)
     nb = x.b1 - x.b0;
     n = w.r1 - w.r0;
     float* xv = wk.buf(wk.s0, static_cast<size_t>(nb) * K);
     float* raw = wk.buf(wk.s3, K);
     for (int b = 0; b < nb; ++b) {
       float* xb = xv + static_cast<int64_t>(b) * K;
-      if (peers) {  // summed in rank order (the same on every rank), cast once
-        std::fill(raw, raw + K, 0.0f);
-        for (int r = x.r0; r < x.r1; ++r)
-          for (int c = 0; c < K; ++c) raw[c] += x.b->f(x.b->at(x.b0 + b, r, x.c0 + c));
-        for (int c = 0; c < K; ++c) raw[c] = rq(raw[c], bf);
-      } else {
-        load_rows(*x.b, x.b0 + b, x.b0 + b + 1, 0, x.c0, K, raw);
-      }
+      load_rows(*x.b, x.b0 + b, x.b0 + b + 1, 0, x.c0, K, raw);
       if (norm) rmsnorm(raw, K, *norm, 0, static_cast<float>(ex.par[P_EPS]), bf, xb);
       else std::memcpy(xb, raw, sizeof(float) * K);
     }
-    // the weight's input columns: a rank's share of them (then of x's columns too), else all of them
-    const int kw = w.c1 - w.c0, k0 = w.c0 - (K == kw ? w.c0 : 0);
-    float* xs = xv + k0;
     float* y = wk.buf(wk.s1, static_cast<size_t>(nb) * n);
-    gemv(*w.b, w.b->at(0, w.r0, w.c0), w.b->d2, n, xs, nb, kw, y, n, K);
+    gemv(*w.b, w.b->at(0, w.r0, w.c0), w.b->d2, n, xv, nb, K, y, n);
     if (!sum) {
       sum = wk.buf(wk.s2, static_cast<size_t>(nb) * n);
       for (int i = 0; i < nb * n; ++i) sum[i] = rq(y[i], bf);
@@ -1312,6 +1305,27 @@ static void op_allreduce_mix(Exec& ex, Worker& wk, const Opnd* o, const int32_t*
   op_attn_res_mix(ex, wk, mix_ops, a);
 }
 
+// Every rank's fp32 latent partial of these batch rows ([batch, source, Dl]) summed in rank order, cast once and
+// (args 0) latent-normed: the combined expert sum, the same on every rank.
+static void op_moe_combine(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
+  const Opnd& mb = o[0];
+  const Opnd& out = o[a[0] ? 2 : 1];
+  const int D = mb.c1 - mb.c0;
+  const bool bf = bf_act(ex);
+  float* s = wk.buf(wk.s4, D);
+  float* y = wk.buf(wk.s3, D);
+  for (int b = out.b0; b < out.b1; ++b) {
+    std::fill(s, s + D, 0.0f);
+    for (int r = mb.r0; r < mb.r1; ++r)
+      for (int c = 0; c < D; ++c) s[c] += mb.b->f(mb.b->at(b, r, mb.c0 + c));
+    for (int c = 0; c < D; ++c) s[c] = rq(s[c], bf);
+    if (a[0]) rmsnorm(s, D, *o[1].b, 0, static_cast<float>(ex.par[P_EPS]), bf, y);
+    else std::memcpy(y, s, sizeof(float) * D);
+    const int64_t i = out.b->at(b, out.r0, out.c0);
+    for (int c = 0; c < D; ++c) out.b->set(i + c, rq(y[c], bf));
+  }
+}
+
 // The next token from every vocabulary shard's per-tile bests ([batch, source, tile], rank-major = ascending id).
 static void op_argmax_all(Exec&, Worker&, const Opnd* o, const int32_t*) {
   const Opnd &bv = o[0], &bi = o[1], &nx = o[2];
@@ -1346,6 +1360,7 @@ static OpFn op_table(int op) {
     case OP_ARGMAX: return op_argmax;
     case OP_ALLREDUCE_MIX: return op_allreduce_mix;
     case OP_ARGMAX_ALL: return op_argmax_all;
+    case OP_MOE_COMBINE: return op_moe_combine;
     default: return nullptr;
   }
 }

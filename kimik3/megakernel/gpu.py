@@ -1,5 +1,5 @@
-"""Stage ``"megakernel"``: one decode step = one launch of the persistent CuTe DSL megakernel
-(``kernels/megakernel/vm.py``).
+"""One GPU's megakernel runner: one decode step = one launch of the persistent CuTe DSL megakernel
+(``kernels/megakernel/vm.py``; the stage ``"megakernel"``: :mod:`kimik3.megakernel.gpu_stage`).
 
 The kernel is an interpreter, so everything that is not arithmetic happens here, once, on the host: build the
 program for this GPU's SM count, prove it race-free, check it against what the device code assumes
@@ -19,8 +19,9 @@ from typing import Any
 import pandas as pd
 import torch
 
-from kimik3.kernels.contracts.isa import DEVICE_OPS, PEER_TABLE
+from kimik3.kernels.contracts.isa import DEVICE_OPS, LOCAL_TABLE, PEER_TABLE
 from kimik3.kernels.contracts.meta import SUPPORTED_ARCHS as ARCHS  # the architectures kernels are built for
+from kimik3.kernels.contracts.peers import counter_words
 from kimik3.kernels.toolchain.loader import (
     default_prebuilt_dir,
     dsl_available,
@@ -53,14 +54,10 @@ from kimik3.megakernel.kernel_shapes import (
 )
 from kimik3.megakernel.layout import check_supported, program_tensors, state_views
 from kimik3.megakernel.scheduler import POLICIES, build_program
-from kimik3.megakernel.stage_base import ProgramStage
 from kimik3.megakernel.step import Tiling
 from kimik3.megakernel.timeline import from_timings
 from kimik3.model.config import ModelConfig
 from kimik3.model.modeling import DecodeState, KDAState, KimiForCausalLM
-from kimik3.stages import register_stage
-from kimik3.stages.base import StageSupport
-from kimik3.stages.naive import NaiveStage
 
 __all__ = [
     "PROG_WORDS",
@@ -70,7 +67,6 @@ __all__ = [
     "ARCHS",
     "MegakernelError",
     "MegakernelRunner",
-    "MegakernelStage",
     "static_shapes",
     "check_device_contract",
     "variant_name",
@@ -85,14 +81,22 @@ DEFAULT_SLEEP_NS = 64
 
 # ================================================================================================ device contract
 
+
+def program_counter_words(program: Program) -> int:
+    """Words of counter memory a program's counters take (one per local counter, one per source of a cross-rank
+    one: ``kernels/contracts/peers.py``)."""
+    return sum(counter_words(c.sources) for c in program.counters)
+
 _F32, _BF16, _I64, _BOOL, _U8 = torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8
 
 
-def _expected_dtypes(op: Op, args: tuple[int, ...], n: int, fp4: bool = False) -> list[torch.dtype] | None:
+def _expected_dtypes(op: Op, args: tuple[int, ...], n: int, fp4: bool = False, world: int = 1
+                     ) -> list[torch.dtype] | None:
     """The dtype the device code assumes for each operand of an instruction (None: opcode not known); ``fp4``: the
-    kernel reads the routed experts as MXFP4 (uint8 codes where the dense weights were, uint8 scales appended)."""
+    kernel reads the routed experts as MXFP4 (uint8 codes where the dense weights were, uint8 scales appended);
+    ``world`` > 1: a rank's program (EXPERT_DOWN stores an fp32 partial into the latent mailbox)."""
     if fp4 and op in MXFP4_OPERANDS:
-        dense = _expected_dtypes(op, args, n)
+        dense = _expected_dtypes(op, args, n, world=world)
         pairs = MXFP4_OPERANDS[op]
         out = dense + [_U8] * len(pairs)
         for j, js in pairs:
@@ -111,10 +115,13 @@ def _expected_dtypes(op: Op, args: tuple[int, ...], n: int, fp4: bool = False) -
         Op.O_PROJ_RESIDUAL: [_BF16] * 3,
         Op.ROUTER: [_F32, _F32, _I64, _F32, _BOOL],
         Op.EXPERT_GATE_UP: [_BF16, _I64, _BOOL, _BF16, _BF16, _BF16],
-        Op.EXPERT_DOWN: [_BF16, _I64, _BOOL, _F32, _BF16, _BF16],
+        Op.EXPERT_DOWN: [_BF16, _I64, _BOOL, _F32, _BF16, _F32 if world > 1 else _BF16],
         Op.FFN_OUT: [_BF16] * n,
         Op.LM_HEAD: [_BF16, _BF16, _BF16, _F32, _F32, _I64],
         Op.ARGMAX: [_F32, _I64, _I64],
+        Op.ALLREDUCE_MIX: [_BF16] * 6,
+        Op.ARGMAX_ALL: [_F32, _I64, _I64],
+        Op.MOE_COMBINE: [_F32, _BF16, _BF16] if args[0] else [_F32, _BF16],
     }
     return table.get(op)
 
@@ -128,6 +135,7 @@ def _vector_operands(op: Op, n: int) -> list[int]:
         Op.EMBED: [1, 2], Op.ATTN_RES_MIX: [0, 1, 2, 3], Op.NORM_PROJ: [0, 1, 2], Op.MLP_GATE_UP: [0, 1, 2, 3],
         Op.O_PROJ_RESIDUAL: [0, 1], Op.FFN_OUT: list(range(n - 1)), Op.LM_HEAD: [0, 1, 2], Op.MLA_Q: [1, 2, 3],
         Op.MLA_PARTIAL: [0, 2], Op.MLA_REDUCE: [1], Op.EXPERT_GATE_UP: [0, 3, 4], Op.EXPERT_DOWN: [0, 4],
+        Op.ALLREDUCE_MIX: [0, 1, 2, 3, 4, 5], Op.MOE_COMBINE: list(range(1, n)),
     }.get(op, [])
 
 
@@ -143,13 +151,7 @@ def check_device_contract(program: Program, cfg: ModelConfig, batch: int, shapes
     if program.world > 1 and not shapes.get("ranks", False):
         out.append(f"a rank program of {program.world}: the kernel is built for one GPU's program (MKConfig.ranks "
                    "off: no collective opcodes, pushes or cross-rank counter words)")
-    elif program.world > 1:
-        # the collective opcodes, pushes and per-source counter words have device code (kernels/megakernel/
-        # collective.py, host-executed); two pieces of a whole rank program have none yet
-        out.append(f"a rank program of {program.world}: its column-split weights (o_proj, the latent up-projection, "
-                   "the shared / dense down-projections: a rank's input columns, rows strided by the whole width) and "
-                   "FFN_OUT's latent peer sum (FFN_PEER_SUM) have no device code yet")
-    elif other:
+    elif other and program.world == 1:
         out.append(f"opcodes {', '.join(other)} outside the device's {len(DEVICE_OPS)} in one GPU's program")
     fp4 = bool(shapes.get("fp4", False))
     if (program.expert_format == "mxfp4") != fp4:
@@ -162,12 +164,12 @@ def check_device_contract(program: Program, cfg: ModelConfig, batch: int, shapes
     n = len(program.instructions)
     words = encode_program(program).numel()
     caps = [("program words", words, shapes["prog_words"]), ("instructions", n, shapes["max_instr"]),
-            ("buffers", len(program.buffers), shapes["max_bufs"]), ("counters", len(program.counters),
+            ("buffers", len(program.buffers), shapes["max_bufs"]), ("counter words", program_counter_words(program),
                                                                      shapes["max_ctrs"])]
     out += [f"{what}: {have} > capacity {cap}" for what, have, cap in caps if have > cap]
     bufs = program.buffers
     for i, ins in enumerate(program.instructions):
-        want = _expected_dtypes(ins.op, ins.args, len(ins.operands), fp4)
+        want = _expected_dtypes(ins.op, ins.args, len(ins.operands), fp4, program.world)
         if want is None:
             if ins.op != Op.NOP:
                 out.append(f"#{i} {ins.label()}: opcode without device code")
@@ -199,6 +201,35 @@ def check_device_contract(program: Program, cfg: ModelConfig, batch: int, shapes
 
 
 # ================================================================================================ the runner
+
+
+def check_buffer(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """A tensor the kernel may take for a program buffer: the declared shape and dtype, contiguous on ``device``,
+    16-byte aligned (``ValueError`` naming the buffer otherwise)."""
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise ValueError(f"buffer {name}: program declares {list(shape)} {dtype}, got {list(t.shape)} {t.dtype}")
+    if t.device != device or not t.is_contiguous():
+        raise ValueError(f"buffer {name} must be a contiguous tensor on {device}")
+    if t.data_ptr() % 16:
+        raise ValueError(f"buffer {name} is not 16-byte aligned (the kernel reads rows with 128-bit loads)")
+
+
+def address_table(program: Program, tensors: dict[str, torch.Tensor], cfg: ModelConfig, state: DecodeState,
+                  device: torch.device, capacity: int) -> torch.Tensor:
+    """The program's device address table (int64 ``[capacity]``, on the CPU) with its state buffers pointed at
+    ``state``, which ``tensors`` then holds views of (updated in place by every step); every buffer checked."""
+    for i, st in enumerate(state.layers):
+        if isinstance(st, KDAState) and not (st.conv.is_contiguous() and st.S.is_contiguous()):
+            raise ValueError(f"layer {i}: KDA state must be contiguous (it is updated in place)")
+    tensors.update(state_views(cfg, state))
+    addr = torch.zeros(capacity, dtype=torch.int64)
+    for k, spec in enumerate(program.buffers):
+        t = tensors.get(spec.name)
+        if t is None:
+            raise ValueError(f"state buffer {spec.name} is not bound")
+        check_buffer(spec.name, t, spec.shape, spec.dtype, device)
+        addr[k] = t.data_ptr()
+    return addr
 
 
 class MegakernelError(RuntimeError):
@@ -252,10 +283,16 @@ class _Buffers:
     error: torch.Tensor
     ctl: torch.Tensor
     peers: torch.Tensor  # isa.PEER_TABLE: one GPU's program has itself as rank 0 (the table is read by rank kernels)
+    local: torch.Tensor  # isa.LOCAL_TABLE: the local ranks' tensors when one launch runs several (unused: zeros)
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         return dict(program=self.program, buffers=self.buffers, counters=self.counters, timings=self.timings,
-                    error=self.error, ctl=self.ctl, peers=self.peers)
+                    error=self.error, ctl=self.ctl, peers=self.peers, local=self.local)
+
+    def args(self) -> list[torch.Tensor]:
+        """The kernel's tensor arguments, in its order."""
+        return [self.program, self.buffers, self.counters, self.timings, self.error, self.ctl, self.peers,
+                self.local]
 
 
 class MegakernelRunner:
@@ -300,7 +337,8 @@ class MegakernelRunner:
         encoded = encode_program(self.program)
         caps = dict(prog_words=PROG_WORDS, max_instr=MAX_INSTR, max_bufs=MAX_BUFS, max_ctrs=MAX_CTRS)
         for key, need in (("prog_words", encoded.numel()), ("max_instr", len(self.program.instructions)),
-                          ("max_bufs", len(self.program.buffers)), ("max_ctrs", max(1, len(self.program.counters)))):
+                          ("max_bufs", len(self.program.buffers)),
+                          ("max_ctrs", max(1, program_counter_words(self.program)))):
             while caps[key] < need:  # grow (and compile in-process): never truncate a program
                 caps[key] *= 2
         self.shapes = static_shapes(cfg, batch_size, **caps, expert_format=self.expert_format)
@@ -327,7 +365,8 @@ class MegakernelRunner:
             program=prog.to(dev), buffers=torch.zeros(self.shapes["max_bufs"], dtype=torch.int64, device=dev),
             counters=counters, timings=torch.zeros(self.shapes["max_instr"], 3, dtype=torch.int64, device=dev),
             error=torch.zeros(ERROR_WORDS, dtype=torch.int32, device=dev),
-            ctl=torch.zeros(CTL_WORDS, dtype=torch.int32, device=dev), peers=peers.to(dev))
+            ctl=torch.zeros(CTL_WORDS, dtype=torch.int32, device=dev), peers=peers.to(dev),
+            local=torch.zeros(LOCAL_TABLE, dtype=torch.int64, device=dev))
         self.n = n
         self.steps_done = 0
         self.broken: str | None = None
@@ -335,27 +374,12 @@ class MegakernelRunner:
 
     # ------------------------------------------------------------------ buffers
     def _check_buffer(self, name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-            raise ValueError(f"buffer {name}: program declares {list(shape)} {dtype}, got {list(t.shape)} {t.dtype}")
-        if t.device != self.device or not t.is_contiguous():
-            raise ValueError(f"buffer {name} must be a contiguous tensor on {self.device}")
-        if t.data_ptr() % 16:
-            raise ValueError(f"buffer {name} is not 16-byte aligned (the kernel reads rows with 128-bit loads)")
+        check_buffer(name, t, shape, dtype, self.device)
 
     def bind_state(self, state: DecodeState) -> None:
         """Point the state buffers at ``state`` (updated in place by every step) and write the address table."""
-        for i, st in enumerate(state.layers):
-            if isinstance(st, KDAState) and not (st.conv.is_contiguous() and st.S.is_contiguous()):
-                raise ValueError(f"layer {i}: KDA state must be contiguous (it is updated in place)")
-        self.tensors.update(state_views(self.cfg, state))
-        addr = torch.zeros(self.shapes["max_bufs"], dtype=torch.int64)
-        for k, spec in enumerate(self.program.buffers):
-            t = self.tensors.get(spec.name)
-            if t is None:
-                raise ValueError(f"state buffer {spec.name} is not bound")
-            self._check_buffer(spec.name, t, spec.shape, spec.dtype)
-            addr[k] = t.data_ptr()
-        self.bufs.buffers.copy_(addr)
+        self.bufs.buffers.copy_(address_table(self.program, self.tensors, self.cfg, state, self.device,
+                                              self.shapes["max_bufs"]))
         self._bound = True
 
     def reset_counters(self) -> None:
@@ -377,9 +401,7 @@ class MegakernelRunner:
         self.tensors["pos"][:, 0, 0] = positions.to(self.device, torch.int64)
         self.bufs.ctl.copy_(torch.tensor([self.steps_done, self.max_spins, self.sleep_ns, 0, 0, 0, 0, 0],
                                          dtype=torch.int32))
-        t = self.bufs.as_dict()
-        self.fn(t["program"], t["buffers"], t["counters"], t["timings"], t["error"], t["ctl"], t["peers"],
-                self.num_sms)
+        self.fn(*self.bufs.args(), self.num_sms)
         self.steps_done += 1
         if check_error:
             self.check_error()
@@ -409,34 +431,3 @@ class MegakernelRunner:
     def timeline(self) -> pd.DataFrame:
         """The last step as a timeline table (:func:`kimik3.megakernel.timeline.from_timings`)."""
         return from_timings(self.program, self.timings())
-
-
-# ================================================================================================ the stage
-
-
-@register_stage
-class MegakernelStage(ProgramStage):
-    """Stage "megakernel": every decode step is one launch of the persistent CuTe DSL megakernel.
-
-    Options (``Decoder(..., stage="megakernel", **options)``): ``policy`` ("critical_path" or "round_robin"),
-    ``num_sms`` (default: the GPU's SM count; one CTA per SM), ``tiling``, ``check`` (hazard-check the program
-    once), ``max_spins`` / ``sleep_ns`` (watchdog), ``prebuilt`` (a directory from ``python -m kimik3 kernels
-    build``; default: compile with the DSL in-process). Prefill runs through the naive path token by token; the
-    decode state is then shared with the kernel, which updates it in place. A model holding its routed experts as
-    MXFP4 runs the ``-mxfp4`` kernel variant on the held codes and scales."""
-
-    name = "megakernel"
-    support = StageSupport(dtypes=(torch.bfloat16,), max_batch=64, devices=("cuda",), archs=ARCHS,
-                           kept_experts=("mxfp4",))
-
-    def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, policy: str = "critical_path",
-                 num_sms: int | None = None, tiling: Tiling | None = None, check: bool = True,
-                 max_spins: int = DEFAULT_SPINS, sleep_ns: int = DEFAULT_SLEEP_NS, prebuilt: str | None = None) -> None:
-        super().__init__(model, batch_size, max_seq_len)
-        self.runner = MegakernelRunner(model, batch_size, max_seq_len, num_sms, policy, tiling, check,
-                                       max_spins=max_spins, sleep_ns=sleep_ns, prebuilt=prebuilt)
-        self.program = self.runner.program
-        # the prompt through the model's chunked forward (as stage fused does): a long prompt token by token would
-        # cost a naive step per token, only decode steps run on the kernel
-        self.naive = NaiveStage(model, batch_size, max_seq_len, prefill="chunked")
-

@@ -45,7 +45,6 @@ from kimik3.kernels.contracts.isa import (
     EXPERT_FORMATS,
     FFN_LATENT_NORM,
     FFN_MLP,
-    FFN_PEER_SUM,
     FFN_ROUTED,
     H_BATCH,
     H_C,
@@ -142,7 +141,6 @@ __all__ = [
     "FFN_ROUTED",
     "FFN_MLP",
     "FFN_LATENT_NORM",
-    "FFN_PEER_SUM",
     "EXPERT_FORMATS",
     "MXFP4_OPERANDS",
     "ERROR_WORDS",
@@ -173,12 +171,16 @@ def _dtype_code(dt: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """A named global-memory buffer, seen as a 3-D array ``shape``."""
+    """A named global-memory buffer, seen as a 3-D array ``shape``. A rank program's weight that the rank holds a
+    share of (:func:`kimik3.megakernel.layout.localize`) also says of what: ``whole``, the model's shape, and
+    ``spans``, per axis the whole ranges the share concatenates (empty: the whole axis)."""
 
     name: str
     kind: Kind
     shape: tuple[int, int, int]
     dtype: torch.dtype
+    whole: tuple[int, int, int] | None = field(default=None, compare=False)
+    spans: tuple[tuple[tuple[int, int], ...], ...] = field(default=(), compare=False)
 
     @property
     def element_size(self) -> int:

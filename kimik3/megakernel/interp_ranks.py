@@ -21,6 +21,7 @@ from kimik3.megakernel.hazards import check_program, format_violations
 from kimik3.megakernel.hazards_ranks import check_deployment
 from kimik3.megakernel.instructions import Program, decode_program
 from kimik3.megakernel.interpreter import CPUInterpreter, DeadlockError
+from kimik3.megakernel.layout import carry_held
 from kimik3.megakernel.ranks import Shard
 from kimik3.megakernel.scheduler import POLICIES, build_program
 from kimik3.megakernel.step import Tiling
@@ -149,7 +150,9 @@ class MegakernelInterpStage(Stage):
             self.interpreter = CPUInterpreter(self.encoded[0], model)
             self.ranks = None
         else:
-            self.ranks = RanksInterpreter([decode_program(t) for t in self.encoded], model)
+            # the decoded programs, with what the device does not need: which share of a whole weight each holds
+            self.ranks = RanksInterpreter([carry_held(decode_program(t), p) for t, p in zip(self.encoded,
+                                                                                          self.programs)], model)
             self.interpreter = self.ranks.ranks[0]
         self.naive = NaiveStage(model, batch_size, max_seq_len)
         self.seed, self.poison = seed, poison

@@ -24,7 +24,6 @@ from kimik3.megakernel.instructions import (
     CHUNK_BYTES,
     FFN_LATENT_NORM,
     FFN_MLP,
-    FFN_PEER_SUM,
     FFN_ROUTED,
     MXFP4_OPERANDS,
     STAGE_BUFFERS,
@@ -37,7 +36,7 @@ from kimik3.megakernel.instructions import (
     decode_program,
     stage_descriptor,
 )
-from kimik3.megakernel.layout import missing_weight, model_weights, state_views, weight_view
+from kimik3.megakernel.layout import bind_weight, missing_weight, model_weights, state_views, weight_view
 from kimik3.model.modeling import (
     DecodeState,
     KDAState,
@@ -87,7 +86,7 @@ class CPUInterpreter:
             if spec.kind == Kind.WEIGHT:
                 if spec.name not in weights:
                     raise missing_weight(spec.name, model)
-                t = weight_view(weights[spec.name])
+                t = bind_weight(spec, weight_view(weights[spec.name]))
             elif spec.kind == Kind.STATE:
                 continue  # bound to a DecodeState by bind_state
             else:
@@ -444,14 +443,14 @@ def write_slots(idx: torch.Tensor, w: torch.Tensor, sel: torch.Tensor, mw: torch
     """ROUTER's outputs from the chosen experts ``idx`` [B, k] and their weights ``w``: the distinct experts in
     ascending id into the slots ``sel`` [1, 1, Dmax] (-1 past the last), each token's weight per slot ``mw`` and its use
     flag ``use`` [B, 1, Dmax] (0 where unused). ``[lo, hi)``: a rank's experts (ROUTER args 0, 1), the others left
-    to their ranks."""
+    to their ranks; a slot then holds the expert's index among the rank's (``e - lo``: the rank holds only them)."""
     uniq = idx.unique()
     if hi is not None:
         uniq = uniq[(uniq >= lo) & (uniq < hi)]
     n = uniq.numel()
     match = idx[:, :, None] == uniq[None, None, :]  # [B, k, n]
     sel.fill_(-1)
-    sel[0, 0, :n] = uniq
+    sel[0, 0, :n] = uniq - lo
     mw.zero_()
     mw[:, 0, :n] = (w[:, :, None] * match).sum(1)
     use.zero_()
@@ -462,7 +461,7 @@ def _expert_rows(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor], j:
     """Expert ``e``'s weight rows of operand ``j`` as the opcode reads them: the dense view, or for an MXFP4
     program the codes of operand ``j`` and the scales of the operand paired with it dequantised (value × scale in
     fp32, cast once to the activation dtype: what QuantizedExperts.expert gives the naive path)."""
-    e = e - ins.operands[j].box[0]  # the box starts at the rank's first expert (codes and scales alike)
+    e = e - ins.operands[j].box[0]  # the box's first expert (codes and scales alike)
     if it.program.expert_format == "dense":
         return v[j][e]
     js = dict(MXFP4_OPERANDS[ins.op])[j]
@@ -500,17 +499,11 @@ def _expert_down(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) ->
 def _ffn_out(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
     flags, k, out = ins.args[0], 0, None
     if flags & FFN_ROUTED:
-        if flags & FFN_PEER_SUM:  # every rank's fp32 partial [B, sources, Dl]: summed in rank order, cast once
-            x = _rank_sum(v[k].transpose(0, 1)).to(it.dtype)
-        else:
-            x = v[k][:, 0, :]
+        x = v[k][:, 0, :]  # (across ranks: MOE_COMBINE's normed latent, the rank's share of its columns)
         k += 1
         if flags & FFN_LATENT_NORM:  # latent norm on the COMBINED expert sum (pitfall 13)
             x = rms_norm(x, v[k].reshape(-1), it.cfg.rms_norm_eps)
             k += 1
-        if v[k].shape[2] != x.shape[1]:  # the up-projection takes a rank's share of the latent: its input columns
-            c0, c1 = ins.operands[k].box[4:6]
-            x = x[:, c0:c1]
         out = F.linear(x, v[k][0])
         k += 1
     if flags & FFN_MLP:
@@ -560,6 +553,15 @@ def _allreduce_mix(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) 
     v[5][:, 0, :].copy_(attn_res_mix(cands, v[3].reshape(-1), v[4].reshape(1, -1), it.cfg.rms_norm_eps))
 
 
+def _moe_combine(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
+    """Every rank's fp32 latent partial of these rows [b, sources, Dl], summed in rank order, cast once to the
+    activation dtype and (args 0) latent-normed: the combined expert sum of the single-GPU step, on every rank."""
+    x = _rank_sum(v[0].transpose(0, 1)).to(it.dtype)
+    if ins.args[0]:
+        x = rms_norm(x, v[1].reshape(-1), it.cfg.rms_norm_eps)
+    v[-1][:, 0, :].copy_(x)
+
+
 def _argmax_all(it: CPUInterpreter, ins: Instruction, v: list[torch.Tensor]) -> None:
     """The per-tile bests of every vocabulary shard [B, sources, tiles], rank-major (= ascending vocabulary id, so
     the first maximum is still the lowest id) -> the next token."""
@@ -574,5 +576,5 @@ _OPS: dict[Op, Callable[[CPUInterpreter, Instruction, list[torch.Tensor]], None]
     Op.KDA_STEP: _kda_step, Op.MLA_Q: _mla_q, Op.MLA_KV_APPEND: _mla_kv_append, Op.MLA_PARTIAL: _mla_partial,
     Op.MLA_REDUCE: _mla_reduce, Op.O_PROJ_RESIDUAL: _o_proj_residual, Op.ROUTER: _router,
     Op.EXPERT_GATE_UP: _expert_gate_up, Op.EXPERT_DOWN: _expert_down, Op.FFN_OUT: _ffn_out, Op.LM_HEAD: _lm_head,
-    Op.ARGMAX: _argmax, Op.ALLREDUCE_MIX: _allreduce_mix, Op.ARGMAX_ALL: _argmax_all,
+    Op.ARGMAX: _argmax, Op.ALLREDUCE_MIX: _allreduce_mix, Op.ARGMAX_ALL: _argmax_all, Op.MOE_COMBINE: _moe_combine,
 }

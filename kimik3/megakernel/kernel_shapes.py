@@ -19,8 +19,9 @@ PROG_WORDS = 1 << 22  # 16 MiB of int32 program (room for tiny at B = 64 on 132 
 MAX_INSTR = 1 << 15  # timing rows
 MAX_BUFS = 1 << 12  # buffer-table entries
 MAX_CTRS = 1 << 12
-# a full-depth rank program (k3-rank: 93 layers, ~63k instructions, ~8.7M words at batch 8) needs more
-RANK_PROG_WORDS, RANK_MAX_INSTR = 1 << 24, 1 << 17
+# a full-depth rank program (k3-rank: 93 layers, ~65k instructions, ~8.5M words and ~9.9k counter words (one per
+# source of a cross-rank counter) at batch 8) needs more
+RANK_PROG_WORDS, RANK_MAX_INSTR, RANK_MAX_CTRS = 1 << 24, 1 << 17, 1 << 14
 # ERROR_WORDS, CTL_WORDS, ERR_WATCHDOG, ERR_BAD_PROGRAM: the launch's error / control words, defined with the
 # program encoding in kernels/contracts/isa.py (the device code reads the same definitions)
 
@@ -45,6 +46,7 @@ def static_shapes(cfg: ModelConfig | str, batch: int, prog_words: int = PROG_WOR
     if ranks:
         prog_words = max(prog_words, RANK_PROG_WORDS)
         max_instr = max(max_instr, RANK_MAX_INSTR)
+        max_ctrs = max(max_ctrs, RANK_MAX_CTRS)
     cfg = cfg.whole()
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     return dict(
@@ -58,7 +60,8 @@ def static_shapes(cfg: ModelConfig | str, batch: int, prog_words: int = PROG_WOR
         rope=cfg.qk_rope_head_dim, nope=cfg.qk_nope_head_dim, dv=cfg.v_head_dim,
         mla_scale=float(cfg.mla_softmax_scale) if cfg.mla_layers else 1.0,
         E=E, topk=k, dmax=min(held, batch * k) if E else 0, renorm=bool(cfg.norm_topk_prob),
-        route_scale=float(cfg.routed_scaling_factor), latent_norm=bool(cfg.moe_latent_norm),
+        # (a rank's FFN_OUT reads the latent MOE_COMBINE normed: the kernel's up-projection applies no norm)
+        route_scale=float(cfg.routed_scaling_factor), latent_norm=bool(cfg.moe_latent_norm) and not ranks,
         kmax=cfg.attn_res_slots + 1, prog_words=int(prog_words), max_instr=int(max_instr), max_bufs=int(max_bufs),
         max_ctrs=int(max_ctrs), fp4=expert_format == "mxfp4", ranks=ranks)
 

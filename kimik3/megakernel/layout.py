@@ -12,9 +12,11 @@ real model. The packed rows: docs/architecture.md#appendix-design-notes-by-room.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from kimik3.megakernel.instructions import EXPERT_FORMATS, Kind
+from kimik3.megakernel.instructions import EXPERT_FORMATS, BufferSpec, Instruction, Kind, Program
 from kimik3.model.config import ModelConfig
 from kimik3.model.modeling import DecodeState, KDAState, KimiForCausalLM, MLACache
 from kimik3.model.quant import MXFP4_GROUP
@@ -32,6 +34,9 @@ __all__ = [
     "weight_view",
     "pack_weights",
     "missing_weight",
+    "localize",
+    "carry_held",
+    "bind_weight",
     "program_tensors",
     "check_supported",
 ]
@@ -137,7 +142,7 @@ def pack_weights(model: KimiForCausalLM) -> dict[str, torch.Tensor]:
     for i, layer in enumerate(model.model.layers):
         a = layer.self_attn
         if layer.kind == "kda":
-            nh, dk = cfg.kda_num_heads, cfg.kda_head_dim
+            nh, dk = cfg.held("kda_heads"), cfg.kda_head_dim  # (a rank's slice holds its heads only)
             per_head = [w.weight.view(nh, dk, -1) for w in (a.q_proj, a.k_proj, a.v_proj, a.g_proj)]
             per_head.append(a.b_proj.weight.view(nh, 1, -1))
             heads = torch.cat(per_head, 1).reshape(nh * kda_head_width(cfg), -1)
@@ -148,7 +153,7 @@ def pack_weights(model: KimiForCausalLM) -> dict[str, torch.Tensor]:
             if cfg.mla_use_output_gate:
                 parts.append(a.g_proj.weight)
             out[packed_name(i, "mla_in")] = torch.cat(parts, 0).contiguous()
-            kvb = a.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+            kvb = a.kv_b_proj.weight.view(cfg.held("mla_heads"), cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
             out[packed_name(i, "mla_wuk")] = kvb[:, : cfg.qk_nope_head_dim].reshape(-1, kvb.shape[-1]).contiguous()
             out[packed_name(i, "mla_wuv")] = kvb[:, cfg.qk_nope_head_dim :].reshape(-1, kvb.shape[-1]).contiguous()
     return out
@@ -175,6 +180,93 @@ def missing_weight(name: str, model: KimiForCausalLM) -> ValueError:
     return ValueError(f"program needs weight {name!r}, which the model does not have")
 
 
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def localize(buffers: list[BufferSpec], instructions: list[Instruction]
+             ) -> tuple[list[BufferSpec], list[Instruction]]:
+    """A rank program's weights as the rank holds them. Per weight and axis, the ranges its instructions read are
+    the rank's share (heads, experts, channels, vocabulary rows; whole segments such as MLA's ``q_a`` rows stay);
+    the buffer is declared as their concatenation, in order, and every box is moved onto it. So a rank's slice
+    of a model (``ModelConfig.rank_slice``) binds as it is, a column-split weight has rows of its own width, and
+    a whole model's weight is cut once (:func:`bind_weight`). The order is the modules' own: a slice holds its
+    share of each segment in the segments' order (checked against the slice's modules in the tests)."""
+    reads: dict[int, tuple[list, list, list]] = {}
+    for ins in instructions:
+        for o in ins.operands:
+            if buffers[o.buf].kind == Kind.WEIGHT:
+                axes = reads.setdefault(o.buf, ([], [], []))
+                for a in range(3):
+                    if o.box[2 * a + 1] <= o.box[2 * a]:
+                        raise ValueError(f"{ins.label()}: an empty box on weight {buffers[o.buf].name}")
+                    axes[a].append((o.box[2 * a], o.box[2 * a + 1]))
+    out = list(buffers)
+    moves: dict[int, list[list[tuple[int, int, int]]]] = {}  # buffer -> per axis (lo, hi, local lo) of each span
+    for k, axes in reads.items():
+        spec = buffers[k]
+        spans = [tuple(_merge(iv)) for iv in axes]
+        spans = [() if s == ((0, spec.shape[a]),) else s for a, s in enumerate(spans)]
+        if not any(spans):
+            continue
+        shape, axis_moves = [], []
+        for a, sp in enumerate(spans):
+            local, at = [], 0
+            for lo, hi in sp:
+                local.append((lo, hi, at))
+                at += hi - lo
+            shape.append(at if sp else spec.shape[a])
+            axis_moves.append(local)
+        out[k] = replace(spec, shape=tuple(shape), whole=spec.shape, spans=tuple(spans))
+        moves[k] = axis_moves
+    if not moves:
+        return out, list(instructions)
+
+    def move(o):
+        if o.buf not in moves:
+            return o
+        box = list(o.box)
+        for a, local in enumerate(moves[o.buf]):
+            for lo, hi, at in local:
+                if lo <= box[2 * a] and box[2 * a + 1] <= hi:
+                    box[2 * a], box[2 * a + 1] = box[2 * a] - lo + at, box[2 * a + 1] - lo + at
+                    break
+        return replace(o, box=tuple(box))
+
+    return out, [replace(ins, operands=tuple(move(o) for o in ins.operands)) for ins in instructions]
+
+
+def carry_held(decoded: Program, program: Program) -> Program:
+    """``decoded`` (a program read back from its int32 encoding, which keeps each buffer's shape only) with the
+    whole shapes and spans of ``program``'s rank shares: what :func:`bind_weight` cuts a whole model by."""
+    if [(b.name, b.shape) for b in decoded.buffers] != [(b.name, b.shape) for b in program.buffers]:
+        raise ValueError("the decoded program's buffers are not the program's")
+    return replace(decoded, buffers=[replace(d, whole=o.whole, spans=o.spans)
+                                     for d, o in zip(decoded.buffers, program.buffers)])
+
+
+def bind_weight(spec: BufferSpec, t: torch.Tensor) -> torch.Tensor:
+    """The tensor a program's weight buffer binds to, from the model's tensor ``t`` (its 3-D view): ``t`` itself
+    when the shapes agree (one GPU's program, or a rank's slice of the model holding the share), else — a rank
+    program over the whole model — the rank's share cut from it once (a copy, contiguous)."""
+    if tuple(t.shape) == spec.shape:
+        return t
+    if spec.whole is None or tuple(t.shape) != spec.whole:
+        held = f" (the rank's share of {list(spec.whole)})" if spec.whole else ""
+        raise ValueError(f"buffer {spec.name}: program declares {list(spec.shape)}{held}, the model holds "
+                         f"{list(t.shape)}")
+    for a, sp in enumerate(spec.spans):
+        if sp:
+            t = torch.cat([t.narrow(a, lo, hi - lo) for lo, hi in sp], a)
+    return t.contiguous()
+
+
 @torch.no_grad()
 def program_tensors(buffers, model: KimiForCausalLM, device: torch.device | str | None = None
                     ) -> dict[str, torch.Tensor]:
@@ -187,7 +279,7 @@ def program_tensors(buffers, model: KimiForCausalLM, device: torch.device | str 
         if spec.kind == Kind.WEIGHT:
             if spec.name not in weights:
                 raise missing_weight(spec.name, model)
-            out[spec.name] = weight_view(weights[spec.name]).contiguous()
+            out[spec.name] = bind_weight(spec, weight_view(weights[spec.name])).contiguous()
         elif spec.kind != Kind.STATE:
             out[spec.name] = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
     return out

@@ -31,10 +31,14 @@ def _up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def segment_layout(program: Program) -> tuple[int, int, dict[int, int]]:
-    """(counter words, bytes per rank, {mailbox buffer id: byte offset in a rank's part})."""
+def segment_layout(program: Program, word_bytes: int = 8, capacity: int = 0) -> tuple[int, int, dict[int, int]]:
+    """(counter words, bytes per rank, {mailbox buffer id: byte offset in a rank's part}). ``word_bytes``: 8 for the
+    CPU executor's int64 words, 4 for the GPU kernel's; ``capacity``: counter words the part reserves at least (the
+    kernel's counter tensor has a static shape)."""
     words = sum(counter_words(c.sources) for c in program.counters)
-    at = _up(8 * max(1, words))
+    if capacity and words > capacity:
+        raise ValueError(f"{program}: {words} counter words > the kernel's {capacity}")
+    at = _up(word_bytes * max(1, words, capacity))
     offsets = {}
     for i, b in enumerate(program.buffers):
         if b.kind == Kind.MAILBOX:

@@ -22,7 +22,6 @@ from kimik3.kernels.contracts.peers import AR_SLOTS, MOE_SLOTS, mailbox_row
 from kimik3.megakernel.instructions import (
     FFN_LATENT_NORM,
     FFN_MLP,
-    FFN_PEER_SUM,
     FFN_ROUTED,
     BufferSpec,
     Instruction,
@@ -39,6 +38,7 @@ from kimik3.megakernel.layout import (
     expert_weight_names,
     kda_head_width,
     kda_in_rows,
+    localize,
     mla_in_segments,
     packed_name,
     state_name,
@@ -263,7 +263,10 @@ class _StepBuilder:
         self.costs.append(cost)
 
     def spec(self) -> StepSpec:
-        return StepSpec(self.cfg, self.B, self.max_seq_len, self.t, self.buffers, self.instructions, self.groups,
+        buffers, instructions = self.buffers, self.instructions
+        if self.world > 1:  # the rank's weights as it holds them (its shares), boxes moved onto them
+            buffers, instructions = localize(buffers, instructions)
+        return StepSpec(self.cfg, self.B, self.max_seq_len, self.t, buffers, instructions, self.groups,
                         self.costs, self.expert_format, self.shard)
 
     # ------------------------------------------------------------------------------------ across ranks
@@ -571,9 +574,10 @@ class _StepBuilder:
         input), routing, routed experts over the selected slots in the latent space, and one FFN_OUT that sums
         the latent up-projection and the shared experts' down-projection into the stream. Across ranks every rank
         routes every token (the router and latent down-projection are replicated, so the experts need no
-        dispatch), runs its own experts into an fp32 latent partial pushed to every rank, and its FFN_OUT sums the
-        partials in rank order before the latent norm; its share of the latent up-projection's inputs and of the
-        shared experts' channels makes its output a partial for the next all-reduce."""
+        dispatch), runs its own experts into an fp32 latent partial pushed to every rank, and MOE_COMBINE sums the
+        partials in rank order and applies the latent norm once per batch tile; its share of the latent
+        up-projection's inputs and of the shared experts' channels makes FFN_OUT's output a partial for the next
+        all-reduce."""
         cfg, B, H, ab, acc, t = self.cfg, self.B, self.H, self.ab, self.acc, self.t
         pre = f"model.layers.{layer}."
         post = pre + "post_attention_layernorm.weight"
@@ -626,8 +630,7 @@ class _StepBuilder:
                                           ns * pairs_per_slot * (Dl + n) * ab,
                                           ns * pairs_per_slot * 4.0 * n * Dl]})
         one = self.world == 1
-        if one:
-            acc_b = self.buf("moe_acc", Kind.ACT, (B, 1, Dl), self.act)
+        acc_b = self.buf("moe_acc", Kind.ACT, (B, 1, Dl), self.act)
         row = mailbox_row(0, self.shard.rank, self.world)  # (MOE_SLOTS = 1: the slot is rewritten a layer later)
         for r0, r1 in _split(Dl, t.expert_down_rows):
             n = r1 - r0
@@ -641,15 +644,23 @@ class _StepBuilder:
                                       2.0 * B * k * n * Ie]})
         up = self.weight(mp + "routed_expert_up_proj.weight", (H, Dl))
         flags = FFN_ROUTED
+        norm = self.weight(mp + "routed_expert_norm.weight", (Dl,)) if cfg.moe_latent_norm else None
+        lr = self.part(Dl, "moe_latent_size")  # this rank's latent channels: the up-projection's input columns
         if one:
             routed = [self.op(acc_b, R)]
-        else:
-            routed = [self.op(self.moe_mbox, R, (0, B, 0, self.world, 0, Dl))]
-            flags |= FFN_PEER_SUM
-        if cfg.moe_latent_norm:
-            routed.append(self.op(self.weight(mp + "routed_expert_norm.weight", (Dl,)), P))
-            flags |= FFN_LATENT_NORM
-        sources = [(routed, up, self.part(Dl, "moe_latent_size"), "moe_latent")]
+            if norm is not None:
+                routed.append(self.op(norm, P))
+                flags |= FFN_LATENT_NORM
+        else:  # every rank's partial summed once per batch tile (rank order, fp32), cast, normed: the latent
+            for b0, b1 in self.batch_tiles:
+                nb = b1 - b0
+                ops = [self.op(self.moe_mbox, R, (b0, b1, 0, self.world, 0, Dl))]
+                ops += [self.op(norm, P)] if norm is not None else []
+                self.add(Op.MOE_COMBINE, layer, (int(norm is not None),), ops + [
+                    self.op(acc_b, W, (b0, b1, 0, 1, 0, Dl))], f"L{layer}.moe_combine",
+                    {(layer, "moe_latent"): [0, 0, nb * Dl * (self.world * 4 + 2 * ab), nb * Dl * (self.world + 4.0)]})
+            routed = [self.op(acc_b, R, (0, B, 0, 1, *lr))]
+        sources = [(routed, up, lr, "moe_latent")]
         if Is:
             sd = self.weight(mp + "shared_experts.down_proj.weight", (H, Is))
             sr = self.part(Is, "shared expert channels")

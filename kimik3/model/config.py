@@ -605,6 +605,12 @@ def _k3_rank() -> ModelConfig:
     return k3.replace(name="k3-rank", rank_slice=(max(even_worlds(k3, RACK_GPUS)), 0))
 
 
+def _tiny_rank() -> ModelConfig:
+    # Rank 0 of tiny over 2 ranks: the slice whose kernel (MKConfig.ranks) runs every rank of the loopback check,
+    # both ranks of a tiny deployment in one launch on one GPU (kimik3.megakernel.gpu_ranks)
+    return _tiny().replace(name="tiny-rank", rank_slice=(2, 0))
+
+
 def _deepseek_v3() -> ModelConfig:
     return ModelConfig(
         family="deepseek_v3", name="deepseek-v3", vocab_size=129280, hidden_size=7168, num_hidden_layers=61,
@@ -661,6 +667,7 @@ PRESETS = {
     "k3-deep-tiny": _k3_deep_tiny,
     "k3-shard": _k3_shard,
     "k3-rank": _k3_rank,
+    "tiny-rank": _tiny_rank,
     "kimi-k3": _kimi_k3,
     "kimi-k2": _kimi_k2,
     "deepseek-v3": _deepseek_v3,

@@ -747,7 +747,7 @@ class KimiForCausalLM(nn.Module):
             ex = moe.experts
             if isinstance(ex, QuantizedExperts):
                 continue
-            q = QuantizedExperts(cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.expert_in_dim, self.device)
+            q = QuantizedExperts(cfg.held("experts"), cfg.moe_intermediate_size, cfg.expert_in_dim, self.device)
             for n in ("w1", "w3", "w2"):
                 w = getattr(ex, n)
                 p, s = q.packed(n)

@@ -17,8 +17,11 @@ import torch
 from kimik3.model.checks import check_device, check_seed, require_memory, resolve_dtype
 from kimik3.model.config import ModelConfig, get_preset
 from kimik3.model.modeling import KimiForCausalLM
+from kimik3.model.quant import E2M1_VALUES, MXFP4_GROUP, QuantizedExperts
 
-__all__ = ["init_weights", "from_preset", "build_model", "device_model"]
+__all__ = ["init_weights", "init_mxfp4_experts", "from_preset", "build_model", "device_model"]
+
+FP4_CODE_RMS = float(E2M1_VALUES.pow(2).mean().sqrt())  # of a uniformly random E2M1 code: 2.93
 
 UPCYCLE_NOISE = 0.1
 RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "routed_expert_up_proj.weight", "experts.w2")
@@ -87,23 +90,48 @@ def init_weights(model: KimiForCausalLM, seed: int = 0, device: str | torch.devi
     return model
 
 
+def init_mxfp4_experts(model: KimiForCausalLM, seed: int = 0, device: str | torch.device = "cpu") -> None:
+    """Fill routed experts held as MXFP4 (:class:`~kimik3.model.quant.QuantizedExperts`) with random codes and
+    E8M0 scales that give each weight the dense rule's magnitude (``1/sqrt(fan_in)``, residual outputs scaled as
+    :func:`init_weights` does): uniform FP4 codes have an RMS of :data:`FP4_CODE_RMS`, so the scale is the power
+    of two nearest the target over it. No dense copy exists at any point (a model too large for its bf16 experts)."""
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(check_seed(seed) + 1)
+    residual_scale = (2 * model.config.num_hidden_layers) ** -0.75
+    for name, buf in model.named_buffers():
+        if name.endswith("_packed"):
+            buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, device=dev, dtype=torch.uint8).to(buf.device))
+        elif name.endswith("_scale"):
+            fan_in = buf.shape[-1] * MXFP4_GROUP
+            target = fan_in ** -0.5 * (residual_scale if name.endswith("w2_scale") else 1.0)
+            buf.fill_(127 + round(math.log2(target / FP4_CODE_RMS)))
+
+
 def from_preset(name: str | ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu", init_device: str | torch.device = "cpu") -> KimiForCausalLM:
+                device: str | torch.device = "cpu", init_device: str | torch.device = "cpu",
+                experts: str = "dense") -> KimiForCausalLM:
     """A preset model with deterministic random weights (``dtype`` for the bf16 tensors; fp32 ones stay fp32).
 
     Weights are drawn in fp32 from one CPU generator, one tensor at a time, and written straight into a model
     allocated on ``device`` in ``dtype``: the same seed gives the same weights on every device, and a
     k3-shard-sized model never exists in fp32 in host memory. ``init_device``: where the random numbers are drawn
     (see :func:`init_weights`; ``init_device=device`` on a GPU is the fast path, with other weights than the CPU's).
+    ``experts="mxfp4"``: the routed experts are held as MXFP4 from the start (:func:`init_mxfp4_experts`: random
+    codes, never a dense copy — how a k3-rank fits one GPU).
     """
     dtype = resolve_dtype(dtype)
     check_seed(seed)
     check_device(device)
     check_device(init_device, "init_device")
+    if experts not in ("dense", "mxfp4"):
+        raise ValueError(f"experts must be 'dense' or 'mxfp4', got {experts!r}")
     cfg = get_preset(name)
     model = build_model(cfg, "meta").cast_(dtype)
+    if experts == "mxfp4":
+        for moe in model._moe_layers():
+            moe.experts = QuantizedExperts(cfg.held("experts"), cfg.moe_intermediate_size, cfg.expert_in_dim, "meta")
     draw = max(p.numel() for p in model.parameters()) * 4  # one tensor at a time drawn in fp32 on init_device
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     same = torch.device(init_device) == torch.device(device)
     require_memory(weights + (draw if same else 0), device, f"the weights of preset {cfg.name or name!r} in {dtype}"
                    + (" (and one tensor drawn in fp32)" if same else ""))
@@ -112,6 +140,8 @@ def from_preset(name: str | ModelConfig, seed: int = 0, dtype: torch.dtype = tor
     model = model.to_empty(device=device)
     model.reset_buffers()
     init_weights(model, seed, device=init_device)
+    if experts == "mxfp4":
+        init_mxfp4_experts(model, seed, device=init_device)
     return model.eval()
 
 

@@ -132,6 +132,9 @@ def instruction_symbols(program: Program, costs: pd.DataFrame, i: int, context_l
         positions = float(max(0, min(context_len, t1) - t0))
     elif op in (Op.EMBED, Op.ATTN_RES_MIX, Op.ALLREDUCE_MIX):
         nb = float(a[3] - a[2])
+    elif op == Op.MOE_COMBINE:
+        q = ins.operands[-1].box
+        nb = float(q[1] - q[0])
     elif op == Op.EXPERT_GATE_UP:
         slots = float(a[1] - a[0])
     splits = facts["splits"]

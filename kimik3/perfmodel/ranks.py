@@ -18,7 +18,7 @@ from kimik3.perf.hardware import get_hardware
 from kimik3.scale.nvl72 import CommModel, _link_bandwidth
 from kimik3.scale.wire import collective_table
 
-__all__ = ["RACK_HARDWARE", "LATENCY_RANGE", "wire_delays", "rank_extras"]
+__all__ = ["RACK_HARDWARE", "LATENCY_RANGE", "wire_delays", "rank_extras", "measured_extras"]
 
 RACK_HARDWARE = "gb300"  # the rack the seeds' claim is on (data/published.json: GB300 NVL72)
 # the per-collective latency is an assumption (no NVL72 latency was measured here): the range halves and doubles
@@ -81,3 +81,28 @@ def rank_extras(program: Any, simulate: Any, batch: int, kernel_boundary_ns: flo
                                         "wire bytes over the link, no latency",
                                "rack": f"{gpus // world} replicas of {world} ranks on {gpus} GPUs; the rank's HBM "
                                        "time at H200 speed (a GB300 streams faster: an upper bound on the step)"}}}
+
+
+def measured_extras(program: Any, timeline: Any, batch: int, step_ms: float, step_range_ms: tuple[float, float],
+                    step_bytes: float, device: str, comm: CommModel | None = None) -> dict[str, Any]:
+    """:func:`rank_extras` from a measured run of the rank's program alone on one GPU (its peers credited,
+    ``kimik3.megakernel.gpu_ranks``): each instruction's measured busy time (``end - start`` of the device's
+    timing buffer, ``timeline`` as ``kimik3.megakernel.timeline.from_timings`` gives it) replayed by the program's
+    dependencies with the wire's delays on the peers' signals; ``step_ms`` / ``step_range_ms``: the measured step
+    (median; min, max). The replay without the wire is matched to the measured step (the launch and whatever the
+    replay misses are one constant), so only the wire is modelled."""
+    from kimik3.megakernel.timeline import simulate
+
+    busy = (timeline["end_ns"] - timeline["start_ns"]).clip(lower=0).to_numpy(dtype=float)
+    zero = np.zeros(len(busy))
+
+    def makespan(delay: np.ndarray) -> float:
+        return float(simulate(program, busy, zero, prefetch=False, peer_delay_ns=delay)["end_ns"].max())
+
+    boundary = step_ms * 1e6 - makespan(np.zeros(len(program.counters)))
+    out = rank_extras(program, makespan, batch, boundary, step_ms, step_range_ms, step_bytes, comm)
+    out["rank"]["parts"]["local step"] = (f"measured: the rank program alone on {device} (median of the launches; "
+                                          "its peers' counter words credited, their pushes into a sink)")
+    out["rank"]["measured_step_ms"] = step_ms
+    out["rank"]["measured_step_ms_range"] = list(step_range_ms)
+    return out

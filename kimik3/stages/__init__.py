@@ -31,7 +31,7 @@ def register_stage(cls: type[Stage]) -> type[Stage]:
 # imported).
 _LAZY_STAGES = {"expert-parallel": "kimik3.scale.expert_parallel",
                 "megakernel-interp": "kimik3.megakernel.interp_ranks", "megakernel-cpu": "kimik3.megakernel.cpu",
-                "megakernel": "kimik3.megakernel.gpu"}
+                "megakernel": "kimik3.megakernel.gpu_stage"}
 
 
 def get_stage(name: str) -> type[Stage]:

@@ -1,7 +1,7 @@
 """The jobs a device-check child process runs (``devcheck.child``), one set-up and one function per item: the
 preflight of each megakernel variant, the megakernel's benchmark rows and timing-buffer reports, the MXFP4
-megakernel items, the constants probes. The dry run runs the same jobs with their CPU counterparts.
-docs/device-check.md."""
+megakernel items, the constants probes; the rank items (``devcheck.jobs_ranks``). The dry run runs the same jobs
+with their CPU counterparts. docs/device-check.md."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from devcheck import jobs_ranks
 from devcheck.common import model as shared_model
+from devcheck.common import perturbed
 from kimik3.validation.metric import TOL
 
 
@@ -200,10 +202,7 @@ def _mxfp4_run(st: dict[str, Any], it: dict[str, Any], plant: str | None) -> dic
     rec: dict[str, Any] = {"expert_storage": model.expert_storage}
     trace = reference_trace(model, B, st["prompt"], st["steps"], seed=B)
     if plant == "wrong":  # a wrong result injected: the model under test differs from the one naive traced
-        model = copy.deepcopy(model)
-        with torch.no_grad():
-            w = model.lm_head.weight
-            w.add_(10 * w.float().std().to(w.dtype) * torch.randn_like(w))
+        model = perturbed(model)
     opts = {"check": False, **({"prebuilt": str(st["prebuilt"])} if st["prebuilt"] else {})}
     mk_out = None
     if dry:
@@ -263,4 +262,5 @@ JOBS: dict[str, Job] = {
     "megakernel": Job(_megakernel_setup, _megakernel_run),
     "megakernel_mxfp4": Job(_mxfp4_setup, _mxfp4_run),
     "constants": Job(lambda ctx: ctx, _constants_run),
+    "ranks": Job(jobs_ranks._setup, jobs_ranks._run),
 }

@@ -98,13 +98,37 @@ def judge_mxfp4(rec: dict[str, Any] | None) -> list[str]:
         need = ([] if dry else ["megakernel_vs_naive"]) + (["interp_vs_naive"] if it["interp"] else []) + (
             ["megakernel_vs_interp"] if it["interp"] and not dry else [])
         for key in need:
-            c = r.get(key)
-            if not isinstance(c, dict):
-                failures.append(f"{name}: no {key.replace('_', ' ')}")
-            elif not float(c["max_error"]) <= float(c["tolerance"]):  # (NaN fails too)
-                failures.append(f"{name}: {key.replace('_', ' ')} rel err {c['max_error']:.3g} > {c['tolerance']}")
-            elif c.get("mode") == "greedy" and not c.get("tokens_equal", True):
-                failures.append(f"{name}: {key.replace('_', ' ')}: greedy tokens differ")
+            if (f := _comparison_failure(r.get(key), key.replace("_", " "))) is not None:
+                failures.append(f"{name}: {f}")
+    return failures
+
+
+def _comparison_failure(c: Any, what: str) -> str | None:
+    """What is wrong with one comparison record (``max_error``, ``tolerance``, greedy ``tokens_equal``), if anything."""
+    if not isinstance(c, dict):
+        return f"no {what}"
+    if not float(c["max_error"]) <= float(c["tolerance"]):  # (NaN fails too)
+        return f"{what} rel err {c['max_error']:.3g} > {c['tolerance']}"
+    if c.get("mode") == "greedy" and not c.get("tokens_equal", True):
+        return f"{what}: greedy tokens differ"
+    return None
+
+
+def judge_ranks(rec: dict[str, Any] | None) -> list[str]:
+    """The rank items: each ran ("ok"); a loopback agrees with naive within its tolerance (teacher-forced, or the
+    same greedy tokens in fp32); a rank alone has its measured (or, dry, modelled) step and NVL72 prediction."""
+    failures = judge_items(rec, "ranks")
+    if rec is None:
+        return failures
+    for r in rec.get("results", []):
+        if r.get("status") != "ok":
+            continue
+        name = r["name"]
+        if r.get("kind") == "loopback":
+            if (f := _comparison_failure(r.get("vs_naive"), "vs naive")) is not None:
+                failures.append(f"{name}: {f}")
+        elif not (r.get("step_ms") and r.get("nvl72", {}).get("tokens_per_s_per_sequence")):
+            failures.append(f"{name}: no step time or NVL72 prediction")
     return failures
 
 
@@ -136,7 +160,8 @@ def verdict(out: Path, summary: dict[str, Any]) -> list[str]:
     judges = {"preflight": lambda r: judge_items(r, "preflight"), "smoke": lambda r: judge_items(r, "smoke"),
               "megakernel_tests":
               lambda r: judge_tests(r, "megakernel_tests"), "constants": judge_constants, "tests": judge_tests,
-              "bench": judge_bench, "megakernel_mxfp4": judge_mxfp4, "megakernel": judge_megakernel}
+              "bench": judge_bench, "megakernel_mxfp4": judge_mxfp4, "megakernel": judge_megakernel,
+              "ranks": judge_ranks}
     for phase, judge in judges.items():
         if phase in ran:
             failures += judge(read(out, phase))
@@ -171,6 +196,18 @@ def measurements(out: Path, prov: dict[str, Any]) -> dict[str, Any] | None:
             records.append({"block": f"experts:{fmt}", "stage": "fused", "batch_size": m["batch"],
                             "seconds": m[f"{fmt}_s"], "bytes": m[f"{fmt}_bytes"],
                             "time_ratio_mxfp4_over_bf16": m["time_ratio_mxfp4_over_bf16"]})
+    ranks = read(out, "ranks") or {}
+    for r in ranks.get("results", []):
+        if r.get("status") == "ok" and r.get("kind") == "alone" and not ranks.get("dry_run"):
+            nv = r["nvl72"]
+            records.append({"block": "rank_step", "stage": "megakernel", "preset": r["preset"],
+                            "rank_slice": r["rank_slice"], "batch_size": r["batch"], "context_len": r["context"],
+                            "seconds": r["step_ms"]["median"] / 1e3, "ms_min": r["step_ms"]["min"],
+                            "ms_max": r["step_ms"]["max"], "collective_wait_us": r["timings"]["collective_wait_us"],
+                            "nvl72_step_ms": nv["step_ms"], "nvl72_step_ms_range": nv["step_ms_range"],
+                            "nvl72_tokens_per_s_per_sequence": nv["tokens_per_s_per_sequence"],
+                            "nvl72_tokens_per_s_per_sequence_range": nv["tokens_per_s_per_sequence_range"],
+                            "nvl72_parts": nv["parts"]})
     if not records:
         return None
     data = {"date": prov.get("date"), "commit": prov.get("commit"),

@@ -1,7 +1,7 @@
 """The device check's phases that run in its own process — copy bandwidth, the GPU test files (each a pytest
 child), the fused kernels timed alone, the benchmark rows of every stage but the megakernel — and those whose every
 launch runs in a child process (``devcheck.isolate``): preflight, constants, the MXFP4 megakernel items, the
-megakernel's rows. docs/device-check.md."""
+megakernel's rows, the rank items. docs/device-check.md."""
 
 from __future__ import annotations
 
@@ -121,6 +121,23 @@ def phase_megakernel(out: Path, args: argparse.Namespace) -> None:
     res = _children(out, args, "megakernel", items, {**ctx, "reference_file": str(ref)})
     write(out, "megakernel", {"date": now(), "dry_run": dry, "preset": ctx["preset"], "stage": ctx["stage"],
                               "items": items, "results": res, "tolerance_vs_naive": TOL["bf16_stage"]})
+
+
+def phase_ranks(out: Path, args: argparse.Namespace) -> None:
+    """The rank items, each in a child process of its own with its timeout: the loopback against naive, then one
+    rank alone timed with the NVL72 prediction from its measured step."""
+    pl = _plan(args)
+    dry = _dry(args)
+    items = pl["ranks"]["items"]
+    ctx = {"dry": dry, "prebuilt": str(args.prebuilt) if args.prebuilt else None, "prompt": pl["ranks"]["prompt_len"],
+           "steps": pl["ranks"]["steps"]}
+    timeout = getattr(args, "item_timeout", None) or (P.DRY_RANKS_ITEM_TIMEOUT_S if dry else P.ITEM_TIMEOUT_S["ranks"])
+    res = []
+    for it in items:  # one child per item: a k3-rank model (tens of GB) never shares a process with another
+        res += run_items(out, "ranks", [it], context=ctx, deadline=_deadline(args), item_timeout_s=timeout,
+                         startup_s=P.DRY_CHILD_STARTUP_S if dry else P.CHILD_STARTUP_S, env=_child_env(args))
+    write(out, "ranks", {"date": now(), "dry_run": dry, "items": items, "results": res,
+                         "tolerance_vs_naive": TOL["bf16_stage"]})
 
 
 # ---------------------------------------------------------------------------------------------- tests

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kimik3.kernels.toolchain.targets import FUSED_TARGETS, megakernel_variants, probe_variants, select
+from kimik3.kernels.toolchain.targets import FUSED_TARGETS, megakernel_variants, probe_variants, rank_variants, select
 
 from devcheck.common import (
     BENCH_PRESET,
@@ -82,8 +82,14 @@ DRY_MXFP4 = {"variant": "megakernel/tiny/b1-mxfp4", "preset": "tiny", "batch": 1
 # a child process's item: seconds it may run before it counts as hung (the device's megakernel watchdog gives up
 # well before: DEFAULT_SPINS x sleep), and the start-up a child gets before its first item (imports, CUDA, model)
 SMOKE_PRESETS = ("tiny",)
-ITEM_TIMEOUT_S = {"preflight": 20.0, "smoke": 20.0, "megakernel": 45.0, "megakernel_mxfp4": 30.0, "constants": 20.0}
+ITEM_TIMEOUT_S = {"preflight": 20.0, "smoke": 20.0, "megakernel": 45.0, "megakernel_mxfp4": 30.0, "constants": 20.0,
+                  "ranks": 90.0}
 DRY_ITEM_TIMEOUT_S = 60.0
+# the rank items: prompt and steps of the loopback's teacher-forced run, steps timed; the context a rank alone is
+# timed at (its cache rows empty: the attention still reads them); a rank item's timeout in the dry run (the CPU
+# builds k3-rank's ~65k-instruction program, as the GPU machine does)
+RANKS_PROMPT, RANKS_STEPS, RANKS_CONTEXT = 8, 3, 512
+DRY_RANKS_ITEM_TIMEOUT_S = 300.0
 CHILD_STARTUP_S, DRY_CHILD_STARTUP_S = 60.0, 90.0
 
 
@@ -164,6 +170,7 @@ def plan(prebuilt: Path | None, quick: bool, presets: str = "", batches: str = "
 
     fused_targets, mk_targets = select(presets, batches)
     megakernels = megakernel_variants(presets, batches)
+    ranks = rank_variants(presets, batches)
     tests = []
     for f in GPU_TEST_FILES:
         if not (REPO / f).exists():
@@ -185,7 +192,7 @@ def plan(prebuilt: Path | None, quick: bool, presets: str = "", batches: str = "
         "phase_estimates_s": PHASE_ESTIMATES_S,
         "targets": {"fused": [list(t) for t in fused_targets], "megakernel": [list(t) for t in mk_targets],
                     "megakernel_variants": megakernels},
-        "preflight": {"items": preflight_items(megakernels), "item_timeout_s": ITEM_TIMEOUT_S["preflight"]},
+        "preflight": {"items": preflight_items(megakernels + ranks), "item_timeout_s": ITEM_TIMEOUT_S["preflight"]},
         "smoke": {"items": smoke_items(megakernels), "item_timeout_s": ITEM_TIMEOUT_S["smoke"]},
         "megakernel_tests": {"file": MEGAKERNEL_TEST_FILE, "run": (REPO / MEGAKERNEL_TEST_FILE).exists()},
         "tests": tests, "kernels": {"preset": BENCH_PRESET, "batches": [1] if quick else [1, 8], "ops": kernel_ops,
@@ -201,7 +208,11 @@ def plan(prebuilt: Path | None, quick: bool, presets: str = "", batches: str = "
                              "tolerance": TOL["bf16_stage"], "reference": "naive on the same MXFP4-holding model, "
                              "teacher-forced; megakernel-interp (CPU, fp32 on the same weights) where planned"},
         "constants": {"item_timeout_s": ITEM_TIMEOUT_S["constants"]},
-        "prebuilt": prebuilt_status(prebuilt, fused_targets=fused_targets, megakernels=megakernels),
+        "ranks": {"items": rank_items(ranks, quick), "prompt_len": RANKS_PROMPT, "steps": RANKS_STEPS,
+                  "item_timeout_s": ITEM_TIMEOUT_S["ranks"], "tolerance_vs_naive": TOL["bf16_stage"],
+                  "alone": "a rank of a world larger than one launch holds runs alone: its peers' counter words "
+                           "credited, their pushes into a sink, their partials zeros (timed, not compared)"},
+        "prebuilt": prebuilt_status(prebuilt, fused_targets=fused_targets, megakernels=megakernels + ranks),
         "cpu_counterparts": {k: f"{m} ({key} = {val!r})" for k, (m, key, val) in CPU_COUNTERPARTS.items()},
     }
 
@@ -241,6 +252,29 @@ def megakernel_items(rows: Sequence[tuple[int, int]], opcode_batches: Sequence[i
     """The megakernel's benchmark rows (batch, context) in priority order, then its timing-buffer reports."""
     items = [{"name": f"megakernel bench b{b} ctx{c}", "kind": "bench", "batch": b, "context": c} for b, c in rows]
     items += [{"name": f"megakernel opcodes b{b}", "kind": "opcodes", "batch": b} for b in opcode_batches]
+    return items
+
+
+def rank_items(variants: Sequence[str], quick: bool) -> list[dict[str, Any]]:
+    """The rank items of the ``variants`` built for rank programs: a slice whose world one launch holds runs every
+    rank of its whole model in loopback (against naive); a larger one runs alone, timed (``--quick``: batch 1)."""
+    from kimik3.kernels.contracts.isa import MAX_LOCAL
+    from kimik3.kernels.toolchain.registry import get_variant
+
+    from kimik3.model.config import PRESET_NAMES, get_preset
+
+    items = []
+    for name in variants:
+        v = get_variant(name)
+        cfg = get_preset(v.preset)
+        world = cfg.rank_slice[0]
+        if world <= MAX_LOCAL:
+            whole = next(p for p in PRESET_NAMES if get_preset(p) == cfg.whole().replace(name=p))
+            items.append({"name": f"ranks loopback {whole} w{world} b{v.batch}", "kind": "loopback", "preset": whole,
+                          "world": world, "batch": v.batch, "variant": name})
+        elif not (quick and v.batch != 1):
+            items.append({"name": f"ranks alone {v.preset} b{v.batch}", "kind": "alone", "preset": v.preset,
+                          "batch": v.batch, "context": RANKS_CONTEXT, "variant": name})
     return items
 
 
