@@ -19,7 +19,7 @@ from host_exec_runner import run_with_mutants
 pytestmark = pytest.mark.host
 
 CASES: list[dict] = [
-    {"family": "mk.ranks", "preset": "micro", "batch": 2, "world": 2, "rank": 0},
+    {"family": "mk.ranks", "preset": "micro", "batch": 2, "world": 2, "rank": 0, "local_ranks": True},
     {"family": "mk.ranks", "preset": "micro", "batch": 8, "world": 4, "rank": 3},
     {"family": "mk.ranks", "preset": "tiny", "batch": 3, "world": 2, "rank": 1},
 ]
@@ -43,6 +43,9 @@ MUTANTS: dict[str, tuple[list, dict]] = {
     "mk-combine-source-dropped": (["megakernel.collective", [["for r in cutlass.range(r0, r1, unroll=1):",
                                                               "for r in cutlass.range(r0 + 1, r1, unroll=1):"]]],
                                   CASES[2]),
+    # a launch of several ranks whose grid they do not divide splits it anyway (the last CTAs past every rank)
+    "mk-local-ranks-uneven": (["megakernel.vm", [["split = split & (cpr * nloc == grid)", "split = split"]]],
+                              CASES[0]),
     # every chunk normalised with the norm weight's first chunk
     "mk-combine-norm-chunk": (["megakernel.collective", [["gchunks(ctx.s_addr[1])[(c, None)]",
                                                           "gchunks(ctx.s_addr[1])[(0, None)]"]]], CASES[2]),

@@ -3,10 +3,11 @@ program of a deployment (``build_program(..., shard=Shard(W, W, rank))``), instr
 CPU interpreter's bodies on the same buffers (``host_exec_mk``): ALLREDUCE_MIX (every thread's chunks of the
 rank-order sum into the block's partial sum, then the AttnRes mix through ``host_exec_mk.exec_mix``), ARGMAX_ALL
 (``misc.argmax_pick`` over every rank's tiles), MOE_COMBINE (every thread's chunks of the rank-order latent sum,
-then the norm pass) and every PUSH operand's copy (``push_geometry`` / ``push_span`` over every work item: each
-byte of the box exactly once, none outside it, 16-byte units only where aligned). The other opcodes run the
-interpreter's body (they produce what these read). Cases: micro / tiny, W = 2 and 4
-(``tests/test_host_exec_mk_ranks.py``). Design: docs/architecture.md#megakernel-across-ranks.
+then the norm pass), the VM's CTA-to-rank map of a launch of several ranks, and every PUSH operand's copy
+(``push_geometry`` / ``push_span`` over every work item: each byte of the box exactly once, none outside it,
+16-byte units only where aligned). The other opcodes run the interpreter's body (they produce what these read).
+Cases: micro / tiny, W = 2 and 4 (``tests/test_host_exec_mk_ranks.py``). Design:
+docs/architecture.md#megakernel-across-ranks.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from kimik3.kernels.verify.host_exec_mk import (
     exec_mix,
 )
 
-__all__ = ["exec_allreduce_mix", "exec_moe_combine", "check_pushes", "run_case", "main"]
+__all__ = ["exec_allreduce_mix", "exec_moe_combine", "check_pushes", "check_local_ranks", "run_case", "main"]
 
 _DRIVERS: dict[tuple[str, Any], Any] = {}
-MODULES = ("megakernel.collective", "megakernel.misc")
+MODULES = ("megakernel.collective", "megakernel.misc", "megakernel.vm")
 
 
 def _host(C: ModuleType, which: str) -> Any:
@@ -155,6 +156,43 @@ def exec_moe_combine(x: _Instr, C: ModuleType) -> dict[int, torch.Tensor]:
     return expect
 
 
+def _local_driver(V: ModuleType) -> Any:
+    key = ("local", V)
+    if key not in _DRIVERS:
+        @cute.jit
+        def drive(mCtl: cute.Tensor, mOut: cute.Tensor, grid: Int32):
+            for b in cutlass.range(grid):
+                n, lr, lb = V._local_rank(mCtl, b, grid)
+                mOut[b, 0], mOut[b, 1], mOut[b, 2] = n, lr, lb
+        _DRIVERS[key] = drive
+    return _DRIVERS[key]
+
+
+def check_local_ranks(V: ModuleType, run: HostRun, grids: tuple[int, ...] = (132, 66, 8)) -> int:
+    """The VM's CTA-to-rank map of a launch running several ranks (``megakernel.vm._local_rank``, ``isa.CTL_LOCAL``)
+    over every CTA of each grid and every local-rank count around the table's: L ranks of ``grid / L`` CTAs each
+    where L is 2..MAX_LOCAL and divides the grid, else the launch's own tensors as one rank. Returns the CTAs
+    checked."""
+    from kimik3.kernels.contracts.isa import CTL_LOCAL, CTL_WORDS, MAX_LOCAL
+
+    n = 0
+    for grid in grids:
+        for nloc in (0, 1, 2, 3, 4, 5, MAX_LOCAL, MAX_LOCAL + 1):
+            ctl = torch.zeros(CTL_WORDS, dtype=torch.int32)
+            ctl[CTL_LOCAL] = nloc
+            out = torch.full((grid, 3), -1, dtype=torch.int32)
+            _launch(_local_driver(V), [ctl, out, grid])
+            split = 2 <= nloc <= MAX_LOCAL and grid % nloc == 0
+            per = grid // nloc if split else grid
+            want = torch.tensor([[nloc if split else 1, b // per, b % per] for b in range(grid)], dtype=torch.int32)
+            if not torch.equal(out, want):
+                b = int((out != want).any(1).nonzero()[0, 0])
+                run.problems.append(f"local ranks: grid {grid}, L = {nloc}: CTA {b} runs {out[b].tolist()} (local "
+                                    f"ranks, rank, CTA), want {want[b].tolist()}")
+            n += grid
+    return n
+
+
 def check_pushes(S: _MkSetup, v: int, C: ModuleType, run: HostRun) -> int:
     """Every PUSH operand of instruction ``v``: the bytes its work items copy are its box's, each exactly once, in
     units its rows' alignment allows. Returns the PUSH operands checked."""
@@ -217,6 +255,8 @@ def _ranks_case(case: dict[str, Any], mods: dict[str, ModuleType]) -> tuple[Host
     missing = [k for k, n in seen.items() if not n]
     if missing:
         run.problems.append(f"no {missing} in the program")
+    if case.get("local_ranks"):
+        run.lanes_run += check_local_ranks(mods["megakernel.vm"], run)
     bad = [f"{k}: {e:.3g}" for k, e in errors.items() if e > 1e-2]
     if bad:
         run.problems.append(f"errors above the tolerance: {bad}")
@@ -225,12 +265,12 @@ def _ranks_case(case: dict[str, Any], mods: dict[str, ModuleType]) -> tuple[Host
 
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """One rank program's host execution: ``preset``, ``batch``, ``world``, ``rank``; optional ``seed``, ``ties``
-    (the arg-max bests on a coarse grid), ``mutant`` ([module of :data:`MODULES`, [[old, new], ...]]). Returns
-    problems, errors, the tolerance and ``ok``."""
-    from kimik3.kernels.megakernel import collective, misc
+    (the arg-max bests on a coarse grid), ``local_ranks`` (the VM's CTA-to-rank map too), ``mutant`` ([module of
+    :data:`MODULES`, [[old, new], ...]]). Returns problems, errors, the tolerance and ``ok``."""
+    from kimik3.kernels.megakernel import collective, misc, vm
 
     t0 = time.perf_counter()
-    mods = {"megakernel.collective": collective, "megakernel.misc": misc}
+    mods = {"megakernel.collective": collective, "megakernel.misc": misc, "megakernel.vm": vm}
     if case.get("mutant"):
         name, reps = case["mutant"]
         if name not in MODULES:

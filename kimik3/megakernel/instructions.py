@@ -596,12 +596,13 @@ _OPERANDS = {
     Op.EXPERT_DOWN: "expert hidden R | slot experts R | slot use R | slot weights R | w2 rows* | latent sum cols W; "
                     "MXFP4 experts: w2 rows are uint8 codes, then w2 scales*",
     Op.FFN_OUT: "[latent sum R | latent norm* | up rows*] (flag 1, norm flag 4) | [mlp hidden R | down rows*] "
-                "(flag 2) | stream[:, j] cols RW",
+                "(flag 2) | stream[:, j] cols RW (a rank: its partial, pushed)",
     Op.LM_HEAD: "mix R | final norm* | lm_head rows* | logits cols W | tile max W | tile argmax W",
     Op.ARGMAX: "tile max R | tile argmax R | next token W",
     Op.ALLREDUCE_MIX: "partial-sum mailbox (slot, every source) R | stream[:,0:K] R, stream[:,K-1] W (start) or RW "
                       "| res_norm* | res_proj* | mix W",
     Op.ARGMAX_ALL: "tile max mailbox (every source) R | tile argmax mailbox R | next token W",
+    Op.MOE_COMBINE: "latent partial mailbox (every source, fp32) R | latent norm* (norm flag) | latent W",
 }
 _TILES = {
     Op.EMBED: "batch rows",
@@ -622,6 +623,7 @@ _TILES = {
     Op.ARGMAX: "one per step",
     Op.ALLREDUCE_MIX: "batch rows (one site)",
     Op.ARGMAX_ALL: "one per step",
+    Op.MOE_COMBINE: "batch rows",
 }
 _DOC_ORDER = [op for op in Op if op != Op.NOP]
 
