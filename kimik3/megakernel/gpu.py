@@ -203,6 +203,15 @@ def check_device_contract(program: Program, cfg: ModelConfig, batch: int, shapes
 # ================================================================================================ the runner
 
 
+def check_gpu_model(model: KimiForCausalLM) -> torch.device:
+    """The device of a model the megakernel may run: bf16 on a CUDA device (``ValueError`` otherwise)."""
+    if model.device.type != "cuda":
+        raise ValueError(f"the megakernel runs on a CUDA device, not on {model.device.type}")
+    if model.dtype != torch.bfloat16:
+        raise ValueError(f"the megakernel is bf16 only, got {model.dtype}")
+    return model.device
+
+
 def check_buffer(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
     """A tensor the kernel may take for a program buffer: the declared shape and dtype, contiguous on ``device``,
     16-byte aligned (``ValueError`` naming the buffer otherwise)."""
@@ -305,11 +314,7 @@ class MegakernelRunner:
                  policy: str = "critical_path", tiling: Tiling | None = None, check: bool = True,
                  program: Program | None = None, max_spins: int = DEFAULT_SPINS, sleep_ns: int = DEFAULT_SLEEP_NS,
                  prebuilt: str | None = None) -> None:
-        dev = model.device
-        if dev.type != "cuda":
-            raise ValueError(f"the megakernel runs on a CUDA device, not on {dev.type}")
-        if model.dtype != torch.bfloat16:
-            raise ValueError(f"the megakernel is bf16 only, got {model.dtype}")
+        dev = check_gpu_model(model)
         if not 1 <= batch_size <= 64:
             raise ValueError(f"the megakernel supports batch sizes 1..64, got {batch_size}")
         if policy not in POLICIES:

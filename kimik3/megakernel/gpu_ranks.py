@@ -42,6 +42,7 @@ from kimik3.megakernel.gpu import (
     _device_arch,
     address_table,
     check_device_contract,
+    check_gpu_model,
 )
 from kimik3.megakernel.hazards import check_program, format_violations
 from kimik3.megakernel.hazards_ranks import check_deployment
@@ -167,11 +168,7 @@ class RanksRunner:
                  num_sms: int | None = None, policy: str = "critical_path", tiling: Tiling | None = None,
                  check: bool = True, max_spins: int = DEFAULT_SPINS, sleep_ns: int = DEFAULT_SLEEP_NS,
                  prebuilt: str | None = None) -> None:
-        dev = model.device
-        if dev.type != "cuda":
-            raise ValueError(f"rank programs run on a CUDA device, not on {dev.type}")
-        if model.dtype != torch.bfloat16:
-            raise ValueError(f"the megakernel is bf16 only, got {model.dtype}")
+        dev = check_gpu_model(model)
         self.arch = _device_arch(dev)
         self.plan = launch_plan(model.config, batch_size, max_seq_len, world,
                                 int(num_sms or torch.cuda.get_device_properties(dev).multi_processor_count), policy,
@@ -185,7 +182,7 @@ class RanksRunner:
         self.fn = _compile(self.arch, self.shapes, prebuilt, self.name)
         self.max_spins, self.sleep_ns = int(max_spins), int(sleep_ns)
         # one allocation: every rank's part (alone: its own and the sink its peers stand for)
-        self.words, self.part_bytes, offsets = segment_layout(programs[0], word_bytes=4,
+        _, self.part_bytes, offsets = segment_layout(programs[0], word_bytes=4,
                                                               capacity=self.shapes["max_ctrs"])
         parts = 2 if self.alone else self.world
         self.segment = torch.zeros(parts * self.part_bytes, dtype=torch.uint8, device=dev)
