@@ -6,6 +6,8 @@
   validate        the correctness matrix with an HTML report
   kernels build   compile the CuTe DSL kernels ahead of time (prebuilt kernels)
   predict         the GPU performance model's step time for fused / megakernel (a model, not a measurement)
+  evidence        a dossier per unit (scope, contract, launch, numerics, validation, performance, unproven);
+                  --since REV: the units a change touches and exactly their checks
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         "validate": lambda rest: __import__("kimik3.validation.cli", fromlist=["main"]).main(rest),
         "kernels": _kernels,
         "predict": lambda rest: __import__("kimik3.perfmodel.cli", fromlist=["main"]).main(rest),
+        "evidence": lambda rest: __import__("kimik3.evidence.cli", fromlist=["main"]).main(rest),
     }
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)

@@ -11,6 +11,29 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# ---- every test's outcome into runs/test-results.json (kimik3.evidence.results), which the dossiers read
+_RECORDER = None
+
+
+def pytest_sessionstart(session):
+    global _RECORDER
+    from kimik3.evidence.results import Recorder
+
+    try:
+        _RECORDER = Recorder()
+    except Exception as e:  # the run goes on; the dossiers then say these results were never recorded
+        session.config.issue_config_time_warning(pytest.PytestWarning(f"test results not recorded: {e}"), 2)
+
+
+def pytest_runtest_logreport(report):
+    if _RECORDER is not None:
+        _RECORDER.add(report.nodeid, report.when, report.outcome, report.duration)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _RECORDER is not None:
+        _RECORDER.write()
+
 ORACLE_VOCAB = 160
 
 

@@ -256,3 +256,31 @@ def test_widget_control_changes_the_figure_on_a_live_kernel(lab, browser):
     browser.find_element(By.CSS_SELECTOR, f"{here} .jp-OutputArea .js-plotly-plot").screenshot(
         str(SHOTS / "widget-after.png"))
     browser.save_screenshot(str(SHOTS / "widget-panel.png"))
+
+
+def test_evidence_page_links_every_unit_to_its_dossier_offline(browser, tmp_path):
+    """The evidence page ``make run`` puts in its site: one row per unit, each linking to a dossier that loads from
+    ``file://`` with all seven sections, and no page naming anything on the network."""
+    from selenium.webdriver.common.by import By
+
+    from kimik3.evidence.cli import build
+    from kimik3.evidence.dossier import SECTIONS
+    from kimik3.notebook.start import cdn_references
+
+    ds, _, _ = build(tmp_path / "evidence")
+    browser.get((tmp_path / "evidence" / "index.html").as_uri())
+    assert "evidence" in browser.title
+    browser.save_screenshot(str(SHOTS / "evidence-index.png"))
+    rows = browser.find_elements(By.CSS_SELECTOR, "table tr td:first-child a")
+    links = {a.text: a.get_attribute("href") for a in rows}
+    assert set(links) == {d["unit"] for d in ds}, set(links) ^ {d["unit"] for d in ds}
+    for unit, href in links.items():
+        browser.get(href)
+        assert browser.find_element(By.TAG_NAME, "h1").text.startswith(unit)
+        ids = {h.get_attribute("id") for h in browser.find_elements(By.CSS_SELECTOR, "h2[id]")}
+        assert ids == {s.lower() for s in SECTIONS}, (unit, ids)
+        if unit == "megakernel/moe":
+            browser.save_screenshot(str(SHOTS / "evidence-megakernel-moe.png"))
+    for page in (tmp_path / "evidence").glob("*.html"):
+        text = page.read_text()
+        assert cdn_references(text) == [] and "http://" not in text and "https://" not in text, page.name

@@ -31,6 +31,11 @@ from kimik3.__main__ import main
     (["kernels", "build", "--arch", "sm_90a", "--out", ""], "--out: must name a folder"),
     (["validate", "--drift-tokens", "1000000000"], "--drift-tokens: must be in 0..100000"),
     (["export", "--preset", "micro", "--out", "x", "--seed", str(2**70)], "--seed: must be in 0..9223372036854775807"),
+    (["evidence", "--out", "/dev/null"], "exists and is not a directory"),
+    (["evidence", "--scope", ","], "--scope: must name at least one"),
+    (["evidence", "--since", "no-such-revision"], "--since 'no-such-revision' is not a revision"),
+    (["evidence", "--since", "HEAD", "--scope", "megakernel/nosuch"], "declared scope names no unit"),
+    (["evidence", "--since", "HEAD", "--run", "--dry-run"], "not allowed with argument"),
 ])
 def test_nonsense_is_refused_before_any_work(argv: list[str], says: str, capsys: pytest.CaptureFixture) -> None:
     try:

@@ -201,10 +201,11 @@ def test_replicas_match_the_kernel_modules():
         a, b = head_routing(B, NH), moe_ref.head_routing(B, NH)
         assert all(torch.equal(a[k], b[k]) for k in b)
     from kimik3.fused import plan as fused
+    from kimik3.scope import gates  # the fused gate's rules read the same constants
 
-    assert fused.GEMV_RMS_EPS == gemv.RMS_EPS == attn_res.EPS == kda.NORM_EPS
-    assert fused.LM_ROWS_PER_CTA == gemv.WARPS * gemv.LM_ROWS_PER_WARP
-    assert fused.SITU_BETAS == (moe.SITU_BETA, moe.SITU_BETA_LIN)
+    assert gates.GEMV_RMS_EPS == gemv.RMS_EPS == attn_res.EPS == kda.NORM_EPS
+    assert fused.LM_ROWS_PER_CTA == gates.LM_ROWS_PER_CTA == gemv.WARPS * gemv.LM_ROWS_PER_WARP
+    assert gates.SITU_BETAS == (moe.SITU_BETA, moe.SITU_BETA_LIN)
     for fam, (mod, var) in FAMILY_MODULES.items():
         if fam in registry.FAMILIES:
             assert (registry.FAMILIES[fam].module, registry.FAMILIES[fam].variant) == (mod, var)

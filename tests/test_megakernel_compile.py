@@ -285,5 +285,5 @@ def test_stage_refuses_cpu() -> None:
     from kimik3.decoder import Decoder
 
     model = kimik3.from_preset("micro", seed=0, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="runs on cuda"):
+    with pytest.raises(ValueError, match="runs on a CUDA GPU .*not on cpu"):
         Decoder(model, "megakernel", batch_size=1, max_seq_len=16)

@@ -64,7 +64,7 @@ def test_shard_refuses_what_is_not_built_or_does_not_divide() -> None:
             Shard(**kwargs)
     with pytest.raises(ValueError, match="heads = 6 does not split evenly over 4 ranks"):
         build_program("tiny", 1, 4, shard=Shard(4, 4, 0))
-    with pytest.raises(ValueError, match="world must be an int"):
+    with pytest.raises(ValueError, match="runs world sizes 1..128, got world 0"):
         kimik3.Decoder(kimik3.from_preset("micro", seed=0), "megakernel-interp", batch_size=1, max_seq_len=8,
                        world=0)
 

@@ -21,19 +21,9 @@ import torch
 from kimik3.fused.launch_cost import launch_bytes, launch_flops
 
 # The kernels' metadata the host needs is defined once in kernels/contracts/meta.py, which imports no CuTe DSL (a
-# GPU machine running prebuilt kernels has none); the kernel modules import the same definitions. GEMV_RMS_EPS is
-# the eps every fused RMSNorm uses (gemv, attn_res, kda); LM_ROWS_PER_CTA: vocabulary rows per lm_head arg-max
-# partial; SITU_BETAS: the MoE kernel's SiTU constants.
-from kimik3.kernels.contracts.meta import (
-    LM_ROWS_PER_CTA,
-    SITU_BETAS,
-    SUPPORTED_ARCHS,
-    attn_res_threads,
-    head_routing,
-    kda_head_dim_ok,
-    mla_default_splits,
-)
-from kimik3.kernels.contracts.meta import RMS_EPS as GEMV_RMS_EPS
+# GPU machine running prebuilt kernels has none); the kernel modules import the same definitions. LM_ROWS_PER_CTA:
+# vocabulary rows per lm_head arg-max partial. The rules the kernels put on a config: the fused scope gate.
+from kimik3.kernels.contracts.meta import LM_ROWS_PER_CTA, SUPPORTED_ARCHS, head_routing, mla_default_splits
 from kimik3.kernels.toolchain.loader import norm_shapes
 from kimik3.kernels.toolchain.registry import FAMILIES as _REGISTRY_FAMILIES
 from kimik3.kernels.toolchain.registry import MLA_CONTEXT, Budget, KernelVariant
@@ -41,6 +31,7 @@ from kimik3.model.config import ModelConfig, get_preset
 from kimik3.model.modeling import KDAState, KimiForCausalLM, acc_dtype, f32, rms_norm
 from kimik3.model.quant import experts_mxfp4
 from kimik3.model.random_init import build_model
+from kimik3.scope.gates import fused_rules_errors
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -126,85 +117,9 @@ class Launch:
 
 
 def plan_errors(cfg: ModelConfig, batch_size: int, cache_len: int, expert_format: str = "bf16") -> list[str]:
-    """Every reason the fused kernels cannot run this config (empty list = supported). Config-only, no GPU."""
-    e: list[str] = []
-    c = cfg
-    if expert_format not in EXPERT_DTYPES:
-        e.append(f"expert_format must be one of {EXPERT_DTYPES}, got {expert_format!r}")
-    if batch_size < 1:
-        e.append(f"batch size must be >= 1, got {batch_size}")
-    if cache_len < 1:
-        e.append(f"cache length must be >= 1, got {cache_len}")
-    if not c.attn_res_block_size:
-        e.append("the fused step wires K3's Attention Residuals; this config has an additive residual")
-    if c.hidden_act != "situ" or (c.situ_beta, c.situ_linear_beta) != SITU_BETAS:
-        e.append(f"the MoE kernel implements SiTU-GLU with beta={SITU_BETAS[0]}, beta_lin={SITU_BETAS[1]}; this "
-                 f"config uses {c.hidden_act!r} (beta={c.situ_beta}, beta_lin={c.situ_linear_beta})")
-    if c.rms_norm_eps != GEMV_RMS_EPS:
-        e.append(f"the kernels normalise with eps={GEMV_RMS_EPS}; this config's rms_norm_eps is {c.rms_norm_eps}")
-    H = c.hidden_size
-    if H % 8:
-        e.append(f"hidden_size {H} must be a multiple of 8 (16-byte loads)")
-    if c.vocab_size % LM_ROWS_PER_CTA:
-        e.append(f"the lm_head kernel needs vocab_size % {LM_ROWS_PER_CTA} == 0, got {c.vocab_size}")
-    if c.kda_layers:
-        D = c.kda_head_dim
-        if not kda_head_dim_ok(D):
-            e.append(f"the KDA kernel supports head dims 32, 64 and 128 (one 256-thread CTA holds the q, k and v "
-                     f"channels of a head); this config has kda_head_dim={D}")
-        if c.kda_conv_size < 2:
-            e.append(f"the KDA kernel needs a short conv of width >= 2, got {c.kda_conv_size}")
-        if not c.kda_full_rank_gate:
-            e.append("the low-rank KDA output gate (g_a/g_b, Kimi-Linear) is not wired into the fused step")
-    if c.mla_layers:
-        DL, DR, nh = c.kv_lora_rank, c.qk_rope_head_dim, c.num_attention_heads
-        if DL % 128 or DR % 32 or DR <= 0:
-            e.append(f"the MLA kernel needs kv_lora_rank % 128 == 0 and qk_rope_head_dim a positive multiple of 32 "
-                     f"(lanes own kv_lora/32 latent + rope/32 rope dims); got {DL} and {DR}")
-        if c.uses_rope:
-            e.append("the fused step has no RoPE kernel: only NoPE MLA (K3) is supported")
-        if not c.q_lora_rank:
-            e.append("the fused step expects q LoRA (q_a_proj / q_b_proj), as K3 has")
-        for name, v in (("qk_nope_head_dim", c.qk_nope_head_dim), ("v_head_dim", c.v_head_dim),
-                        ("q_lora_rank", c.q_lora_rank or 8)):
-            if v % 8:
-                e.append(f"{name}={v} must be a multiple of 8 (16-byte loads of the per-head / q_b GEMVs)")
-        if nh < 1:
-            e.append("MLA needs attention heads")
-    if c.n_routed_experts:
-        L, inner = c.expert_in_dim, c.moe_intermediate_size
-        q = 32 if expert_format == "mxfp4" else 8
-        if L % q or inner % q:
-            e.append(f"the {expert_format} expert kernel needs the expert widths to be multiples of {q}; got "
-                     f"in={L}, intermediate={inner}")
-        if c.num_experts_per_tok > 32:
-            e.append(f"the router kernel keeps one choice per lane: top-k <= 32, got {c.num_experts_per_tok}")
-        if c.n_routed_experts % c.n_group:
-            e.append("n_routed_experts must be divisible by n_group")
-        if c.moe_latent_size is None or not c.moe_latent_norm:
-            e.append("the fused step wires K3's LatentMoE (latent down/up projections with the latent norm)")
-        if c.n_shared_experts and (c.moe_intermediate_size * c.n_shared_experts) % 8:
-            e.append("the shared-expert width must be a multiple of 8")
-    if any(c.ffn(i) == "dense" for i in range(c.num_hidden_layers)) and c.intermediate_size % 8:
-        e.append(f"the dense MLP width {c.intermediate_size} must be a multiple of 8")
-    if c.attn_res_block_size:
-        for nc in sorted(_mix_sizes(c)):
-            if attn_res_threads(H, nc) > 1024:
-                e.append(f"the AttnRes kernel cannot cover hidden_size {H} with {nc} candidates in one CTA")
-    return e
-
-
-def _mix_sizes(cfg: ModelConfig) -> set[int]:
-    """Candidate counts of every AttnRes mix of a step (the residual wiring of DecoderLayer.residual)."""
-    s, out = 0, set()
-    for i in range(cfg.num_hidden_layers):
-        if s:
-            out.add(s + 1)
-        if i % cfg.attn_res_block_size == 0:
-            s += 1
-        out.add(s + 1)
-    out.add(s + 1)
-    return out
+    """Every reason the fused kernels cannot run this config (empty list = supported). Config-only, no GPU: the
+    fused scope gate's features and rules (:data:`kimik3.scope.gates.FUSED`)."""
+    return fused_rules_errors(cfg, batch_size, cache_len, expert_format)
 
 
 # ====================================================================== the step program
@@ -240,9 +155,9 @@ class FusedStep:
     the routed experts when ``expert_format="mxfp4"``, or the bytes of a model that holds them as MXFP4 —
     ``from_pretrained(..., quantized_experts="keep")`` — passed as they are).
 
-    Known numerical deviation: the fused GEMV normalises with eps = 1e-5 (``GEMV_RMS_EPS``), while the model's
-    ``q_a_layernorm`` uses 1e-6; rstd differs by a relative (1e-5 − 1e-6) / (2·mean(x²)), far below bf16 rounding
-    for O(1) activations.
+    Known numerical deviation: the fused GEMV normalises with eps = 1e-5 (``RMS_EPS``, kernels/contracts/meta.py),
+    while the model's ``q_a_layernorm`` uses 1e-6; rstd differs by a relative (1e-5 − 1e-6) / (2·mean(x²)), far
+    below bf16 rounding for O(1) activations.
 
     The residual stream lives in ``resid`` [slots + 1, B, H]: AttnRes block sums ``R`` occupy the first slots and
     the running partial sum ``p`` the next one, so every mix reads a contiguous prefix ``resid[:s + 1]`` and
@@ -253,8 +168,7 @@ class FusedStep:
         cfg = model.config
         errs = plan_errors(cfg, batch_size, cache_len, expert_format)
         if errs:
-            raise ValueError(f"stage 'fused' has no kernel path for {cfg.name or 'this config'} "
-                             f"(batch {batch_size}): " + "; ".join(errs))
+            raise ValueError("stage 'fused' " + "; ".join(errs))
         if model.expert_storage == "mxfp4" and expert_format != "mxfp4":
             raise ValueError(f"stage 'fused' with expert_format={expert_format!r} reads dense experts, but this model "
                              "holds them as MXFP4: use expert_format='mxfp4' (the held bytes, as loaded) or call "

@@ -37,7 +37,7 @@ from kimik3.megakernel.instructions import (
     Program,
     encode_program,
 )
-from kimik3.megakernel.layout import check_supported, expert_weight_names, program_tensors, state_views
+from kimik3.megakernel.layout import expert_weight_names, program_tensors, state_views
 from kimik3.megakernel.peer_memory import PeerMemory
 from kimik3.megakernel.ranks import SINGLE, Shard
 from kimik3.megakernel.scheduler import POLICIES, build_program
@@ -45,8 +45,8 @@ from kimik3.megakernel.stage_base import ProgramStage
 from kimik3.megakernel.step import Tiling
 from kimik3.megakernel.timeline import from_timings
 from kimik3.model.modeling import DecodeState, KDAState, KimiForCausalLM
+from kimik3.scope.gates import CPU_MAX_BATCH, MEGAKERNEL_CPU
 from kimik3.stages import register_stage
-from kimik3.stages.base import StageSupport
 from kimik3.stages.naive import NaiveStage
 from kimik3.validation.metric import poison
 
@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).with_name("cpu_executor.cpp")
-MAX_BATCH = 64  # the executor's capacity (cpu_executor.cpp MAX_BATCH)
+MAX_BATCH = CPU_MAX_BATCH  # the executor's capacity (cpu_executor.cpp MAX_BATCH), its gate's batch bound
 ABI_VERSION = 3
 DEFAULT_TIMEOUT_S = 10.0  # a wait that spins this long is a hang: the step fails with a per-worker dump
 # EXPERT_FORMATS (the program's, kernels/contracts/isa.py): option experts="dense" streams the routed experts in the
@@ -301,20 +301,9 @@ class CPUMegakernel:
                  policy: str = "critical_path", tiling: Tiling | None = None, check: bool = True,
                  program: Program | None = None, pin: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
                  experts: str = "dense", shard: Shard = SINGLE, peer_memory: PeerMemory | None = None) -> None:
-        if model.device.type != "cpu":
-            raise ValueError(f"the CPU megakernel runs on the CPU, not on {model.device.type}")
-        if model.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"the CPU megakernel implements float32 and bfloat16 weights, got {model.dtype}")
-        if not 1 <= batch_size <= MAX_BATCH:
-            raise ValueError(f"the CPU megakernel supports batch sizes 1..{MAX_BATCH}, got {batch_size}")
+        MEGAKERNEL_CPU.check("megakernel-cpu", model, batch_size, max_seq_len, experts=experts, world=shard.world)
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
-        if experts not in EXPERT_FORMATS:
-            raise ValueError(f"experts must be one of {', '.join(EXPERT_FORMATS)}, got {experts!r}")
-        if model.expert_storage == "mxfp4" and experts != "mxfp4":
-            raise ValueError("this model holds its routed experts as MXFP4: run megakernel-cpu with experts='mxfp4' "
-                             "(the executor then streams the held codes and scales as they are) or call "
-                             f"model.dequantize_experts() first ({model.expert_memory()})")
         if program is not None and (program.world, program.rank) != (shard.world, shard.rank):
             raise ValueError(f"{program} given with shard {shard}: build a rank program with its shard")
         if program is not None and program.expert_format != "dense":
@@ -323,9 +312,6 @@ class CPUMegakernel:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         cfg = model.config
-        check_supported(cfg)
-        if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
-            raise ValueError("grouped routing (n_group > 1) is not implemented in the CPU megakernel's ROUTER")
         self.num_workers = int(num_workers or default_workers())
         if self.num_workers < 1:
             raise ValueError(f"num_sms (worker threads) must be >= 1, got {self.num_workers}")
@@ -336,8 +322,6 @@ class CPUMegakernel:
         if shard.world > 1 and (peer_memory is None or peer_memory.world != shard.world):
             raise ValueError(f"rank {shard.rank} of {shard.world} needs the deployment's PeerMemory "
                              "(kimik3.megakernel.peer_memory) for its mailboxes and counters")
-        if shard.world > 1 and experts != "dense":
-            raise ValueError("a rank program streams dense experts (experts='mxfp4' runs one GPU's program)")
         self.peers = peer_memory
         if program is not None:
             self.num_workers = program.num_sms
@@ -559,16 +543,13 @@ class MegakernelCPUStage(ProgramStage):
     timing."""
 
     name = "megakernel-cpu"
-    support = StageSupport(dtypes=(torch.float32, torch.bfloat16), max_batch=MAX_BATCH, devices=("cpu",),
-                           kept_experts=("mxfp4",))
+    support = MEGAKERNEL_CPU
 
     def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, num_sms: int | None = None,
                  policy: str = "critical_path", tiling: Tiling | None = None, check: bool = True, pin: bool = True,
                  timeout_s: float = DEFAULT_TIMEOUT_S, poison: bool = False, experts: str = "dense",
                  world: int = 1) -> None:
-        super().__init__(model, batch_size, max_seq_len)
-        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-            raise ValueError(f"world must be a positive int, got {world!r}")
+        super().__init__(model, batch_size, max_seq_len, experts=experts, world=world)
         self.world, shard, peers, program = world, SINGLE, None, None
         if world > 1:
             import torch.distributed as dist

@@ -52,12 +52,13 @@ from kimik3.megakernel.kernel_shapes import (
     static_shapes,
     variant_name,
 )
-from kimik3.megakernel.layout import check_supported, program_tensors, state_views
+from kimik3.megakernel.layout import program_tensors, state_views
 from kimik3.megakernel.scheduler import POLICIES, build_program
 from kimik3.megakernel.step import Tiling
 from kimik3.megakernel.timeline import from_timings
 from kimik3.model.config import ModelConfig
 from kimik3.model.modeling import DecodeState, KDAState, KimiForCausalLM
+from kimik3.scope.gates import MEGAKERNEL
 
 __all__ = [
     "PROG_WORDS",
@@ -203,12 +204,12 @@ def check_device_contract(program: Program, cfg: ModelConfig, batch: int, shapes
 # ================================================================================================ the runner
 
 
-def check_gpu_model(model: KimiForCausalLM) -> torch.device:
-    """The device of a model the megakernel may run: bf16 on a CUDA device (``ValueError`` otherwise)."""
-    if model.device.type != "cuda":
-        raise ValueError(f"the megakernel runs on a CUDA device, not on {model.device.type}")
-    if model.dtype != torch.bfloat16:
-        raise ValueError(f"the megakernel is bf16 only, got {model.dtype}")
+def check_gpu_model(model: KimiForCausalLM, batch_size: int, max_seq_len: int | None = None, *, world: int | None = 1,
+                    num_sms: int | None = None) -> torch.device:
+    """The device of a model the megakernel may run at this batch: through its scope gate
+    (:data:`kimik3.scope.gates.MEGAKERNEL`: bf16 on a CUDA GPU it is built for, the K3 feature set, ...), every
+    reason in one ``ValueError``. ``world``: the ranks the launch holds."""
+    MEGAKERNEL.check("megakernel", model, batch_size, max_seq_len, world=world, sms=num_sms)
     return model.device
 
 
@@ -314,13 +315,10 @@ class MegakernelRunner:
                  policy: str = "critical_path", tiling: Tiling | None = None, check: bool = True,
                  program: Program | None = None, max_spins: int = DEFAULT_SPINS, sleep_ns: int = DEFAULT_SLEEP_NS,
                  prebuilt: str | None = None) -> None:
-        dev = check_gpu_model(model)
-        if not 1 <= batch_size <= 64:
-            raise ValueError(f"the megakernel supports batch sizes 1..64, got {batch_size}")
+        dev = check_gpu_model(model, batch_size, max_seq_len, num_sms=num_sms)
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
         cfg = model.config
-        check_supported(cfg)
         self.arch = _device_arch(dev)
         self.model, self.cfg, self.batch, self.device = model, cfg, batch_size, dev
         self.num_sms = int(num_sms or torch.cuda.get_device_properties(dev).multi_processor_count)

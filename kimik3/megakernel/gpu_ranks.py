@@ -48,7 +48,7 @@ from kimik3.megakernel.hazards import check_program, format_violations
 from kimik3.megakernel.hazards_ranks import check_deployment
 from kimik3.megakernel.instructions import Kind, Program, encode_program
 from kimik3.megakernel.kernel_shapes import static_shapes, variant_name
-from kimik3.megakernel.layout import check_supported, program_tensors
+from kimik3.megakernel.layout import program_tensors
 from kimik3.megakernel.peer_memory import segment_layout
 from kimik3.megakernel.ranks import Shard, of_slice
 from kimik3.megakernel.scheduler import POLICIES, build_program
@@ -56,6 +56,8 @@ from kimik3.megakernel.step import Tiling
 from kimik3.megakernel.timeline import from_timings
 from kimik3.model.config import PRESET_NAMES, ModelConfig, get_preset
 from kimik3.model.modeling import DecodeState, KimiForCausalLM
+from kimik3.scope.gates import MEGAKERNEL
+from kimik3.scope.spec import Request
 
 __all__ = ["RanksRunner", "LaunchPlan", "launch_plan", "rank_state", "rank_kernel_name", "loopback_states",
            "CREDIT"]
@@ -105,23 +107,21 @@ def launch_plan(cfg: ModelConfig, batch: int, max_seq_len: int, world: int | Non
     ``cfg`` whole) or, for a rank's slice (``world`` None), that rank alone; built, hazard-checked (``check``:
     each program, and the deployment in loopback) and fitted to the ranks kernel's device contract. ``ValueError``
     names whatever does not hold."""
-    if not 1 <= batch <= 64:
-        raise ValueError(f"the megakernel supports batch sizes 1..64, got {batch}")
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
     whole, shard = of_slice(cfg)
-    check_supported(whole)
-    if cfg.rank_slice:
-        if world is not None and world != shard.world:
-            raise ValueError(f"model {cfg.name!r} is rank {shard.rank} of {shard.world}: world={world} differs")
-        alone, world, ranks = True, shard.world, [shard.rank]
-    else:
-        if isinstance(world, bool) or not isinstance(world, int) or not 2 <= world <= MAX_LOCAL:
-            raise ValueError(f"world must be an int in 2..{MAX_LOCAL} (the ranks one launch holds), got {world!r}")
-        alone, ranks = False, list(range(world))
+    alone = bool(cfg.rank_slice)
+    if alone and world is not None and world != shard.world:
+        raise ValueError(f"model {cfg.name!r} is rank {shard.rank} of {shard.world}: world={world} differs")
+    if not alone and (isinstance(world, bool) or not isinstance(world, int) or not 2 <= world <= MAX_LOCAL):
+        raise ValueError(f"world must be an int in 2..{MAX_LOCAL} (the ranks one launch holds), got {world!r}")
+    # the gate sees the ranks this launch holds: a rank's slice alone is one
+    reasons = MEGAKERNEL.refuse(whole, Request(dtype=torch.bfloat16, device="cuda", batch=batch, context=max_seq_len,
+                                               storage=expert_format, sms=num_sms, world=1 if alone else world))
+    if reasons:
+        raise ValueError("stage 'megakernel' " + "; ".join(reasons))
+    world, ranks = (shard.world, [shard.rank]) if alone else (world, list(range(world)))
     per = num_sms if alone else num_sms // world
-    if per < 1:
-        raise ValueError(f"{num_sms} SMs cannot hold {world} ranks of at least one CTA each")
     programs = [build_program(whole, batch, per, policy, max_seq_len, tiling, act_dtype=torch.bfloat16,
                               expert_format=expert_format, shard=Shard(world, world, r)) for r in ranks]
     if check:
@@ -168,7 +168,8 @@ class RanksRunner:
                  num_sms: int | None = None, policy: str = "critical_path", tiling: Tiling | None = None,
                  check: bool = True, max_spins: int = DEFAULT_SPINS, sleep_ns: int = DEFAULT_SLEEP_NS,
                  prebuilt: str | None = None) -> None:
-        dev = check_gpu_model(model)
+        dev = check_gpu_model(model, batch_size, max_seq_len, world=1 if model.config.rank_slice else world,
+                              num_sms=num_sms)
         self.arch = _device_arch(dev)
         self.plan = launch_plan(model.config, batch_size, max_seq_len, world,
                                 int(num_sms or torch.cuda.get_device_properties(dev).multi_processor_count), policy,

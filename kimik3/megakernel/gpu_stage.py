@@ -7,15 +7,13 @@ docs/architecture.md (map: how a stage runs a megakernel program; megakernel acr
 
 from __future__ import annotations
 
-import torch
-
-from kimik3.megakernel.gpu import ARCHS, DEFAULT_SLEEP_NS, DEFAULT_SPINS, MegakernelRunner
+from kimik3.megakernel.gpu import DEFAULT_SLEEP_NS, DEFAULT_SPINS, MegakernelRunner
 from kimik3.megakernel.gpu_ranks import RanksRunner, loopback_states
 from kimik3.megakernel.stage_base import ProgramStage
 from kimik3.megakernel.step import Tiling
 from kimik3.model.modeling import KimiForCausalLM
+from kimik3.scope.gates import MEGAKERNEL
 from kimik3.stages import register_stage
-from kimik3.stages.base import StageSupport
 from kimik3.stages.naive import NaiveStage
 
 __all__ = ["MegakernelStage"]
@@ -33,16 +31,13 @@ class MegakernelStage(ProgramStage):
     A model holding its routed experts as MXFP4 runs the ``-mxfp4`` kernel variant on the held codes and scales."""
 
     name = "megakernel"
-    support = StageSupport(dtypes=(torch.bfloat16,), max_batch=64, devices=("cuda",), archs=ARCHS,
-                           kept_experts=("mxfp4",))
+    support = MEGAKERNEL
 
     def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, policy: str = "critical_path",
                  num_sms: int | None = None, tiling: Tiling | None = None, check: bool = True,
                  max_spins: int = DEFAULT_SPINS, sleep_ns: int = DEFAULT_SLEEP_NS, prebuilt: str | None = None,
                  world: int = 1) -> None:
-        super().__init__(model, batch_size, max_seq_len)
-        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-            raise ValueError(f"world must be an int >= 1, got {world!r}")
+        super().__init__(model, batch_size, max_seq_len, world=world, sms=num_sms)
         self.world = world
         if world == 1:
             self.runner = MegakernelRunner(model, batch_size, max_seq_len, num_sms, policy, tiling, check,

@@ -16,7 +16,6 @@ import random
 
 import torch
 
-from kimik3.kernels.contracts.peers import MAX_WORLD
 from kimik3.megakernel.hazards import check_program, format_violations
 from kimik3.megakernel.hazards_ranks import check_deployment
 from kimik3.megakernel.instructions import Program, decode_program
@@ -27,8 +26,9 @@ from kimik3.megakernel.scheduler import POLICIES, build_program
 from kimik3.megakernel.step import Tiling
 from kimik3.model.config import ModelConfig
 from kimik3.model.modeling import DecodeState, KimiForCausalLM
+from kimik3.scope.gates import MEGAKERNEL_INTERP
 from kimik3.stages import register_stage
-from kimik3.stages.base import Stage, StageSupport
+from kimik3.stages.base import Stage
 from kimik3.stages.naive import NaiveStage
 
 __all__ = ["rank_programs", "RanksInterpreter", "MegakernelInterpStage"]
@@ -123,17 +123,14 @@ class MegakernelInterpStage(Stage):
     Deterministic: every element is computed by one instruction in a fixed order whatever the interleaving."""
 
     name = "megakernel-interp"
-    support = StageSupport(dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64), max_batch=64,
-                           devices=("cpu",), kept_experts=("mxfp4",))
+    support = MEGAKERNEL_INTERP
 
     def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, policy: str = "critical_path",
                  num_sms: int = 8, seed: int = 0, tiling: Tiling | None = None, check: bool = True,
                  poison: bool = True, world: int = 1) -> None:
-        super().__init__(model, batch_size, max_seq_len)
+        super().__init__(model, batch_size, max_seq_len, world=world)
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
-        if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= MAX_WORLD:
-            raise ValueError(f"world must be an int in 1..{MAX_WORLD}, got {world!r}")
         # the program carries the routed experts as the model holds them (dense, or the MXFP4 bytes as they are)
         self.programs = rank_programs(model.config, batch_size, num_sms, world, policy=policy,
                                       max_seq_len=max_seq_len, tiling=tiling, act_dtype=model.dtype,

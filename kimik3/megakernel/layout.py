@@ -19,7 +19,7 @@ import torch
 from kimik3.megakernel.instructions import EXPERT_FORMATS, BufferSpec, Instruction, Kind, Program
 from kimik3.model.config import ModelConfig
 from kimik3.model.modeling import DecodeState, KDAState, KimiForCausalLM, MLACache
-from kimik3.model.quant import MXFP4_GROUP
+from kimik3.scope.gates import mxfp4_width_error, program_feature_errors
 
 __all__ = [
     "EXPERT_FORMATS",
@@ -43,19 +43,9 @@ __all__ = [
 
 
 def check_supported(cfg: ModelConfig) -> None:
-    """The megakernel program covers the Kimi K3 feature set. Anything else is refused here, by name."""
-    problems = []
-    if not cfg.attn_res_block_size:
-        problems.append("additive residual (the program is built around Attention Residuals)")
-    if cfg.mla_layers:
-        if not cfg.q_lora_rank:
-            problems.append("MLA without q LoRA (q_proj)")
-        if cfg.uses_rope:
-            problems.append("RoPE MLA (K3 is NoPE)")
-    if cfg.kda_layers and not cfg.kda_full_rank_gate:
-        problems.append("low-rank KDA output gate (g_a/g_b)")
-    if any(cfg.ffn(i) == "moe" for i in range(cfg.num_hidden_layers)) and cfg.moe_latent_size is None:
-        problems.append("plain (non-latent) MoE")
+    """The megakernel program covers what its scope gate lists (:data:`kimik3.scope.gates.PROGRAM`: the Kimi K3
+    feature set). Anything else is refused here, every feature by name."""
+    problems = program_feature_errors(cfg)
     if problems:
         raise ValueError(f"megakernel program: config {cfg.name or cfg.family!r} uses unsupported features: "
                          + "; ".join(problems))
@@ -63,15 +53,12 @@ def check_supported(cfg: ModelConfig) -> None:
 
 def check_expert_format(cfg: ModelConfig, expert_format: str) -> None:
     """``expert_format`` names a format of :data:`EXPERT_FORMATS` that ``cfg``'s routed experts can take (MXFP4: the
-    latent width and the expert hidden width are multiples of 32); ``ValueError`` otherwise."""
+    latent width and the expert hidden width are multiples of 32, the gate's rule); ``ValueError`` otherwise."""
     if expert_format not in EXPERT_FORMATS:
         raise ValueError(f"unknown expert_format {expert_format!r}; known: {', '.join(EXPERT_FORMATS)}")
-    if expert_format == "mxfp4" and any(cfg.ffn(i) == "moe" for i in range(cfg.num_hidden_layers)):
-        widths = {"moe_latent_size (Dl)": cfg.moe_latent_size, "moe_intermediate_size (Ie)": cfg.moe_intermediate_size}
-        bad = [f"{k} = {v}" for k, v in widths.items() if v is None or v % MXFP4_GROUP]
-        if bad:
-            raise ValueError(f"expert_format 'mxfp4' needs the expert widths to be multiples of {MXFP4_GROUP} (one "
-                             f"E8M0 scale per {MXFP4_GROUP} columns): " + ", ".join(bad))
+    why = mxfp4_width_error(cfg, expert_format)
+    if why:
+        raise ValueError(f"expert_format 'mxfp4' {why}")
 
 
 def expert_weight_names(layer: int, expert_format: str) -> dict[str, tuple[str, ...]]:

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kimik3.kernels.contracts.peers import MAX_WORLD
 from kimik3.model.config import ModelConfig
-from kimik3.model.rank_slice import check_split, part
+from kimik3.model.rank_slice import part
+from kimik3.scope.gates import RANKS
+from kimik3.scope.spec import Request
 
 __all__ = ["LAYOUTS", "Shard", "SINGLE", "of_slice"]
 
@@ -65,7 +69,10 @@ class Shard:
         if cfg.rank_slice:
             raise ValueError(f"config {cfg.name!r} is already rank slice {cfg.rank_slice}: build the rank program from "
                              "the whole model with its shard (of_slice(cfg) gives both)")
-        check_split(cfg, self.world)
+        if self.world > 1:  # the rank programs' scope gate: features and the even split, every reason at once
+            reasons = RANKS.refuse_config(cfg, Request(dtype=torch.float32, device="cpu", batch=1, world=self.world))
+            if reasons:
+                raise ValueError(f"rank programs over {self.world}: " + "; ".join(reasons))
 
 
 def of_slice(cfg: ModelConfig) -> tuple[ModelConfig, Shard]:

@@ -30,6 +30,7 @@ CI: dict[str, dict] = {
     "05_megakernel": {"preset": "micro", "steps": 2, "interleavings": 2, "compile_kernel": False},
     "06_validation": {"presets": ["micro"], "quick": True},
     "07_scaling_to_nvl72": {"batch_sizes": [1, 8, 64], "rank_batches": [1]},
+    "08_evidence": {},
 }
 CI.update({k: {**v, **CI[k]} for k, v in _SOLUTIONS.items()})
 
@@ -92,8 +93,14 @@ def run_all(out_root: str | Path = "runs", only: list[str] | None = None, ci: bo
         print(f"[kimik3] running {nb.name} -> {out_root / nb.stem}/ ...", flush=True)
         done.append(run_notebook(nb, out_root, params))
         print(f"[kimik3]   done in {time.perf_counter() - t0:.1f} s", flush=True)
+    from kimik3.evidence.cli import build
     from kimik3.notebook.site import write_site
 
+    # the evidence page of every unit (its dossier, the last recorded test results), part of the same site
+    t0 = time.perf_counter()
+    ds, notes, _ = build(out_root / "evidence")
+    print(f"[kimik3] evidence for {len(ds)} units ({len(notes)} note(s)) -> {out_root / 'evidence'}/ in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
     # every executed notebook under out_root (this run's and earlier ones'), viewable offline from file://
     print(f"[kimik3] static site (HTML exports + figures, no network needed): {write_site(out_root)}", flush=True)
     return done

@@ -68,6 +68,11 @@ def write_site(out_root: str | Path = "runs", executed: list[Path] | None = None
         fig_links = "".join(f'<li><a href="{rel(f)}">{html.escape(f.stem.replace("_", " "))}</a></li>' for f in figs)
         items.append(f'<section><h2><a href="{rel(page)}">{html.escape(nb.stem.replace("_", " "))}</a></h2>'
                      f'<p>executed notebook · {len(figs)} figure file(s)</p><ul>{fig_links}</ul></section>')
+    evidence = root / "evidence" / "index.html"
+    if evidence.is_file():  # written beside the notebooks by run-notebooks (kimik3.evidence)
+        items.insert(0, '<section><h2><a href="evidence/index.html">evidence: a dossier per unit</a></h2><p>scope, '
+                        'contract, launch, numerics, validation, performance and what is unproven, for every kernel, '
+                        'opcode family, stage and contract</p></section>')
     stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>kimik3: executed notebooks</title>

@@ -4,10 +4,10 @@ The step itself is a plan (:class:`kimik3.fused.plan.FusedStep`: which kernel ru
 which and the PyTorch glue left between them); its kernels come from the CuTe DSL JIT when it is installed, else
 from verified prebuilt artefacts (:mod:`kimik3.fused.loading`), and run through
 :class:`kimik3.fused.runners.KernelRunner`. This module is the stage around them: the static cache length, the
-kernel source, graph capture. Nothing silently falls back to PyTorch: on a CPU, for a shape no kernel supports
-(e.g. ``micro``'s head dim 16), or without a usable kernel for the model's shapes and this GPU's architecture,
-the stage refuses with a ``ValueError`` saying why. On a CPU the composition is checked with each kernel replaced
-by its PyTorch reference (``tests/test_fused_stage.py``).
+kernel source, graph capture. Nothing silently falls back to PyTorch: on a CPU, for a feature or shape no kernel
+supports (e.g. ``micro``'s head dim 16) the stage's scope gate (:data:`kimik3.scope.gates.FUSED`) refuses with a
+``ValueError`` giving every reason; without a usable kernel for this GPU's architecture the loader refuses. On a CPU
+the composition is checked with each kernel replaced by its PyTorch reference (``tests/test_fused_stage.py``).
 
 Design: docs/architecture.md (map: one decode step, end to end; how to add a stage).
 """
@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 
 from kimik3.fused.loading import _prebuilt_cache_len, load_kernels
-from kimik3.fused.plan import FusedStep, plan_errors
+from kimik3.fused.plan import FusedStep
 from kimik3.fused.runners import KernelRunner
-from kimik3.kernels.contracts.meta import SUPPORTED_ARCHS
 from kimik3.kernels.toolchain.loader import KERNEL_SOURCES, PREBUILT_ENV, default_prebuilt_dir, resolve_source
 from kimik3.model.modeling import KimiForCausalLM
-from kimik3.stages.base import Stage, StageSupport
+from kimik3.scope.gates import FUSED
+from kimik3.stages.base import Stage
 
 __all__ = ["FusedStage"]
 
@@ -45,22 +45,16 @@ class FusedStage(Stage):
     """
 
     name = "fused"
-    support = StageSupport(dtypes=(torch.bfloat16,), min_batch=1, max_batch=64, devices=("cuda",),
-                           archs=SUPPORTED_ARCHS, kept_experts=("mxfp4",))
+    support = FUSED
 
     def __init__(self, model: KimiForCausalLM, batch_size: int, max_seq_len: int, expert_format: str = "bf16",
                  kernels: str = "auto", prebuilt: str | os.PathLike | None = None, cache_len: int | None = None,
                  graph: bool = True) -> None:
-        if model.device.type != "cuda":
-            raise ValueError(f"stage 'fused' runs the CuTe DSL kernels on a CUDA GPU ({' or '.join(SUPPORTED_ARCHS)}); "
-                             f"the model is on {model.device.type}. On a CPU use stage 'absorbed' or 'compiled'.")
-        super().__init__(model, batch_size, max_seq_len)
+        # the gate first (device, dtype, features, kernel shapes): a kernel that cannot exist is a clearer answer
+        # than a missing file
+        super().__init__(model, batch_size, cache_len or max_seq_len, experts=expert_format)
         if kernels not in KERNEL_SOURCES:
             raise ValueError(f"kernels must be one of {KERNEL_SOURCES}, got {kernels!r}")
-        errs = plan_errors(model.config, batch_size, cache_len or max_seq_len, expert_format)
-        if errs:  # shapes first: a kernel that cannot exist is a clearer answer than a missing file
-            raise ValueError(f"stage 'fused' has no kernel path for {model.config.name or 'this config'} "
-                             f"(batch {batch_size}): " + "; ".join(errs))
         arch = _current_arch(model.device)
         directory = Path(prebuilt) if prebuilt is not None else None
         use_prebuilt = resolve_source(kernels, directory) == "prebuilt"
