@@ -11,6 +11,9 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# the host JIT's float -> bf16 conversion, before any test module imports the CuTe DSL (kernels/verify/host_runtime.py)
+import kimik3.kernels.verify  # noqa: E402,F401
+
 # ---- every test's outcome into runs/test-results.json (kimik3.evidence.results), which the dossiers read
 _RECORDER = None
 

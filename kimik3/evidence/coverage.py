@@ -41,13 +41,14 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
-def _imports(path: Path) -> set[str]:
+@cache
+def _imports(path: Path) -> frozenset[str]:
     """Module names ``path`` imports (``from a.b import c`` yields ``a.b`` and ``a.b.c``)."""
     out: set[str] = set()
     try:
         tree = ast.parse(path.read_text())
     except (OSError, SyntaxError):
-        return out
+        return frozenset()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
@@ -58,7 +59,7 @@ def _imports(path: Path) -> set[str]:
                 "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant) \
                 and isinstance(node.args[0].value, str):
             out.add(node.args[0].value)
-    return out
+    return frozenset(out)
 
 
 @cache
@@ -99,6 +100,7 @@ def _strings(path: Path) -> frozenset[str]:
     return frozenset(n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str))
 
 
+@cache
 def _named(path: Path) -> tuple[frozenset[str], frozenset[str]]:
     """(kernel ops a module names a variant or build target of, kernel files it names as a dotted module: the
     mutants' ``megakernel.moe``), following the pass-through modules."""
