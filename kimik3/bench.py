@@ -253,6 +253,13 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
                   "not_run": [r for r in records if "seconds" not in r]}
         if dev != "cuda":
             record["gpu_rows"] = "not yet measured: this run had no GPU"
+        if "megakernel-cpu" in names:  # which form of the native executor's hot loops these rows timed
+            from kimik3.megakernel.cpu import simd_width
+
+            try:
+                record["cpu_executor_simd_width"] = simd_width()
+            except (ValueError, RuntimeError, OSError) as e:  # no compiler: the stage's row says it did not run
+                record["cpu_executor_simd_width"] = f"unknown: {e}"
         atomic_write_text(out, json.dumps(record, indent=1))
     return df
 

@@ -46,6 +46,7 @@
 # %% tags=["parameters"]
 presets = ["micro"]  # add "tiny" for its matrix (hours on a CPU; minutes on a GPU)
 quick = False
+batch_sizes = None  # None: the matrix's own (1, 2, 8, 33, 64); a list runs only those
 out_dir = "runs/06_validation"
 
 
@@ -53,18 +54,28 @@ out_dir = "runs/06_validation"
 # a bad parameter (papermill -p, or an edit above) stops here with its name, not deep inside a later cell
 from kimik3.notebook.runner import check_params
 
-check_params(dict(presets=presets), "06_validation")
+check_params(dict(presets=presets, **({} if batch_sizes is None else {"batch_sizes": batch_sizes})), "06_validation")
 
 # %%
 from IPython.display import HTML, display
 
 from kimik3.notebook.start import start_notebook
-from kimik3.validation import CHUNK_TOKENS, default_config, error_figure, quick_config, run_validation, support_table
+from kimik3.validation import (
+    CHUNK_TOKENS,
+    default_config,
+    error_figure,
+    only_batches,
+    quick_config,
+    run_validation,
+    support_table,
+)
 from kimik3.validation.metric import TOL
 
 # plotly renders with no network (plotly.js embedded once, no CDN); figures go to `out`
 out = start_notebook(out_dir, pandas_display={"width": 220, "max_columns": 30, "max_colwidth": 140}).out
 config = quick_config() if quick else default_config(presets)
+if batch_sizes is not None:
+    config = only_batches(config, batch_sizes)
 if quick and list(presets) != ["micro"]:
     print(f"quick=True runs micro only; {[p for p in presets if p != 'micro']} listed as not run")
 print({k: v for k, v in config.as_dict().items() if k in ("presets", "dtypes", "batch_sizes", "contexts", "steps",

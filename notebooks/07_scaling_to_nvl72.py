@@ -470,11 +470,10 @@ print(f"bound {bound:.0f} tok/s per sequence vs the published {published:.0f}: "
 # The K3 rank program's collectives, as the wire model reads them off the program (one row each):
 
 # %%
-from kimik3.perfmodel import model_program
+from kimik3.perfmodel import scored_program
 from kimik3.scale.wire import collective_table
 
-display(collective_table(model_program("k3-rank", rank_batches[0], 132, 4096, 4096, "mxfp4")).drop(
-    columns="counter").head(6))
+display(collective_table(scored_program("k3-rank", rank_batches[0])).drop(columns="counter").head(6))
 
 # %% [markdown]
 # The program needs no all-to-all: after each all-reduce every rank holds every token, so the experts need no

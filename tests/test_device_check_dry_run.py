@@ -96,9 +96,12 @@ PLANTS = {"preflight": "preflight megakernel/tiny/b1", "refuse": "preflight mega
           "hang": "megakernel bench b1 ctx16", "fault": "megakernel opcodes b1", "wrong": "mxfp4 *"}
 
 
+@pytest.mark.slow
 def test_dry_run_names_each_planted_failure_and_runs_every_other_phase(tiny_prebuilt: Path, tmp_path: Path) -> None:
     """A hang, a fault, a wrong result, a refused launch and a preflight mismatch planted into the child processes:
-    each is named in summary.json, every phase still ran and wrote its file, the exit status is non-zero."""
+    each is named in summary.json, every phase still ran and wrote its file, the exit status is non-zero. (The
+    mechanism, with real child processes, is tested in CI by tests/test_device_check_isolation.py; this is the whole
+    dry run with the plants, a second run of it, under ``slow``.)"""
     plants = [a for k, glob in PLANTS.items() for a in ("--plant", f"{k}:{glob}")]
     code, r = _dry_run(tmp_path / "out", tiny_prebuilt, "--presets", "tiny", "--batches", "1", "--item-timeout",
                        "30", *plants)

@@ -29,10 +29,10 @@ from kimik3.megakernel.gpu import check_device_contract  # noqa: E402
 from kimik3.megakernel.instructions import Op, Operand  # noqa: E402
 from kimik3.megakernel.kernel_shapes import MAX_BUFS, MAX_CTRS, MAX_INSTR, PROG_WORDS, static_shapes, variant_name  # noqa: E402
 
-# k3-rank: one rank's program of the rack (MKConfig.ranks: the collective opcodes, pushes, system-scope counters);
-# tiny-rank: the loopback check's kernel (every rank of tiny over 2 in one launch: the local-rank table)
-CI_SM90 = ["megakernel/tiny/b1", "megakernel/k3-shard/b8", "megakernel/tiny/b1-mxfp4", "megakernel/k3-rank/b1-mxfp4",
-           "megakernel/tiny-rank/b1"]
+# tiny-rank: the loopback check's kernel (every rank of tiny over 2 in one launch: the local-rank table), built for
+# rank programs (MKConfig.ranks: the collective opcodes, pushes, system-scope counters); k3-rank, one rank's program
+# of the rack, compiles the same code at the rack's shapes (the slow matrix)
+CI_SM90 = ["megakernel/tiny/b1", "megakernel/k3-shard/b8", "megakernel/tiny/b1-mxfp4", "megakernel/tiny-rank/b1"]
 CI_SM100 = ["megakernel/tiny/b1"]
 # the design's synchronisation, in the PTX: acquire spin with back-off, release signal, first-error CAS, error-word
 # poll, timestamps, SM id, asynchronous weight prefetch into smem, CTA barriers
@@ -81,7 +81,7 @@ def test_compiles_for_sm100a(name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("name", [f"megakernel/{p}/b{b}{f}" for p in ("micro", "tiny", "k3-shard") for b in (1, 8, 64)
-                                  for f in ("", "-mxfp4")] + ["megakernel/k3-rank/b8-mxfp4"])
+                                  for f in ("", "-mxfp4")] + [f"megakernel/k3-rank/b{b}-mxfp4" for b in (1, 8)])
 def test_full_matrix(name: str, arch: str) -> None:
     v = R.get_variant(name)
     _check(B.build(v, arch), v, arch)
@@ -90,11 +90,12 @@ def test_full_matrix(name: str, arch: str) -> None:
 def test_only_a_rank_kernel_carries_the_cross_rank_code() -> None:
     """The kernel built for a rank program signals its peers' counter words with system-scope releases and polls
     its own cross-rank words with system-scope acquires; one GPU's kernel compiles none of it (MKConfig.ranks)."""
-    ranks = B.build(R.get_variant("megakernel/k3-rank/b1-mxfp4"), "sm_90a").ptx
+    ranks = B.build(R.get_variant("megakernel/tiny-rank/b1"), "sm_90a").ptx
     single = B.build(R.get_variant("megakernel/tiny/b1-mxfp4"), "sm_90a").ptx
     assert "red.release.sys.global.add" in ranks and "ld.acquire.sys.global" in ranks
     assert "red.release.sys" not in single and "ld.acquire.sys" not in single
     assert static_shapes("k3-rank", 1, expert_format="mxfp4")["ranks"] is True
+    assert static_shapes("tiny-rank", 1)["ranks"] is True
     assert static_shapes("tiny", 1)["ranks"] is False
 
 

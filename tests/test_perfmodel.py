@@ -226,6 +226,19 @@ def test_mxfp4_experts_are_scored_on_an_mxfp4_program():
         predict("k3-shard", "megakernel", 1, experts="fp3")
 
 
+def test_scored_program_is_the_build_predict_scored():
+    """A caller that wants the program predict scored (notebook 07's collectives) gets that very build: no second
+    one (a k3-rank program takes tens of seconds to build)."""
+    from kimik3.perfmodel import model_program, scored_program
+
+    predict("k3-shard", "megakernel", 1, experts="mxfp4", ranges=False)
+    before = model_program.cache_info()
+    prog = scored_program("k3-shard", 1, experts="mxfp4")
+    after = model_program.cache_info()
+    assert after.misses == before.misses and after.hits == before.hits + 1
+    assert prog.expert_format == "mxfp4" and scored_program("k3-shard", 1) is not prog  # bf16: another program
+
+
 def test_compare_designs_side_by_side():
     from kimik3.perfmodel import compare_designs
 

@@ -22,11 +22,12 @@ pytestmark = pytest.mark.host
 
 MEGAKERNEL_SRC = Path(B.__file__).parents[1] / "megakernel" / "vm.py"  # the VM: its launch
 H200_SMS = 132
-# the dense variants and the one for MXFP4 routed experts (its expert opcodes decode codes and scales in registers):
-# all three are among tests/test_megakernel_compile.py's CI builds, so these are disk-cache hits there
-MEGAKERNELS = ["megakernel/tiny/b1", "megakernel/k3-shard/b8", "megakernel/tiny/b1-mxfp4",
-               "megakernel/k3-rank/b1-mxfp4"]
-RANKS = "megakernel/k3-rank/b1-mxfp4"  # one rank's kernel: its peers are other GPUs
+# the dense variants, the one for MXFP4 routed experts (its expert opcodes decode codes and scales in registers) and
+# one for rank programs: all among tests/test_megakernel_compile.py's CI builds, so these are disk-cache hits there
+MEGAKERNELS = ["megakernel/tiny/b1", "megakernel/k3-shard/b8", "megakernel/tiny/b1-mxfp4", "megakernel/tiny-rank/b1"]
+# a kernel built for rank programs (the code k3-rank's kernel compiles at the rack's shapes): its peers' counter
+# words are signalled and polled at system scope
+RANKS = "megakernel/tiny-rank/b1"
 
 
 @pytest.fixture(autouse=True)

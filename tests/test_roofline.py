@@ -4,6 +4,8 @@ everything builds and saves headless, and the panel reacts to its controls witho
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -115,6 +117,12 @@ def test_measure_local_reports_rates_spread_and_provenance():
     assert m["matmul_dtype"] == "fp32" and m["matmul_spread"]["max"] >= m["matmul_flops_per_s"] > 1e8
     local = local_hardware(m)
     assert local.measured and local.compute_ceiling("bf16") == (m["matmul_flops_per_s"], "fp32")
+    if Path("/proc/cpuinfo").is_file():  # the CPU a timing ran on: its model and vector extensions
+        text = Path("/proc/cpuinfo").read_text()
+        assert m["cpu_model"] and m["cpu_model"] in text
+        assert all(re.search(rf"\b{f}\b", text) for f in m["cpu_vector_flags"])
+        if re.search(r"\bavx2\b", text):
+            assert "avx2" in m["cpu_vector_flags"]
 
 
 # ====================================================================== recorded and published

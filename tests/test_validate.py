@@ -27,6 +27,7 @@ from kimik3.validation import (
     compare_with_trace,
     drift_with_depth,
     hazard_table,
+    only_batches,
     quick_config,
     reference_trace,
     run_validation,
@@ -262,6 +263,14 @@ def test_quick_config_is_the_ci_subset():
     assert any("tiny skipped: --quick" in why for _, why in q.not_run)
     with pytest.raises(ValueError, match="unknown preset"):
         dataclasses.replace(q, presets=("nope",))
+    few = only_batches(q, [1, 33])  # notebook 06's CI run: the batches left out are listed, not dropped silently
+    assert few.batch_sizes == (1, 33) and few.not_run[:-1] == q.not_run
+    assert few.not_run[-1] == ("batch sizes 2, 8, 64", "batch sizes 2, 8, 64 not requested (this run takes 1, 33)")
+    assert only_batches(q, q.batch_sizes).not_run == q.not_run
+    with pytest.raises(ValueError, match="at least one"):
+        only_batches(q, [])
+    with pytest.raises(ValueError, match="positive ints"):
+        only_batches(q, [0])
 
 
 def test_drift_with_depth_small():

@@ -159,8 +159,8 @@ def _gates() -> dict:
 
 
 def _cpu_executor() -> Unit:
-    files = ("kimik3/megakernel/cpu_executor.cpp", "kimik3/megakernel/cpu.py", "kimik3/megakernel/cpu_ranks.py",
-             "kimik3/megakernel/peer_memory.py")
+    files = ("kimik3/megakernel/cpu_executor.cpp", "kimik3/megakernel/cpu_simd.h", "kimik3/megakernel/cpu.py",
+             "kimik3/megakernel/cpu_ranks.py", "kimik3/megakernel/peer_memory.py")
     return Unit("megakernel/cpu-executor", "CPU executor", files,
                 "the megakernel's program run by native worker threads waiting on atomic counters (C++), a "
                 "deployment's ranks as processes over a shared segment", gate="megakernel-cpu",

@@ -65,6 +65,7 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).with_name("cpu_executor.cpp")
+SIMD_SOURCE = Path(__file__).with_name("cpu_simd.h")  # included by SOURCE
 MAX_BATCH = CPU_MAX_BATCH  # the executor's capacity (cpu_executor.cpp MAX_BATCH), its gate's batch bound
 ABI_VERSION = 3
 DEFAULT_TIMEOUT_S = 10.0  # a wait that spins this long is a hang: the step fails with a per-worker dump
@@ -212,7 +213,7 @@ def _build(kind: str, flags: tuple[str, ...], sources: list[Path], out_name: str
 
 def build_library() -> Path:
     """The executor as a shared library (cached)."""
-    return _build("lib", OPT_FLAGS, [SOURCE], "libmk_cpu.so", shared=True)
+    return _build("lib", OPT_FLAGS, [SOURCE, SIMD_SOURCE], "libmk_cpu.so", shared=True)
 
 
 _LIB: ctypes.CDLL | None = None
@@ -225,6 +226,11 @@ def load_library() -> ctypes.CDLL:
         P, I64, I32, D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
         lib.mk_last_error.restype = ctypes.c_char_p
         lib.mk_abi_version.restype = I64
+        lib.mk_simd_width.restype = I64
+        lib.mk_probe_gemv.argtypes = [P, I32, I64, I32, P, I32, I32, P, I64]
+        lib.mk_probe_gemv.restype = I32
+        lib.mk_probe_act.argtypes = [I32, P, I32, P]
+        lib.mk_probe_act.restype = I32
         lib.mk_header.argtypes = [P, I64, P]
         lib.mk_header.restype = I32
         lib.mk_create.argtypes = [P, I64, P, P, P, I64, I32, P, I32, P]
@@ -255,6 +261,43 @@ def header_as_read(encoded: torch.Tensor) -> dict[str, int]:
         raise ValueError("the executor rejected the program header")
     keys = ("n", "s", "q", "c", "nb", "batch", "off_buf", "off_ctr", "off_ins", "off_q", "total")
     return dict(zip(keys, out.tolist()))
+
+
+def simd_width() -> int:
+    """The vector width in floats the executor's hot loops were built for on this machine (16: AVX-512, 8: AVX2 +
+    FMA, 1: the portable loops)."""
+    return int(load_library().mk_simd_width())
+
+
+ACTIVATIONS = ("exp", "tanh", "sigmoid", "silu", "bf16")  # mk_probe_act's functions, in its order
+
+
+def probe_gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` as the executor's GEMV computes it (weight ``[rows, K]`` fp32 or bf16, x ``[batch, K]``
+    fp32): the hot loop alone, for its tests."""
+    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2 or x.dim() != 2 \
+            or x.dtype != torch.float32 or x.shape[1] != weight.shape[1] or not 1 <= x.shape[0] <= MAX_BATCH:
+        raise ValueError(f"probe_gemv needs a [rows, K] fp32/bf16 weight and [1..{MAX_BATCH}, K] fp32 rows, got "
+                         f"{tuple(weight.shape)} {weight.dtype} and {tuple(x.shape)} {x.dtype}")
+    w, xs = weight.contiguous(), x.contiguous()
+    y = torch.full((xs.shape[0], w.shape[0]), float("nan"))
+    dt = enc.DTYPE_CODES[str(w.dtype).replace("torch.", "")]
+    if load_library().mk_probe_gemv(w.data_ptr(), dt, w.shape[1], w.shape[0], xs.data_ptr(), xs.shape[0],
+                                    w.shape[1], y.data_ptr(), w.shape[0]) != 0:
+        raise ValueError("the executor refused the GEMV probe")
+    return y
+
+
+def probe_activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """One of the executor's element-wise functions (:data:`ACTIVATIONS`) over fp32 ``x``, as its hot loops
+    compute it."""
+    if name not in ACTIVATIONS or x.dtype != torch.float32:
+        raise ValueError(f"probe_activation takes one of {ACTIVATIONS} over fp32, got {name!r}, {x.dtype}")
+    xs = x.contiguous().reshape(-1)
+    y = torch.full_like(xs, float("nan"))
+    if load_library().mk_probe_act(ACTIVATIONS.index(name), xs.data_ptr(), xs.numel(), y.data_ptr()) != 0:
+        raise ValueError("the executor refused the activation probe")
+    return y.reshape(x.shape)
 
 
 # ================================================================================================ the runner

@@ -21,9 +21,9 @@
 // element is computed by one instruction in a fixed order, so a step is deterministic, and a row's GEMV result
 // does not depend on how many other rows share the call.
 //
-// Two forms of the hot loops: with AVX-512 (the build uses -march=native on the machine that runs it) GEMVs,
-// attention and activations are written with intrinsics; without it the portable loops below compile instead
-// (also the ThreadSanitizer build's, which has no -march=native).
+// Two forms of the hot loops: with AVX-512 or AVX2 + FMA (the build uses -march=native on the machine that runs
+// it) GEMVs, attention and activations are the vector kernels of `cpu_simd.h`, written once for either width;
+// without them the portable loops compile instead (also the ThreadSanitizer build's, which has no -march=native).
 
 #include <algorithm>
 #include <atomic>
@@ -41,38 +41,13 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include "cpu_simd.h"
 #include "mk_encoding.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define MK_AVX512 1
-#include <immintrin.h>
-#endif
 
 namespace mk {
 
 // Capacities of this executor (not of the encoding): batch rows gathered per expert, AttnRes candidates.
 constexpr int MAX_BATCH = 64, MAX_DEPTH = 64, MAX_WORLD = 128;
-
-// ------------------------------------------------------------------------------------------------ numerics
-
-static inline float bf2f(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline uint16_t f2bf(float f) {  // round to nearest even, as torch's .to(torch.bfloat16)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-static inline float rq(float x, bool bf) { return bf ? bf2f(f2bf(x)) : x; }
-static inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-static inline float siluf(float x) { return x / (1.0f + std::exp(-x)); }
 
 struct Buf {
   char* p = nullptr;
@@ -98,238 +73,6 @@ struct Opnd {
   int mode;
   int b0, b1, r0, r1, c0, c1;
 };
-
-// The portable GEMV: rows [0, nb) of x (float, row stride ldx) against rows [0, nrows) of a weight (row stride
-// ldw) -> y[b][r]. Register-blocked: 4 weight rows x 1 batch row (batch < 4: the 4-row block stays in L1 while
-// every batch row passes over it) and 2 weight rows x 4 batch rows (batch >= 4: FMAs per load count). The
-// `omp simd reduction` pragmas let the compiler vectorise the fp32 sums without -ffast-math (which would also
-// reorder everything else).
-template <class WT>
-static inline float wcv(WT w);
-template <>
-inline float wcv<float>(float w) { return w; }
-template <>
-inline float wcv<uint16_t>(uint16_t w) { return bf2f(w); }
-
-template <class WT>
-static void gemv_t(const WT* W, int64_t ldw, int nrows, const float* x, int64_t ldx, int nb, int K, float* y,
-                   int ldy) {
-  if (nb < 4) {
-    int r = 0;
-    for (; r + 4 <= nrows; r += 4) {
-      const WT *w0 = W + r * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
-      for (int b = 0; b < nb; ++b) {
-        const float* xb = x + static_cast<int64_t>(b) * ldx;
-        float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-        for (int k = 0; k < K; ++k) {
-          float xv = xb[k];
-          a0 += wcv<WT>(w0[k]) * xv;
-          a1 += wcv<WT>(w1[k]) * xv;
-          a2 += wcv<WT>(w2[k]) * xv;
-          a3 += wcv<WT>(w3[k]) * xv;
-        }
-        float* yb = y + static_cast<int64_t>(b) * ldy + r;
-        yb[0] = a0; yb[1] = a1; yb[2] = a2; yb[3] = a3;
-      }
-    }
-    for (; r < nrows; ++r) {
-      const WT* w = W + r * ldw;
-      for (int b = 0; b < nb; ++b) {
-        const float* xb = x + static_cast<int64_t>(b) * ldx;
-        float a = 0;
-#pragma omp simd reduction(+ : a)
-        for (int k = 0; k < K; ++k) a += wcv<WT>(w[k]) * xb[k];
-        y[static_cast<int64_t>(b) * ldy + r] = a;
-      }
-    }
-    return;
-  }
-  int r0 = 0;
-  // 2 weight rows x 4 batch rows: 8 independent accumulators hide the FMA latency, 6 loads feed 8 FMAs
-  for (; r0 + 2 <= nrows; r0 += 2) {
-    const WT* w0 = W + r0 * ldw;
-    const WT* w1 = w0 + ldw;
-    int b = 0;
-    for (; b + 4 <= nb; b += 4) {
-      const float *x0 = x + static_cast<int64_t>(b) * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
-      float a0 = 0, a1 = 0, a2 = 0, a3 = 0, c0 = 0, c1 = 0, c2 = 0, c3 = 0;
-#pragma omp simd reduction(+ : a0, a1, a2, a3, c0, c1, c2, c3)
-      for (int k = 0; k < K; ++k) {
-        const float u = wcv<WT>(w0[k]), v = wcv<WT>(w1[k]);
-        const float e0 = x0[k], e1 = x1[k], e2 = x2[k], e3 = x3[k];
-        a0 += u * e0; a1 += u * e1; a2 += u * e2; a3 += u * e3;
-        c0 += v * e0; c1 += v * e1; c2 += v * e2; c3 += v * e3;
-      }
-      float* yb = y + static_cast<int64_t>(b) * ldy + r0;
-      yb[0] = a0; yb[1] = c0; yb[ldy] = a1; yb[ldy + 1] = c1;
-      yb[2 * ldy] = a2; yb[2 * ldy + 1] = c2; yb[3 * ldy] = a3; yb[3 * ldy + 1] = c3;
-    }
-    for (; b < nb; ++b) {
-      const float* xb = x + static_cast<int64_t>(b) * ldx;
-      float a = 0, c = 0;
-#pragma omp simd reduction(+ : a, c)
-      for (int k = 0; k < K; ++k) {
-        a += wcv<WT>(w0[k]) * xb[k];
-        c += wcv<WT>(w1[k]) * xb[k];
-      }
-      y[static_cast<int64_t>(b) * ldy + r0] = a;
-      y[static_cast<int64_t>(b) * ldy + r0 + 1] = c;
-    }
-  }
-  for (int r = r0; r < nrows; ++r) {
-    const WT* w = W + r * ldw;
-    int b = 0;
-    for (; b + 4 <= nb; b += 4) {
-      const float *x0 = x + static_cast<int64_t>(b) * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
-      float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-      for (int k = 0; k < K; ++k) {
-        float wv = wcv<WT>(w[k]);
-        a0 += wv * x0[k];
-        a1 += wv * x1[k];
-        a2 += wv * x2[k];
-        a3 += wv * x3[k];
-      }
-      y[static_cast<int64_t>(b) * ldy + r] = a0;
-      y[static_cast<int64_t>(b + 1) * ldy + r] = a1;
-      y[static_cast<int64_t>(b + 2) * ldy + r] = a2;
-      y[static_cast<int64_t>(b + 3) * ldy + r] = a3;
-    }
-    for (; b < nb; ++b) {
-      const float* xb = x + static_cast<int64_t>(b) * ldx;
-      float a = 0;
-#pragma omp simd reduction(+ : a)
-      for (int k = 0; k < K; ++k) a += wcv<WT>(w[k]) * xb[k];
-      y[static_cast<int64_t>(b) * ldy + r] = a;
-    }
-  }
-}
-
-// ------------------------------------------------------------------------------------------------ AVX-512 GEMV
-// With AVX-512 (decided by the build: -march=native on the machine that runs it; a build without it compiles the
-// portable loops above instead) the GEMV is written with intrinsics: a block of R weight rows x NB batch rows
-// keeps R*NB 16-lane accumulators in registers, so each weight vector is loaded once per block and feeds NB FMAs
-// (the portable loops need most of a load per FMA, which at batch 8 costs more than the weight stream); the
-// R*NB partial sums are reduced together by a shuffle tree (about 3 instructions per output instead of 8); and
-// the next block's rows are prefetched while this one computes, so their misses start before the loads that
-// need them.
-#ifdef MK_AVX512
-
-static inline __m512 wload(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 wload(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-      reinterpret_cast<const __m256i*>(p))), 16));
-}
-static inline __m512 wload_m(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline __m512 wload_m(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-// Sums of 8 accumulators: lane 4i of the result holds sum(v[i]), lane 4i+1 sum(v[4+i]) (i < 4).
-static inline __m512 reduce8(__m512 v0, __m512 v1, __m512 v2, __m512 v3, __m512 v4, __m512 v5, __m512 v6,
-                             __m512 v7) {
-  // fold 512 -> 256 bits, two accumulators per register
-  const __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x44), _mm512_shuffle_f32x4(v0, v1, 0xEE));
-  const __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(v2, v3, 0x44), _mm512_shuffle_f32x4(v2, v3, 0xEE));
-  const __m512 t45 = _mm512_add_ps(_mm512_shuffle_f32x4(v4, v5, 0x44), _mm512_shuffle_f32x4(v4, v5, 0xEE));
-  const __m512 t67 = _mm512_add_ps(_mm512_shuffle_f32x4(v6, v7, 0x44), _mm512_shuffle_f32x4(v6, v7, 0xEE));
-  // 256 -> 128 bits: 128-bit lane i holds accumulator i (u) / 4+i (w)
-  const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD));
-  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(t45, t67, 0x88), _mm512_shuffle_f32x4(t45, t67, 0xDD));
-  // 128 -> 32 bits within each lane
-  const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(u, w), _mm512_unpackhi_ps(u, w));
-  return _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
-}
-
-// R weight rows x NB batch rows over K columns: y[b * ldy + r] = W[r] . x[b].
-template <int R, int NB, bool PF, class WT>
-static inline void gemv_block(const WT* __restrict W, int64_t ldw, const float* __restrict x, int64_t ldx, int K,
-                              float* __restrict y, int64_t ldy, const WT* __restrict pf) {
-  __m512 acc[R * NB];
-#pragma GCC unroll 32
-  for (int i = 0; i < R * NB; ++i) acc[i] = _mm512_setzero_ps();
-  int k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 w[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) w[r] = wload(W + r * ldw + k);
-    if (PF && (k * static_cast<int>(sizeof(WT))) % 64 == 0) {
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k), _MM_HINT_T0);
-    }
-#pragma GCC unroll 8
-    for (int b = 0; b < NB; ++b) {
-      const __m512 xv = _mm512_loadu_ps(x + b * ldx + k);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r * NB + b] = _mm512_fmadd_ps(w[r], xv, acc[r * NB + b]);
-    }
-  }
-  if (k < K) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
-    __m512 w[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) w[r] = wload_m(W + r * ldw + k, m);
-#pragma GCC unroll 8
-    for (int b = 0; b < NB; ++b) {
-      const __m512 xv = _mm512_maskz_loadu_ps(m, x + b * ldx + k);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r * NB + b] = _mm512_fmadd_ps(w[r], xv, acc[r * NB + b]);
-    }
-  }
-  // reduce in groups of 8 accumulators (the last group padded with zeros)
-  alignas(64) float s[16];
-  const __m512 z = _mm512_setzero_ps();
-#pragma GCC unroll 4
-  for (int g = 0; g < R * NB; g += 8) {
-    auto A = [&](int i) { return g + i < R * NB ? acc[g + i] : z; };
-    _mm512_store_ps(s, reduce8(A(0), A(1), A(2), A(3), A(4), A(5), A(6), A(7)));
-    for (int i = 0; i < 8 && g + i < R * NB; ++i) {
-      const int r = (g + i) / NB, b = (g + i) % NB;
-      y[b * ldy + r] = s[i < 4 ? 4 * i : 4 * (i - 4) + 1];
-    }
-  }
-}
-
-template <int R, bool PF, class WT>
-static inline void gemv_rows(const WT* W, int64_t ldw, const float* x, int64_t ldx, int nb, int K, float* y,
-                             int64_t ldy, const WT* pf) {
-  int b = 0;
-  // the first batch group streams the block's rows in (and prefetches the next block's); later groups re-read
-  // them from L1
-  for (; b + 4 <= nb; b += 4) {
-    if (b == 0) gemv_block<R, 4, PF, WT>(W, ldw, x, ldx, K, y, ldy, pf);
-    else gemv_block<R, 4, false, WT>(W, ldw, x + b * ldx, ldx, K, y + b * ldy, ldy, pf);
-  }
-  const int left = nb - b;
-  const bool first = b == 0;
-  const float* xb = x + b * ldx;
-  float* yb = y + b * ldy;
-  if (left == 3) first ? gemv_block<R, 3, PF, WT>(W, ldw, xb, ldx, K, yb, ldy, pf)
-                       : gemv_block<R, 3, false, WT>(W, ldw, xb, ldx, K, yb, ldy, pf);
-  else if (left == 2) first ? gemv_block<R, 2, PF, WT>(W, ldw, xb, ldx, K, yb, ldy, pf)
-                            : gemv_block<R, 2, false, WT>(W, ldw, xb, ldx, K, yb, ldy, pf);
-  else if (left == 1) first ? gemv_block<R, 1, PF, WT>(W, ldw, xb, ldx, K, yb, ldy, pf)
-                            : gemv_block<R, 1, false, WT>(W, ldw, xb, ldx, K, yb, ldy, pf);
-}
-
-template <class WT>
-static void gemv_simd(const WT* W, int64_t ldw, int nrows, const float* x, int64_t ldx, int nb, int K, float* y,
-                      int64_t ldy) {
-  int r = 0;
-  if (nb == 1) {  // memory-bound: 8 rows in flight, one x load per 8 FMAs
-    for (; r + 8 <= nrows; r += 8) {
-      const WT* nxt = W + (r + 8 < nrows ? r + 8 : r) * ldw;
-      gemv_block<8, 1, true, WT>(W + r * ldw, ldw, x, ldx, K, y + r, ldy, nxt);
-    }
-  } else {
-    for (; r + 4 <= nrows; r += 4) {
-      const WT* nxt = W + (r + 4 < nrows ? r + 4 : r) * ldw;
-      gemv_rows<4, true, WT>(W + r * ldw, ldw, x, ldx, nb, K, y + r, ldy, nxt);
-    }
-  }
-  for (; r < nrows; ++r) gemv_rows<1, false, WT>(W + r * ldw, ldw, x, ldx, nb, K, y + r, ldy, W);
-}
-#endif
 
 // MXFP4 rows: each row is decoded once into fp32 (E2M1 code x 2^(e-127) per 32 columns) and dotted with every
 // batch row; the weight stream is 4.25 bits per weight instead of 16 or 32.
@@ -365,7 +108,7 @@ static void gemv_mx(const Buf& w, int64_t off, int64_t ldw, int nrows, const flo
         }
       }
     }
-#ifdef MK_AVX512
+#ifdef MK_SIMD
     gemv_simd<float>(rows.data(), K, nr, x, ldx, nb, K, y + r0, ldy);
 #else
     gemv_t<float>(rows.data(), K, nr, x, ldx, nb, K, y + r0, ldy);
@@ -380,7 +123,7 @@ static void gemv(const Buf& w, int64_t off, int64_t ldw, int nrows, const float*
   if (ldx < 0) ldx = K;
   if (w.mx)
     gemv_mx(w, off, ldw, nrows, x, ldx, nb, K, y, ldy);
-#ifdef MK_AVX512
+#ifdef MK_SIMD
   else if (w.dt == DT_F32)
     gemv_simd<float>(reinterpret_cast<const float*>(w.p) + off, ldw, nrows, x, ldx, nb, K, y, ldy);
   else
@@ -521,85 +264,25 @@ static float glu(const Exec& ex, float a, float b, bool bf) {
   return rq(rq(siluf(a), bf) * b, bf);  // SwiGLU in the activation dtype, as F.silu(gate) * up
 }
 
-// ------------------------------------------------------------------------------------------------ vector math
-// Element-wise activations over rows: with AVX-512 16 lanes at a time (exp and tanh as the Cephes single-precision
-// polynomials, within about 2 ulp of libm, so results stay within the stage tolerance of the reference, not equal to
-// it bit for bit), else the scalar libm calls. At batch 8 the scalar tanh / exp of the SiTU gate alone cost as
-// much as streaming the expert weights.
-#ifdef MK_AVX512
-static inline __m512 v1s(float v) { return _mm512_set1_ps(v); }
-
-static inline __m512 vexp(__m512 x) {
-  // clamp where exp is 0 / inf in fp32 anyway (max/min keep a NaN in the second operand)
-  x = _mm512_min_ps(v1s(89.0f), _mm512_max_ps(v1s(-104.0f), x));
-  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, v1s(1.44269504088896341f), v1s(0.5f)),
-                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, v1s(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, v1s(-2.12194440e-4f), x);
-  __m512 y = v1s(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, v1s(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, v1s(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, v1s(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, v1s(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, v1s(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, v1s(1.0f)));
-  return _mm512_scalef_ps(y, fx);  // y * 2^fx, overflowing to inf / underflowing to 0 like exp
-}
-
-static inline __m512 vtanh(__m512 x) {
-  const __m512 ax = _mm512_abs_ps(x);
-  const __m512 e = vexp(_mm512_add_ps(ax, ax));
-  __m512 big = _mm512_sub_ps(v1s(1.0f), _mm512_div_ps(v1s(2.0f), _mm512_add_ps(e, v1s(1.0f))));
-  big = _mm512_or_ps(big, _mm512_and_ps(x, v1s(-0.0f)));  // the sign of x
-  const __m512 z = _mm512_mul_ps(x, x);
-  __m512 p = v1s(-5.70498872745e-3f);
-  p = _mm512_fmadd_ps(p, z, v1s(2.06390887954e-2f));
-  p = _mm512_fmadd_ps(p, z, v1s(-5.37397155531e-2f));
-  p = _mm512_fmadd_ps(p, z, v1s(1.33314422036e-1f));
-  p = _mm512_fmadd_ps(p, z, v1s(-3.33332819422e-1f));
-  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, v1s(0.625f), _CMP_LT_OQ), big, small);
-}
-
-static inline __m512 vsigmoid(__m512 x) {
-  return _mm512_div_ps(v1s(1.0f), _mm512_add_ps(v1s(1.0f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-}
-
-static inline __m512 vrq(__m512 x, bool bf) {  // round to bf16 and back, as rq
-  if (!bf) return x;
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(r), x);
-}
-
-static inline __mmask16 tail_mask(int left) {
-  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-}
-#endif
-
 // out[i] = glu(rq(a[i]), rq(b[i])) for i < n
 static void glu_row(const Exec& ex, const float* a, const float* b, float* out, int n, bool bf) {
-#ifdef MK_AVX512
+#ifdef MK_SIMD
   const bool situ = ex.par[P_SITU] != 0.0;
-  const float beta = static_cast<float>(ex.par[P_SITU_BETA]);
+  const v::F beta = v::set1(static_cast<float>(ex.par[P_SITU_BETA]));
   const double lin = ex.par[P_SITU_LIN];
-  const float linf = static_cast<float>(lin);
-  for (int i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
-    const __m512 av = vrq(_mm512_maskz_loadu_ps(m, a + i), bf), bv = vrq(_mm512_maskz_loadu_ps(m, b + i), bf);
-    __m512 y;
+  const v::F linf = v::set1(static_cast<float>(lin));
+  for (int i = 0; i < n; i += v::W) {
+    const v::Tail m = v::tail(n - i);
+    const v::F av = v::rq(v::load(a + i, m), bf), bv = v::rq(v::load(b + i, m), bf);
+    v::F y;
     if (situ) {
-      const __m512 g = _mm512_mul_ps(_mm512_mul_ps(v1s(beta), vtanh(_mm512_div_ps(av, v1s(beta)))), vsigmoid(av));
-      const __m512 u = std::isnan(lin) ? bv : _mm512_mul_ps(v1s(linf), vtanh(_mm512_div_ps(bv, v1s(linf))));
-      y = vrq(_mm512_mul_ps(g, u), bf);
+      const v::F g = v::mul(v::mul(beta, v::tanh(v::div(av, beta))), v::sigmoid(av));
+      const v::F u = std::isnan(lin) ? bv : v::mul(linf, v::tanh(v::div(bv, linf)));
+      y = v::rq(v::mul(g, u), bf);
     } else {
-      const __m512 s = _mm512_div_ps(av, _mm512_add_ps(v1s(1.0f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), av))));
-      y = vrq(_mm512_mul_ps(vrq(s, bf), bv), bf);
+      y = v::rq(v::mul(v::rq(v::silu(av), bf), bv), bf);
     }
-    _mm512_mask_storeu_ps(out + i, m, y);
+    v::store(out + i, m, y);
   }
 #else
   for (int i = 0; i < n; ++i) out[i] = glu(ex, rq(a[i], bf), rq(b[i], bf), bf);
@@ -608,12 +291,10 @@ static void glu_row(const Exec& ex, const float* a, const float* b, float* out, 
 
 // x[i] = rq(silu(x[i])) in place
 static void silu_row(float* x, int n, bool bf) {
-#ifdef MK_AVX512
-  for (int i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
-    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-    const __m512 s = _mm512_div_ps(v, _mm512_add_ps(v1s(1.0f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), v))));
-    _mm512_mask_storeu_ps(x + i, m, vrq(s, bf));
+#ifdef MK_SIMD
+  for (int i = 0; i < n; i += v::W) {
+    const v::Tail m = v::tail(n - i);
+    v::store(x + i, m, v::rq(v::silu(v::load(x + i, m)), bf));
   }
 #else
   for (int i = 0; i < n; ++i) x[i] = rq(siluf(x[i]), bf);
@@ -622,10 +303,10 @@ static void silu_row(float* x, int n, bool bf) {
 
 // x[i] = exp(x[i] - base) in place
 static void exp_shifted_row(float* x, int n, float base) {
-#ifdef MK_AVX512
-  for (int i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
-    _mm512_mask_storeu_ps(x + i, m, vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), v1s(base))));
+#ifdef MK_SIMD
+  for (int i = 0; i < n; i += v::W) {
+    const v::Tail m = v::tail(n - i);
+    v::store(x + i, m, v::exp(v::sub(v::load(x + i, m), v::set1(base))));
   }
 #else
   for (int i = 0; i < n; ++i) x[i] = std::exp(x[i] - base);
@@ -828,11 +509,11 @@ static void op_kda_step(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
       for (int d = 0; d < dk; ++d) g[d] = rq(u[d], bf) + dtv[d];
       if (!std::isnan(lb)) {
         const float lbf = static_cast<float>(lb);
-#ifdef MK_AVX512
-        for (int d = 0; d < dk; d += 16) {
-          const __mmask16 m = tail_mask(dk - d);
-          const __m512 s = vsigmoid(_mm512_mul_ps(v1s(lam), _mm512_maskz_loadu_ps(m, g + d)));
-          _mm512_mask_storeu_ps(g + d, m, vexp(_mm512_mul_ps(v1s(lbf), s)));
+#ifdef MK_SIMD
+        for (int d = 0; d < dk; d += v::W) {
+          const v::Tail m = v::tail(dk - d);
+          const v::F s = v::sigmoid(v::mul(v::set1(lam), v::load(g + d, m)));
+          v::store(g + d, m, v::exp(v::mul(v::set1(lbf), s)));
         }
 #else
         for (int d = 0; d < dk; ++d) g[d] = std::exp(lbf * sigmoidf(lam * g[d]));
@@ -877,12 +558,11 @@ static void op_kda_step(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
       const float rs = 1.0f / std::sqrt(ss / dk + eps);
       load_span(*blk.b, bb + 3 * dk, dk, gate);
       float* y = tmp + 4 * dk;
-#ifdef MK_AVX512
-      for (int j = 0; j < dk; j += 16) {
-        const __mmask16 m = tail_mask(dk - j);
-        const __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, outv + j), v1s(rs)),
-                                       _mm512_maskz_loadu_ps(m, onw + j));
-        _mm512_mask_storeu_ps(y + j, m, vrq(_mm512_mul_ps(t, vsigmoid(_mm512_maskz_loadu_ps(m, gate + j))), bf));
+#ifdef MK_SIMD
+      for (int j = 0; j < dk; j += v::W) {
+        const v::Tail m = v::tail(dk - j);
+        const v::F t = v::mul(v::mul(v::load(outv + j, m), v::set1(rs)), v::load(onw + j, m));
+        v::store(y + j, m, v::rq(v::mul(t, v::sigmoid(v::load(gate + j, m))), bf));
       }
 #else
       for (int j = 0; j < dk; ++j) y[j] = rq(outv[j] * rs * onw[j] * sigmoidf(gate[j]), bf);
@@ -892,53 +572,9 @@ static void op_kda_step(Exec& ex, Worker& wk, const Opnd* o, const int32_t* a) {
   }
 }
 
-// acc[h * n + i] = sum_t P[h * ldp + t] * C[t * ldc + i] for h < hh, i < n, t < T (a cache tile of either float
-// dtype at element offset `off`), each element summed in t order. With AVX-512: 4 column vectors x up to 4 heads
-// of accumulators stay in registers over the whole tile, so each cache row chunk is loaded once per head group.
-#ifdef MK_AVX512
-template <int HB, class CT>
-static void pv_block(const CT* C, int64_t ldc, int T, const float* P, int ldp, int n, float* acc) {
-  for (int c0 = 0; c0 < n; c0 += 64) {
-    __mmask16 m[4];
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) m[j] = c0 + 16 * j < n ? tail_mask(n - c0 - 16 * j) : static_cast<__mmask16>(0);
-    __m512 a[HB][4];
-#pragma GCC unroll 4
-    for (int h = 0; h < HB; ++h)
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) a[h][j] = _mm512_setzero_ps();
-    for (int t = 0; t < T; ++t) {
-      __m512 cv[4];
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) cv[j] = wload_m(C + t * ldc + c0 + 16 * j, m[j]);
-#pragma GCC unroll 4
-      for (int h = 0; h < HB; ++h) {
-        const __m512 p = _mm512_set1_ps(P[h * ldp + t]);
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) a[h][j] = _mm512_fmadd_ps(p, cv[j], a[h][j]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int h = 0; h < HB; ++h)
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(acc + h * n + c0 + 16 * j, m[j], a[h][j]);
-  }
-}
-
-template <class CT>
-static void pv_simd(const CT* C, int64_t ldc, int T, const float* P, int ldp, int hh, int n, float* acc) {
-  int h = 0;
-  for (; h + 4 <= hh; h += 4) pv_block<4, CT>(C, ldc, T, P + h * ldp, ldp, n, acc + h * n);
-  const int left = hh - h;
-  if (left == 3) pv_block<3, CT>(C, ldc, T, P + h * ldp, ldp, n, acc + h * n);
-  else if (left == 2) pv_block<2, CT>(C, ldc, T, P + h * ldp, ldp, n, acc + h * n);
-  else if (left == 1) pv_block<1, CT>(C, ldc, T, P + h * ldp, ldp, n, acc + h * n);
-}
-#endif
-
 static void pv_acc(const Buf& C, int64_t off, int64_t ldc, int T, const float* P, int ldp, int hh, int n,
                    float* acc) {
-#ifdef MK_AVX512
+#ifdef MK_SIMD
   if (C.dt == DT_F32) pv_simd<float>(reinterpret_cast<const float*>(C.p) + off, ldc, T, P, ldp, hh, n, acc);
   else pv_simd<uint16_t>(reinterpret_cast<const uint16_t*>(C.p) + off, ldc, T, P, ldp, hh, n, acc);
 #else
@@ -1555,6 +1191,51 @@ extern "C" {
 const char* mk_last_error() { return g_error.c_str(); }
 
 int64_t mk_abi_version() { return MK_ABI_VERSION; }
+// The vector width in floats the hot loops were built for (16: AVX-512, 8: AVX2 + FMA, 1: the portable loops).
+int64_t mk_simd_width() {
+#ifdef MK_SIMD
+  return MK_SIMD;
+#else
+  return 1;
+#endif
+}
+
+// The hot loops alone, for their own tests: y[b * ldy + r] = W[r] . x[b] as the executor computes it (weight dtype
+// DT_F32 or DT_BF16; ldx = K), and an element-wise function of the executor's vector math (0 exp, 1 tanh,
+// 2 sigmoid, 3 silu, 4 bf16 rounding: the vector kernels where the build has them, else the portable forms).
+int mk_probe_gemv(const void* w, int dt, int64_t ldw, int nrows, const float* x, int nb, int K, float* y,
+                  int64_t ldy) {
+  if ((dt != DT_F32 && dt != DT_BF16) || nrows < 0 || nb < 1 || K < 1 || ldw < K || ldy < nrows) return 1;
+  mk::Buf b;
+  b.p = const_cast<char*>(static_cast<const char*>(w));
+  b.dt = dt;
+  mk::gemv(b, 0, ldw, nrows, x, nb, K, y, static_cast<int>(ldy));
+  return 0;
+}
+
+int mk_probe_act(int which, const float* x, int n, float* y) {
+  if (n < 0 || which < 0 || which > 4) return 1;
+  std::memcpy(y, x, sizeof(float) * n);
+  if (which == 3) { mk::silu_row(y, n, false); return 0; }
+  if (which == 4) {
+#ifdef MK_SIMD
+    for (int i = 0; i < n; i += mk::v::W) mk::v::store(y + i, mk::v::tail(n - i), mk::v::round_bf16(mk::v::load(x + i, mk::v::tail(n - i))));
+#else
+    for (int i = 0; i < n; ++i) y[i] = mk::rq(x[i], true);
+#endif
+    return 0;
+  }
+#ifdef MK_SIMD
+  for (int i = 0; i < n; i += mk::v::W) {
+    const mk::v::Tail t = mk::v::tail(n - i);
+    const mk::v::F a = mk::v::load(x + i, t);
+    mk::v::store(y + i, t, which == 0 ? mk::v::exp(a) : which == 1 ? mk::v::tanh(a) : mk::v::sigmoid(a));
+  }
+#else
+  for (int i = 0; i < n; ++i) y[i] = which == 0 ? std::exp(x[i]) : which == 1 ? std::tanh(x[i]) : mk::sigmoidf(x[i]);
+#endif
+  return 0;
+}
 
 // Header fields as this executor reads them (tested against the Python decoder): N, S, Q, C, NB, batch,
 // off_buf, off_ctr, off_ins, off_q, total.

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kimik3.megakernel.cpu import SOURCE, TSAN_FLAGS, CPUMegakernel, _build, model_params
+from kimik3.megakernel.cpu import SIMD_SOURCE, SOURCE, TSAN_FLAGS, CPUMegakernel, _build, model_params
 from kimik3.megakernel.instructions import Program, encode_program
 
 __all__ = ["DRIVER", "TsanResult", "build_tsan_driver", "dump_case", "run_tsan"]
@@ -46,7 +46,7 @@ class TsanResult:
 
 def build_tsan_driver() -> Path:
     """The TSan build of the driver (cached like the executor library)."""
-    return _build("tsan", TSAN_FLAGS, [DRIVER, SOURCE], "mk_tsan_driver", shared=False)
+    return _build("tsan", TSAN_FLAGS, [DRIVER, SOURCE, SIMD_SOURCE], "mk_tsan_driver", shared=False)
 
 
 def dump_case(runner: CPUMegakernel, directory: str | Path, ids: torch.Tensor, positions: torch.Tensor,

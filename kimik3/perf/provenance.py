@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["provenance", "commit_info", "package_versions", "nvidia_smi", "utc_now", "REPO_ROOT"]
+__all__ = ["provenance", "cpu_info", "commit_info", "package_versions", "nvidia_smi", "utc_now", "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # distribution names whose versions decide a result (None when not installed)
@@ -94,6 +94,31 @@ def nvidia_smi() -> dict[str, str] | None:
     return dict(zip(_SMI_FIELDS.split(","), [v.strip() for v in raw.splitlines()[0].split(",")]))
 
 
+# the x86 / Arm vector extensions a CPU timing depends on (the native executor's hot loops are built for them)
+_VECTOR_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
+                 "amx_bf16", "neon", "asimd", "sve")
+
+
+def cpu_info() -> dict[str, Any]:
+    """This CPU's model name and the vector extensions it reports (``/proc/cpuinfo``; ``None`` where unreadable)."""
+    model, flags = None, None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model is None:
+                    model = val.strip()
+                elif key in ("flags", "Features") and flags is None:
+                    flags = val.split()
+                if model is not None and flags is not None:
+                    break
+    except OSError:
+        pass
+    return {"cpu_model": model,
+            "cpu_vector_flags": None if flags is None else [f for f in _VECTOR_FLAGS if f in set(flags)]}
+
+
 def provenance(device: str | torch.device = "cpu", prebuilt: str | os.PathLike | None = None) -> dict[str, Any]:
     """The provenance record: commit, dirty tree, date, device, versions, load (see the module docstring).
 
@@ -109,7 +134,7 @@ def provenance(device: str | torch.device = "cpu", prebuilt: str | os.PathLike |
         "device": str(dev if dev is not None else device), **package_versions(),
         "platform": platform.platform(), "host": platform.node(),
         "host_cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-        "cpu_threads": torch.get_num_threads(),
+        "cpu_threads": torch.get_num_threads(), **cpu_info(),
         # a loaded machine measures slow: the load at the start says how far to trust a timing
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "cuda_available": torch.cuda.is_available(),

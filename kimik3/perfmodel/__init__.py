@@ -27,7 +27,7 @@ from kimik3.perfmodel.fused import fused_times
 from kimik3.perfmodel.megakernel import instruction_times, simulate_model, stream_ns
 
 __all__ = ["STAGES", "EXPERT_DTYPES", "PERF_DIR", "CURRENT_DESIGN", "Constants", "load_constants", "load_design",
-           "design_names", "model_program", "design_tiling",
+           "design_names", "model_program", "scored_program", "design_tiling",
            "megakernel_model", "predict", "roofline_ms", "compare_opcodes", "compare_kernels", "opcode_report",
            "model_columns", "compare_designs", "design_expert_formats",
            "stream_ns", "instruction_times", "simulate_model", "fused_times"]
@@ -217,6 +217,20 @@ def _step(preset: str, stage: str, batch: int, d: dict[str, Any], c: Constants, 
     return float(ft["ns"].sum()) / 1e6, by, {"kernels": int(len(ft))}
 
 
+def _default_experts(preset: str, c: Constants) -> str:
+    """bf16, or mxfp4 where bf16 experts would not fit the GPU (a rank slice of K3)."""
+    return "bf16" if _need_bytes(preset, "bf16") <= (_capacity(c) or float("inf")) else "mxfp4"
+
+
+def scored_program(preset: str, batch: int, design: str = CURRENT_DESIGN, context_len: int = 4096,
+                   constants: Constants | None = None, experts: str | None = None) -> Any:
+    """The megakernel program :func:`predict` scores for these arguments (the same cached build of
+    :func:`model_program`: a caller that also wants the program, e.g. its collectives, does not build it again)."""
+    c = constants or load_constants()
+    return model_program(preset, batch, int(c.sm_count), 4096, context_len, experts or _default_experts(preset, c),
+                         design_tiling(load_design(design)))
+
+
 def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1, design: str = CURRENT_DESIGN,
             context_len: int = 4096, constants: Constants | None = None, experts: str | None = None,
             ranges: bool = True) -> dict[str, Any]:
@@ -232,8 +246,7 @@ def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1,
     ``experts=None``: bf16, or mxfp4 where bf16 experts would not fit the GPU (a rank slice of K3). A rank slice
     also gets ``rank``: its step with the wire and the rack-level tokens/s (:mod:`kimik3.perfmodel.ranks`)."""
     c = constants or load_constants()
-    if experts is None:
-        experts = "bf16" if _need_bytes(preset, "bf16") <= (_capacity(c) or float("inf")) else "mxfp4"
+    experts = experts or _default_experts(preset, c)
     _check(preset, stage, batch, context_len, experts)
     _check_fits(preset, experts, c)
     d = load_design(design)

@@ -31,6 +31,7 @@ _LAZY = {
     "ValidationConfig": "config",
     "default_config": "config",
     "quick_config": "config",
+    "only_batches": "config",
     "CELL_COLUMNS": "report",
     "Cell": "report",
     "ValidationReport": "report",

@@ -103,3 +103,15 @@ def quick_config(device: str | None = None, **overrides: Any) -> ValidationConfi
                  ("seed 1", "seed 1 skipped: --quick (one seed)"),
                  ("hazards round_robin", "round_robin scheduling policy skipped: --quick")))
     return dataclasses.replace(cfg, **overrides)
+
+
+def only_batches(config: ValidationConfig, batches: Sequence[int]) -> ValidationConfig:
+    """``config`` run at ``batches`` only; the batch sizes it leaves out are listed among the run's ``not_run``."""
+    chosen = tuple(batches)
+    if not chosen:
+        raise ValueError("only_batches needs at least one batch size")
+    left = [b for b in config.batch_sizes if b not in chosen]
+    why = ((f"batch sizes {', '.join(map(str, left))}", f"batch sizes {', '.join(map(str, left))} not requested "
+            f"(this run takes {', '.join(map(str, chosen))})"),) if left else ()
+    return dataclasses.replace(config, batch_sizes=chosen, not_run=config.not_run + why)
+
