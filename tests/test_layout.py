@@ -211,3 +211,15 @@ def test_the_docstring_rule_refuses_a_long_docstring(tmp_path: Path) -> None:
     p.write_text('"""' + "\n".join(f"line {i}" for i in range(MAX_DOCSTRING_LINES + 1)) + '"""\n')
     assert len(ast.get_docstring(ast.parse(p.read_text()), clean=False).splitlines()) > MAX_DOCSTRING_LINES
     assert STATUS_WORDS.search("# for now the tail is scalar")
+
+
+def test_every_package_is_in_the_installed_distribution():
+    """`make setup` installs in editable mode, where a package missing from pyproject's list still imports; a plain
+    install would leave it out. Every folder with an ``__init__.py`` under kimik3/ and kernels/ must be listed."""
+    text = (REPO / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"([^"]+)"', re.search(r"^packages = \[(.*?)\]", text, re.S | re.M).group(1)))
+    found = {".".join((base, *init.parent.relative_to(REPO / folder).parts))
+             for folder, base in (("kimik3", "kimik3"), ("kernels", "kimik3.kernels"))
+             for init in (REPO / folder).rglob("__init__.py")}
+    assert found - listed == set(), f"packages missing from pyproject.toml's packages: {found - listed}"
+    assert listed - found == set(), f"listed packages with no __init__.py: {listed - found}"

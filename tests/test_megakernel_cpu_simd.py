@@ -136,3 +136,19 @@ def test_probes_refuse_what_they_do_not_take():
         cpu.probe_gemv(torch.zeros(2, 3), torch.zeros(1, 4))
     with pytest.raises(ValueError, match="probe_activation"):
         cpu.probe_activation("gelu", torch.zeros(3))
+
+
+def test_an_installed_package_carries_every_source_the_build_reads():
+    """The executor compiles at first use from files shipped beside it: each must match the package data that a
+    (non-editable) install copies."""
+    import fnmatch
+    import re
+    from pathlib import Path
+
+    from kimik3.megakernel import cpu_tsan
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()  # (no tomllib before Python 3.11)
+    section = text.split("[tool.setuptools.package-data]", 1)[1].split("\n[", 1)[0]
+    patterns = re.findall(r'"([^"]+)"', re.search(r'^"kimik3\.megakernel"\s*=\s*\[(.*)\]', section, re.M).group(1))
+    for src in (cpu.SOURCE, cpu.SIMD_SOURCE, cpu_tsan.DRIVER):
+        assert src.is_file() and any(fnmatch.fnmatch(src.name, p) for p in patterns), (src.name, patterns)
