@@ -281,7 +281,7 @@ def probe_gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
                          f"{tuple(weight.shape)} {weight.dtype} and {tuple(x.shape)} {x.dtype}")
     w, xs = weight.contiguous(), x.contiguous()
     y = torch.full((xs.shape[0], w.shape[0]), float("nan"))
-    dt = enc.DTYPE_CODES[str(w.dtype).replace("torch.", "")]
+    dt = enc._dtype_code(w.dtype)
     if load_library().mk_probe_gemv(w.data_ptr(), dt, w.shape[1], w.shape[0], xs.data_ptr(), xs.shape[0],
                                     w.shape[1], y.data_ptr(), w.shape[0]) != 0:
         raise ValueError("the executor refused the GEMV probe")

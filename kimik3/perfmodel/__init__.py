@@ -101,8 +101,7 @@ def megakernel_model(preset: str, batch: int, design: str | dict[str, Any] = CUR
     :func:`model_program` with the design's tiling and the expert format, unless ``program`` is given)."""
     d = load_design(design) if isinstance(design, str) else design
     c = constants or load_constants()
-    prog = program if program is not None else model_program(preset, batch, int(c.sm_count), 4096, context_len,
-                                                              experts, design_tiling(d))
+    prog = program if program is not None else _design_program(preset, batch, d, c, context_len, experts)
     if getattr(prog, "cfg", None) is None:
         from kimik3.model.config import get_preset
 
@@ -131,7 +130,7 @@ def _rank(preset: str, batch: int, d: dict[str, Any], c: Constants, context_len:
     the point constants' instruction times of its program; ``nbytes``: the bytes its step moves (the roofline's)."""
     from kimik3.perfmodel.ranks import rank_extras
 
-    prog = model_program(preset, batch, int(c.sm_count), 4096, context_len, experts, design_tiling(d))
+    prog = _design_program(preset, batch, d, c, context_len, experts)
     opts = _timeline_options(d)
 
     def makespan(delay: np.ndarray) -> float:
@@ -217,6 +216,11 @@ def _step(preset: str, stage: str, batch: int, d: dict[str, Any], c: Constants, 
     return float(ft["ns"].sum()) / 1e6, by, {"kernels": int(len(ft))}
 
 
+def _design_program(preset: str, batch: int, d: dict[str, Any], c: Constants, context_len: int, experts: str) -> Any:
+    """The program a design is scored on: :func:`model_program` at the constants' SM count and the design's tiling."""
+    return model_program(preset, batch, int(c.sm_count), 4096, context_len, experts, design_tiling(d))
+
+
 def _default_experts(preset: str, c: Constants) -> str:
     """bf16, or mxfp4 where bf16 experts would not fit the GPU (a rank slice of K3)."""
     return "bf16" if _need_bytes(preset, "bf16") <= (_capacity(c) or float("inf")) else "mxfp4"
@@ -227,8 +231,8 @@ def scored_program(preset: str, batch: int, design: str = CURRENT_DESIGN, contex
     """The megakernel program :func:`predict` scores for these arguments (the same cached build of
     :func:`model_program`: a caller that also wants the program, e.g. its collectives, does not build it again)."""
     c = constants or load_constants()
-    return model_program(preset, batch, int(c.sm_count), 4096, context_len, experts or _default_experts(preset, c),
-                         design_tiling(load_design(design)))
+    experts = _default_experts(preset, c) if experts is None else experts
+    return _design_program(preset, batch, load_design(design), c, context_len, experts)
 
 
 def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1, design: str = CURRENT_DESIGN,
@@ -246,7 +250,7 @@ def predict(preset: str = "k3-shard", stage: str = "megakernel", batch: int = 1,
     ``experts=None``: bf16, or mxfp4 where bf16 experts would not fit the GPU (a rank slice of K3). A rank slice
     also gets ``rank``: its step with the wire and the rack-level tokens/s (:mod:`kimik3.perfmodel.ranks`)."""
     c = constants or load_constants()
-    experts = experts or _default_experts(preset, c)
+    experts = _default_experts(preset, c) if experts is None else experts
     _check(preset, stage, batch, context_len, experts)
     _check_fits(preset, experts, c)
     d = load_design(design)
