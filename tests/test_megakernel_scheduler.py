@@ -41,7 +41,7 @@ from kimik3.megakernel.instructions import (
 )
 from kimik3.megakernel.scheduler import POLICIES, build_program, instruction_costs
 from kimik3.megakernel.step import Tiling, build_step
-from kimik3.megakernel.timeline import from_timings, gantt, makespan_ns, simulate, summary
+from kimik3.megakernel.timeline import from_timings, gantt, gantt_height, makespan_ns, simulate, summary
 from kimik3.model.config import get_preset
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors: see tests/conftest.py
@@ -309,6 +309,11 @@ def test_timeline_simulation_and_timing_buffer():
     assert makespan_ns(tl2) == pytest.approx(makespan_ns(tl), abs=2)
     fig = gantt(tl2)
     assert len(fig.data) >= len(set(tl["op"]))
+    assert fig.layout.yaxis.title.text.startswith("SM") and fig.layout.height == gantt_height(p.num_sms)
+    cpu = gantt(tl2, unit="CPU worker")
+    assert cpu.layout.yaxis.title.text.startswith("CPU worker")
+    # a figure's height fits its rows: two workers are not a page tall, 132 SMs still fit a screen
+    assert gantt_height(2) == 260 and gantt_height(132) == 760 and gantt_height(16) == 120 + 18 * 16
     with pytest.raises(ValueError, match="timings must be"):
         from_timings(p, tim[:5])
 

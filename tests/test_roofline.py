@@ -4,6 +4,7 @@ everything builds and saves headless, and the panel reacts to its controls witho
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from kimik3.perf.cost import decode_cost
 from kimik3.perf.hardware import DATA_DIR, get_hardware, hardware_table, list_hardware, local_hardware, measure_local
 from kimik3.perf.recorded import RECORDED_COLUMNS, claims_vs_bound, load_published, load_recorded
 from kimik3.perf.roofline import (
+    declutter_labels,
     latency_roofline_figure,
     latency_table,
     points_from_cost,
@@ -72,10 +74,31 @@ def test_latency_roofline_builds_and_bounds_behave(tmp_path):
 # ====================================================================== panel
 
 
+def test_printed_labels_never_land_on_each_other():
+    # three points within a tenth of a decade of each other and one far away: one label of the close three
+    x, y = [1.0, 1.05, 1.1, 100.0], [1e12, 1.1e12, 0.95e12, 1e12]
+    assert declutter_labels(x, y, ["a", "b", "c", "far"]) == ["a", "", "", "far"]
+    assert declutter_labels([0.0, 2.0], [1.0, 1.0], ["zero", "two"]) == ["", "two"]  # not on a log axis
+    pts = points_from_cost(decode_cost("tiny", 1, 1024), "h200")
+    fig = roofline_figure(pts, ["h200"], recorded=False, label_points=True)
+    shown = [(math.log10(px), math.log10(py)) for tr in fig.data if tr.mode == "markers+text"
+             for px, py, t in zip(tr.x, tr.y, tr.text) if t]
+    assert len(shown) >= 2
+    for i, a in enumerate(shown):
+        for b in shown[i + 1:]:
+            assert abs(a[0] - b[0]) >= 0.18 or abs(a[1] - b[1]) >= 0.18
+    for tr in fig.data:  # every block keeps its name in the hover text, printed or not
+        if tr.mode and "markers" in tr.mode and tr.hovertext is not None:
+            assert all(tr.hovertext)
+
+
 def test_panel_builds_headless_and_reacts_to_controls():
     panel = roofline_panel("micro", "h200", batch_size=1, context_len=1024, expert_dtype="bf16")
     assert len(panel.children) == 5 and set(panel.controls) >= {"preset", "hardware", "batch_size", "context_len",
                                                                 "expert_dtype", "weight_dtype", "kv_dtype"}
+    names = [t.name for t in panel.figure.data]  # every trace named: a legend never says "trace 2"
+    assert all(names) and not any(re.fullmatch(r"trace \d+", n) for n in names), names
+    assert len(panel.figure.data[2].hovertext) == len(panel.figure.data[2].x) and all(panel.figure.data[2].hovertext)
     blocks_y = list(panel.figure.data[2].y)
     summary = panel.summary.value
     panel.controls["batch_size"].value = 64

@@ -20,7 +20,7 @@ import torch
 
 from kimik3.megakernel.instructions import Program
 
-__all__ = ["simulate", "from_timings", "summary", "gantt", "makespan_ns", "SimulatedDeadlock"]
+__all__ = ["simulate", "from_timings", "summary", "gantt", "gantt_height", "makespan_ns", "SimulatedDeadlock"]
 
 _COLUMNS = ["sm", "qpos", "op", "layer", "label", "arrive_ns", "start_ns", "end_ns"]
 
@@ -173,9 +173,11 @@ def summary(timeline: pd.DataFrame, num_sms: int | None = None) -> pd.DataFrame:
     return out.sort_values("busy_us", ascending=False)
 
 
-def gantt(timeline: pd.DataFrame, title: str = "megakernel step", show_waits: bool = True):
-    """Plotly Gantt chart: one row per SM, one bar per instruction coloured by opcode (hover: label, times);
-    waits drawn as thin grey bars before the instruction they delay."""
+def gantt(timeline: pd.DataFrame, title: str = "megakernel step", show_waits: bool = True, unit: str = "SM"):
+    """Plotly Gantt chart: one row per SM (``unit``: what a row is, "CPU worker" for the native executor), one bar
+    per instruction coloured by opcode (hover: label, times); waits drawn as thin grey bars before the instruction
+    they delay. The height follows the row count within [260, 760] px, so two workers are not a page tall and 132
+    SMs still fit a screen."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
@@ -194,7 +196,14 @@ def gantt(timeline: pd.DataFrame, title: str = "megakernel step", show_waits: bo
             marker=dict(color=palette[k % len(palette)], line=dict(width=0)), name=op,
             hovertext=[f"#{i} {lbl}<br>{s / 1e3:.2f}–{e / 1e3:.2f} µs" for i, lbl, s, e in
                        zip(d.index, d["label"], d["start_ns"], d["end_ns"])], hoverinfo="text"))
-    fig.update_layout(barmode="overlay", title=title, xaxis_title="time (µs)", yaxis_title="SM",
-                      yaxis=dict(autorange="reversed"), bargap=0.1, height=max(300, 14 * (timeline["sm"].max() + 2)),
-                      legend=dict(traceorder="normal"))
+    rows = int(timeline["sm"].max()) + 1 if len(timeline) else 1
+    fig.update_layout(barmode="overlay", title=title, xaxis_title="time (µs)", yaxis_title=f"{unit} (one row each)",
+                      yaxis=dict(autorange="reversed", dtick=1 if rows <= 16 else None),
+                      bargap=0.1, height=gantt_height(rows), legend=dict(traceorder="normal"))
     return fig
+
+
+def gantt_height(rows: int) -> int:
+    """Pixel height of a :func:`gantt` of ``rows`` rows: 120 px of title and axis plus 18 per row, within
+    [260, 760]."""
+    return int(min(760, max(260, 120 + 18 * rows)))

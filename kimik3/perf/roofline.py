@@ -26,8 +26,8 @@ from kimik3.perf.cost import BYTES_PER_ELEMENT, MLA_FORMS, DecodeCost, decode_co
 from kimik3.perf.hardware import HardwareSpec, get_hardware, list_hardware
 from kimik3.perf.recorded import load_recorded
 
-__all__ = ["RooflinePanel", "check_ceilings", "latency_roofline_figure", "latency_table", "points_from_cost",
-           "roofline_figure", "roofline_panel", "save_html"]
+__all__ = ["RooflinePanel", "check_ceilings", "declutter_labels", "latency_roofline_figure", "latency_table",
+           "points_from_cost", "roofline_figure", "roofline_panel", "save_html"]
 
 POINT_COLUMNS = ["label", "block", "stage", "kind", "flops", "bytes", "seconds", "intensity", "flops_per_s",
                  "hardware"]
@@ -186,6 +186,26 @@ def _as_points(points) -> pd.DataFrame:
 # ====================================================================== classic roofline
 
 
+def declutter_labels(x: Sequence[float], y: Sequence[float], labels: Sequence[str],
+                     min_decades: float = 0.18) -> list[str]:
+    """Labels to print beside log-log points so that none lands on another: a point keeps its label only when no
+    point already labelled lies within ``min_decades`` (in both log10 x and log10 y) of it, taken in the given
+    order; the rest get "" (their label stays in the hover text). Non-positive coordinates are never labelled."""
+    kept: list[tuple[float, float]] = []
+    out = []
+    for xi, yi, lab in zip(x, y, labels):
+        if not (xi > 0 and yi > 0):
+            out.append("")
+            continue
+        lx, ly = math.log10(float(xi)), math.log10(float(yi))
+        if any(abs(lx - kx) < min_decades and abs(ly - ky) < min_decades for kx, ky in kept):
+            out.append("")
+            continue
+        kept.append((lx, ly))
+        out.append(str(lab))
+    return out
+
+
 def _ceiling_xy(spec: HardwareSpec, dtype: str, x_lo: float, x_hi: float) -> tuple[np.ndarray, np.ndarray, str]:
     peak, used = spec.compute_ceiling(dtype)
     ridge = peak / spec.hbm_bandwidth
@@ -238,15 +258,20 @@ def roofline_figure(points=None, hardware: Sequence[str | HardwareSpec] = ("h200
         label_points = len(pts) <= 15
     if not pts.empty:
         groups = pts.assign(_g=pts["stage"].astype(str) + " (" + pts["kind"].astype(str) + ")")
+        # printed labels are decluttered over the whole figure (a label that would land on another is left to the
+        # hover text), so small neighbouring blocks do not print their names on top of each other
+        printed = pd.Series(declutter_labels(groups["intensity"], groups["flops_per_s"], groups["label"]),
+                            index=groups.index)
         for k, (name, g) in enumerate(groups.groupby("_g", sort=False)):
             is_rec = (g["kind"] == "recorded").all()
             fig.add_trace(go.Scatter(
                 x=g["intensity"], y=g["flops_per_s"], mode="markers+text" if label_points else "markers",
-                name=g["label"].iloc[0] if is_rec else name, text=g["label"], textposition="top center",
+                name=g["label"].iloc[0] if is_rec else name, text=printed[g.index].tolist(),
+                hovertext=g["label"], textposition="top center",
                 marker=dict(size=9, symbol="diamond" if is_rec else "circle",
                             color=_PALETTE[(len(specs) + k) % len(_PALETTE)]),
                 customdata=np.stack([g["bytes"] / 1e9, g["flops"] / 1e9, g["seconds"] * 1e3], axis=-1),
-                hovertemplate="%{text}<br>%{x:.3g} FLOP/B, %{y:.3g} FLOP/s<br>%{customdata[0]:.3g} GB, "
+                hovertemplate="%{hovertext}<br>%{x:.3g} FLOP/B, %{y:.3g} FLOP/s<br>%{customdata[0]:.3g} GB, "
                               "%{customdata[1]:.3g} GFLOP, %{customdata[2]:.3g} ms<extra></extra>"))
     if not flagged.empty:  # drawn apart, as what they are: evidence of a measurement problem, not results
         fig.add_trace(go.Scatter(
@@ -353,6 +378,7 @@ def latency_roofline_figure(preset: str | ModelConfig = "kimi-k3", hardware: Seq
 # ====================================================================== interactive panel
 
 _BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+_PANEL_HOVER = "%{hovertext}<br>%{x:.3g} FLOP/B → %{y:.3g} FLOP/s<extra></extra>"
 _CONTEXTS = [0, 1024, 4096, 8192, 32768, 131072, 1048576]
 
 
@@ -422,12 +448,14 @@ class RooflinePanel(_VBox):
         base = go.Figure([go.Scatter(mode="lines", name="memory ceiling", line=dict(color=_PALETTE[0])),
                           go.Scatter(mode="lines", name="compute ceiling", line=dict(color=_PALETTE[0], dash="dash")),
                           go.Scatter(mode="markers+text", name="blocks (at their bound)", textposition="top center",
-                                     marker=dict(size=10, color=_PALETTE[1])),
+                                     marker=dict(size=10, color=_PALETTE[1]), hovertemplate=_PANEL_HOVER),
                           go.Scatter(mode="markers", name="whole step", marker=dict(size=14, symbol="star",
-                                                                                     color=_PALETTE[2]))])
+                                                                                     color=_PALETTE[2]),
+                                     hovertemplate=_PANEL_HOVER)])
         base.update_xaxes(type="log", title="arithmetic intensity (FLOP / byte)")
         base.update_yaxes(type="log", title="attained FLOP/s")
-        base.update_layout(template="plotly_white", height=480, margin=dict(t=40))
+        base.update_layout(template="plotly_white", height=480, margin=dict(t=70),
+                           title=dict(font=dict(size=14), y=0.97, x=0.02, xanchor="left"))
         self.figure, self.is_widget = _figure_widget(base)
         self.output = None if self.is_widget else W.Output()
         rows = [W.HBox([self.controls["preset"], self.controls["hardware"], self.controls["mla_form"]]),
@@ -462,9 +490,12 @@ class RooflinePanel(_VBox):
                              name=f"{spec.name}: {spec.hbm_bandwidth / 1e12:.2f} TB/s")
             f.data[1].update(x=xs, y=ys, name=f"{used} peak {peak / 1e12:,.0f} TFLOP/s")
             f.data[2].update(x=pts["intensity"].to_numpy(), y=pts["flops_per_s"].to_numpy(),
-                             text=pts["label"].tolist())
+                             text=declutter_labels(pts["intensity"], pts["flops_per_s"], pts["label"]),
+                             hovertext=pts["label"].tolist(), name="blocks (at their bound)")
+            # every trace's name is set with its data: a FigureWidget shows the names its front end was last sent,
+            # and one built with a name but never updated with it showed "trace 2" in the browser
             f.data[3].update(x=step["intensity"].to_numpy(), y=step["flops_per_s"].to_numpy(),
-                             text=step["label"].tolist())
+                             text=step["label"].tolist(), hovertext=step["label"].tolist(), name="whole step")
             f.layout.title.text = (f"{v['preset']} · B={v['batch_size']} · T={v['context_len']:,} · "
                                    f"experts {v['expert_dtype']} on {spec.key}")
         n = _devices_needed(self.cost, spec)
