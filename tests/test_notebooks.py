@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kimik3.notebook.runner import CI, list_notebooks, run_notebook
+from kimik3.notebook.runner import CI, CPU_DEFAULTS, DEFAULTS, default_params, list_notebooks, run_notebook
 from kimik3.notebook.start import cdn_references
 
 NOTEBOOKS = list_notebooks()
@@ -29,3 +29,17 @@ def test_notebook_executes(nb, tmp_path):
     assert not errors
     assert any((tmp_path / nb.stem).glob("*.html")), f"{nb.name} wrote no figure"
     assert cdn_references(out.read_text()) == [], f"{nb.name}: an executed output loads from the network"
+
+
+def test_make_run_takes_a_matrix_a_cpu_finishes():
+    # notebook 06's full micro matrix is hours on a 2-core CPU (one papermill cell past its limit): without a GPU
+    # `make run` gives it the quick matrix, with one the notebook's own; every other notebook gets DEFAULTS either way
+    from kimik3.validation import default_config, quick_config
+
+    assert default_params("06_validation", gpu=False) == {"quick": True}
+    assert default_params("06_validation", gpu=True) == DEFAULTS.get("06_validation", {})
+    for nb in NOTEBOOKS:
+        if nb.stem not in CPU_DEFAULTS:
+            assert default_params(nb.stem, gpu=False) == default_params(nb.stem, gpu=True) == DEFAULTS.get(nb.stem, {})
+    quick, full = quick_config("cpu"), default_config(["micro"], "cpu")
+    assert len(quick.contexts) * len(quick.seeds) * quick.steps < len(full.contexts) * len(full.seeds) * full.steps
