@@ -213,6 +213,7 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
                            gb_per_s=nbytes / t.median / 1e9,
                            pct_read_bw=100 * nbytes / t.median / ceiling_bw, bytes_per_step=nbytes,
                            flops_per_step=cost.total_flops)
+                row.update(_roofline_columns(nbytes, cost.total_flops, t.median, ceiling_bw, ceiling, dt))
                 if row["pct_read_bw"] > 100:  # unclamped, so an impossible figure shows as one
                     row["status"] = (f"measurement problem: {row['pct_read_bw']:.0f}% of the measured read bandwidth "
                                      "(above the ceiling: the cost model's bytes, the clock or the ceiling is wrong)")
@@ -262,6 +263,24 @@ def run_bench(preset: str = "tiny", stages: list[str] | tuple[str, ...] = ("naiv
                 record["cpu_executor_simd_width"] = f"unknown: {e}"
         atomic_write_text(out, json.dumps(record, indent=1))
     return df
+
+
+def _roofline_columns(nbytes: float, flops: float, seconds: float, bw: float, ceiling: dict,
+                      dt: torch.dtype) -> dict:
+    """The step against both measured ceilings: ``roofline_ms`` = max(bytes / read ceiling, FLOPs / the measured
+    dense matmul rate of this dtype), ``bound`` which one sets it, ``pct_roofline`` the share of it this time
+    reaches. Past a few batch rows a CPU step is compute-bound, where ``pct_read_bw`` alone understates it; without
+    a matmul rate measured in the run's dtype the compute ceiling is unknown and only the memory one is used
+    (``bound`` says so)."""
+    rate = ceiling.get("matmul_flops_per_s")
+    same = ceiling.get("matmul_dtype") == {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dt)
+    mem_s = nbytes / bw
+    comp_s = flops / rate if (rate and same) else None
+    roof = max(mem_s, comp_s or 0.0)
+    bound = "memory" if comp_s is None or mem_s >= comp_s else "compute"
+    if comp_s is None:
+        bound = "memory (no compute ceiling measured in this dtype)"
+    return {"roofline_ms": roof * 1e3, "bound": bound, "pct_roofline": 100 * roof / seconds}
 
 
 def check_bench_args(stages: list[str] | tuple[str, ...], batches: list[int] | tuple[int, ...], context: int,

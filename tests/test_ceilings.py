@@ -94,3 +94,17 @@ def test_a_cpu_bench_record_is_placed_against_its_working_set_ceiling():
     ceiling = {"read_bandwidth_Bps": 2e10, "step_working_set": {"8": {"ceiling_Bps": 3e10}}}
     assert _record_ceiling({"bandwidth_ceiling": ceiling, "batch_size": 8}) == 3e10
     assert _record_ceiling({"bandwidth_ceiling": ceiling, "batch_size": 1}) == 2e10  # no entry: the read ceiling
+
+
+def test_a_bench_row_meets_the_higher_of_its_two_ceilings():
+    import torch
+
+    # 1 GB at 10 GB/s is 100 ms of reading; 1 TFLOP at 5 TFLOP/s is 200 ms of compute: compute-bound, 200 ms
+    ceiling = {"matmul_flops_per_s": 5e12, "matmul_dtype": "fp32"}
+    r = bench._roofline_columns(1e9, 1e12, 0.4, 1e10, ceiling, torch.float32)
+    assert r["bound"] == "compute" and r["roofline_ms"] == pytest.approx(200) and r["pct_roofline"] == pytest.approx(50)
+    r = bench._roofline_columns(1e9, 1e11, 0.2, 1e10, ceiling, torch.float32)  # 20 ms of compute: memory-bound
+    assert r["bound"] == "memory" and r["roofline_ms"] == pytest.approx(100) and r["pct_roofline"] == pytest.approx(50)
+    # a matmul rate measured in another dtype is no ceiling for this one: the memory ceiling alone, said so
+    r = bench._roofline_columns(1e9, 1e12, 0.4, 1e10, ceiling, torch.bfloat16)
+    assert r["bound"].startswith("memory (no compute ceiling") and r["roofline_ms"] == pytest.approx(100)

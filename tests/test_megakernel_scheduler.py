@@ -313,7 +313,7 @@ def test_timeline_simulation_and_timing_buffer():
     cpu = gantt(tl2, unit="CPU worker")
     assert cpu.layout.yaxis.title.text.startswith("CPU worker")
     # a figure's height fits its rows: two workers are not a page tall, 132 SMs still fit a screen
-    assert gantt_height(2) == 260 and gantt_height(132) == 760 and gantt_height(16) == 120 + 18 * 16
+    assert gantt_height(2) == 340 and gantt_height(132) == 760 and gantt_height(16) == 120 + 18 * 16
     with pytest.raises(ValueError, match="timings must be"):
         from_timings(p, tim[:5])
 

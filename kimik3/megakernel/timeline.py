@@ -176,7 +176,7 @@ def summary(timeline: pd.DataFrame, num_sms: int | None = None) -> pd.DataFrame:
 def gantt(timeline: pd.DataFrame, title: str = "megakernel step", show_waits: bool = True, unit: str = "SM"):
     """Plotly Gantt chart: one row per SM (``unit``: what a row is, "CPU worker" for the native executor), one bar
     per instruction coloured by opcode (hover: label, times); waits drawn as thin grey bars before the instruction
-    they delay. The height follows the row count within [260, 760] px, so two workers are not a page tall and 132
+    they delay. The height follows the row count within [340, 760] px, so two workers are not a page tall and 132
     SMs still fit a screen."""
     import plotly.graph_objects as go
 
@@ -197,7 +197,7 @@ def gantt(timeline: pd.DataFrame, title: str = "megakernel step", show_waits: bo
             hovertext=[f"#{i} {lbl}<br>{s / 1e3:.2f}–{e / 1e3:.2f} µs" for i, lbl, s, e in
                        zip(d.index, d["label"], d["start_ns"], d["end_ns"])], hoverinfo="text"))
     rows = int(timeline["sm"].max()) + 1 if len(timeline) else 1
-    fig.update_layout(barmode="overlay", title=title, xaxis_title="time (µs)", yaxis_title=f"{unit} (one row each)",
+    fig.update_layout(barmode="overlay", title=title, xaxis_title="time (µs)", yaxis_title=unit,
                       yaxis=dict(autorange="reversed", dtick=1 if rows <= 16 else None),
                       bargap=0.1, height=gantt_height(rows), legend=dict(traceorder="normal"))
     return fig
@@ -205,5 +205,5 @@ def gantt(timeline: pd.DataFrame, title: str = "megakernel step", show_waits: bo
 
 def gantt_height(rows: int) -> int:
     """Pixel height of a :func:`gantt` of ``rows`` rows: 120 px of title and axis plus 18 per row, within
-    [260, 760]."""
-    return int(min(760, max(260, 120 + 18 * rows)))
+    [340, 760] (below 340 px the opcode legend beside it scrolls)."""
+    return int(min(760, max(340, 120 + 18 * rows)))

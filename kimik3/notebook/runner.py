@@ -29,7 +29,8 @@ CI: dict[str, dict] = {
     "02_memory_and_rooflines": {"batch_sizes": [1, 8, 64], "context_lens": [1024, 8192]},
     "03_absorption_graphs_compile": {"preset": "micro", "steps": 4, "repeats": 3, "context": 32},
     "04_fused_kernels": {"compile_kernels": False},
-    "05_megakernel": {"preset": "micro", "steps": 2, "interleavings": 2, "compile_kernel": False},
+    "05_megakernel": {"preset": "micro", "steps": 2, "interleavings": 2, "compile_kernel": False,
+                      "curve_batches": [1, 8, 64], "cpu_batches": [1, 8]},
     # the whole quick matrix runs in tests/test_validate.py (validate --quick); the notebook's cells need two batches
     "06_validation": {"presets": ["micro"], "quick": True, "batch_sizes": [1, 33]},
     "07_scaling_to_nvl72": {"batch_sizes": [1, 8, 64], "rank_batches": [1]},
@@ -127,7 +128,7 @@ def run_all(out_root: str | Path = "runs", only: list[str] | None = None, ci: bo
 
 _POSITIVE = ("batch_size", "batch", "prompt_len", "new_tokens", "steps", "repeats", "context", "interleavings")
 _NONNEG = ("seed",)
-_POSITIVE_LISTS = ("batch_sizes", "rank_batches")
+_POSITIVE_LISTS = ("batch_sizes", "rank_batches", "curve_batches", "cpu_batches")
 _NONNEG_LISTS = ("context_lens",)
 
 
