@@ -41,6 +41,8 @@ interleavings = 5
 policy = "critical_path"
 out_dir = "runs/05_megakernel"
 compile_kernel = True
+curve_batches = [1, 2, 4, 8, 16, 32, 64]  # the model's batch curve (k3-shard)
+cpu_batches = [1, 8, 32, 64]  # megakernel-cpu measured on this machine, at these batches
 solutions = False  # workshop: True checks the reference solutions instead of your answers (make run does)
 
 
@@ -48,7 +50,8 @@ solutions = False  # workshop: True checks the reference solutions instead of yo
 # a bad parameter (papermill -p, or an edit above) stops here with its name, not deep inside a later cell
 from kimik3.notebook.runner import check_params
 
-check_params(dict(preset=preset, batch_size=batch_size, steps=steps, interleavings=interleavings), "05_megakernel")
+check_params(dict(preset=preset, batch_size=batch_size, steps=steps, interleavings=interleavings,
+                  curve_batches=curve_batches, cpu_batches=cpu_batches), "05_megakernel")
 
 # %%
 import dataclasses
@@ -316,9 +319,11 @@ if native is not None:
     msum = summary(measured, nprog.num_sms)
     print(f"measured makespan of the last step: {msum.attrs['makespan_us']:.0f} µs on {nprog.num_sms} workers")
     display(msum.round(1))
-    save_html(gantt(measured, title=f"{preset}, B={batch_size}: measured per-worker timeline (this CPU)"),
+    save_html(gantt(measured, title=f"{preset}, B={batch_size}: measured per-worker timeline (this CPU)",
+                    unit="CPU worker"),
               out / "cpu_measured_gantt.html")
-    fig = gantt(measured, title=f"{preset}, B={batch_size}, {nprog.num_sms} workers: measured on this CPU")
+    fig = gantt(measured, title=f"{preset}, B={batch_size}, {nprog.num_sms} workers: measured on this CPU",
+                unit="CPU worker")
     display(fig)
     fig = gantt(simulate(nprog), title=f"{preset}, B={batch_size}, same program: cost-model simulation (H200 SMs)")
     fig
@@ -481,6 +486,80 @@ display(pd.DataFrame(rows).set_index(["batch", "experts"]).round(3))
 display(pd.concat(parts).sort_index().round(1))
 
 # %% [markdown]
+# ### Batch 1 to 64: where the design stops scaling
+#
+# Decode is served at many batch sizes, not at batch 1 alone. The model, its constants unchanged, scores each committed
+# design against the batch (`k3-shard`, context 4096, bf16 experts): the fraction of the roofline (the step's bytes
+# over the achievable HBM read bandwidth) and the tokens per second it implies, beside the roofline's own tokens per
+# second. The bytes barely grow with the batch, so a design that reads every weight once per step keeps its step
+# time, and its throughput grows with the batch; today's GEMV opcodes read each weight row once per *pass of 8 batch
+# rows* (`mk_addr.gemv_batch_tile`) and the expert opcodes once per 8 tokens of an expert, so past batch 8 the step
+# grows linearly with the batch and the throughput stops. A design that reads every weight once at any batch up to
+# 64 (tiles over all the batch rows that need a weight) is the next redesign: it is drawn here once its design file
+# exists (`data/perf/designs/`). On the right, the same program measured on this CPU (`megakernel-cpu`, one worker
+# thread per core), against its roofline: the larger of the step's bytes over the measured read bandwidth and its
+# FLOPs over the measured fp32 matmul rate (past a few batch rows a CPU step is compute-bound, where the read bandwidth
+# alone understates it; both fractions are drawn).
+
+# %%
+curve_designs = [d for d in ("v1", "v2", "v3") if (PERF_DIR / "designs" / f"{d}.json").exists()]
+crow = []
+for st, designs in (("megakernel", curve_designs), ("fused", [CURRENT_DESIGN])):
+    for d in designs:
+        for b in curve_batches:
+            r = predict(SHARD, st, b, d, constants=PC, ranges=False)
+            crow.append({"stage": st, "design": d, "batch": b, "model ms": r["predicted_ms"],
+                         "roofline ms": r["roofline_ms"], "fraction of roofline": r["fraction_of_roofline"],
+                         "tokens/s": 1e3 * b / r["predicted_ms"], "roofline tokens/s": 1e3 * b / r["roofline_ms"]})
+curve = pd.DataFrame(crow)
+display(curve.set_index(["stage", "design", "batch"]).round(3))
+
+from kimik3.bench import run_bench
+
+native_curve = None
+try:
+    native_curve = run_bench(preset, stages=["megakernel-cpu"], batches=cpu_batches, context=64, steps=steps,
+                             repeats=3, warmup=1, include_hf=False, progress=False, reference={})
+except (ValueError, RuntimeError) as e:  # no C++ compiler here, or the batch does not fit: the stage says so
+    print(f"megakernel-cpu not measured here: {e}")
+if native_curve is not None:
+    assert (native_curve["rel_err_vs_naive"] <= TOL["fp32_stage"]).all(), "megakernel-cpu differs from naive"
+    shown = native_curve[["batch", "ms_per_token", "ms_min", "ms_max", "tokens_per_s", "gb_per_s", "pct_read_bw",
+                          "roofline_ms", "bound", "pct_roofline"]]
+    display(shown.assign(rel_err_vs_naive=native_curve["rel_err_vs_naive"].map("{:.1e}".format))
+            .set_index("batch").round(3))
+
+from plotly.subplots import make_subplots
+
+fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.14,
+                    subplot_titles=(f"model: {SHARD}, H200", f"measured: {preset}, this CPU"))
+dash = {"v1": "dot", "v2": "solid", "v3": "dash"}
+for (st, d), g in curve.groupby(["stage", "design"], sort=False):
+    name = f"{st} {d}"
+    fig.add_trace(go.Scatter(x=g["batch"], y=g["fraction of roofline"], mode="lines+markers", name=name,
+                             line=dict(dash=dash.get(d, "solid")), customdata=g[["model ms", "tokens/s"]],
+                             hovertemplate="B=%{x}: %{y:.3f} of the roofline<br>%{customdata[0]:.2f} ms, "
+                                           "%{customdata[1]:,.0f} tokens/s<extra>" + name + "</extra>"),
+                  row=1, col=1)
+if native_curve is not None:
+    for col, name, sym in (("pct_roofline", "megakernel-cpu: of its roofline", "diamond"),
+                           ("pct_read_bw", "megakernel-cpu: of the read bandwidth", "circle-open")):
+        fig.add_trace(go.Scatter(x=native_curve["batch"], y=native_curve[col] / 100, mode="lines+markers",
+                                 name=name, marker=dict(symbol=sym, size=9),
+                                 customdata=native_curve[["ms_per_token", "tokens_per_s", "bound"]],
+                                 hovertemplate="B=%{x}: %{y:.2f}<br>%{customdata[0]:.2f} ms, %{customdata[1]:,.0f} "
+                                               "tokens/s, %{customdata[2]}-bound<extra>measured</extra>"),
+                      row=1, col=2)
+fig.update_xaxes(type="log", title="batch (sequences)", tickvals=sorted(set(curve_batches) | set(cpu_batches)))
+fig.update_yaxes(title="fraction of the roofline (model)", range=[0, 1.05], row=1, col=1)
+fig.update_yaxes(title="fraction of the measured ceiling", range=[0, 1.05], row=1, col=2)
+fig.update_layout(template="plotly_white", height=420, legend=dict(font=dict(size=10)),
+                  title="Step time against batch: a fraction of the roofline that falls is a weight read again")
+save_html(fig, out / "batch_curve.html")
+fig
+
+
+# %% [markdown]
 # ### Against the review's estimate, opcode by opcode
 #
 # A review of the device code estimated 52–64 % of the roofline at batch 1 and about 30 % at batch 8. The model's
@@ -589,12 +668,12 @@ LADDER = ["naive", "absorbed", "graphs", "compiled", "fused", "megakernel"]
 recorded = load_recorded("data/measurements")
 cost = decode_cost(SHARD, 1, 4096)
 pts = [points_from_cost(cost, "h200", by="step", stage="bandwidth bound"),
-       points_from_cost(cost, "h200", seconds=makespan_ns(sim) / 1e9, by="step",
-                        stage="megakernel (simple cost model)"),
+       points_from_cost(cost, "h200", seconds=makespan_ns(sim) / 1e9, by="step", stage="megakernel",
+                        kind="simple cost model"),
        points_from_cost(cost, "h200", seconds=scores_now.loc[("megakernel", 1), "model ms"] / 1e3, by="step",
-                        stage=f"megakernel (calibrated model {CURRENT_DESIGN})"),
+                        stage="megakernel", kind=f"calibrated model {CURRENT_DESIGN}"),
        points_from_cost(cost, "h200", seconds=scores_now.loc[("fused", 1), "model ms"] / 1e3, by="step",
-                        stage=f"fused (calibrated model {CURRENT_DESIGN})")]
+                        stage="fused", kind=f"calibrated model {CURRENT_DESIGN}")]
 rows = []
 for st in LADDER:
     rec = recorded[(recorded["stage"] == st) & (recorded["block"] == "step")] if not recorded.empty else recorded

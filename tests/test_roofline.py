@@ -3,6 +3,7 @@ everything builds and saves headless, and the panel reacts to its controls witho
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -54,6 +55,12 @@ def test_analytic_points_lie_on_the_roofline(k3_cost):
     step = points_from_cost(k3_cost, None, seconds=0.010, by="step")
     assert step["kind"].iloc[0] == "measured" and step["flops_per_s"].iloc[0] == pytest.approx(k3_cost.total_flops
                                                                                                 / 0.010)
+    # a model's time is said to be one, in the legend too; without times the kind stays analytic
+    model = points_from_cost(k3_cost, None, seconds=0.010, by="step", stage="megakernel", kind="calibrated model v2")
+    assert model["kind"].iloc[0] == "calibrated model v2"
+    assert points_from_cost(k3_cost, "h200", kind="ignored")["kind"].eq("analytic").all()
+    fig = roofline_figure(model, ["h200"], recorded=False)
+    assert any(t.name == "megakernel (calibrated model v2)" for t in fig.data)
 
 
 def test_latency_roofline_builds_and_bounds_behave(tmp_path):
@@ -162,7 +169,18 @@ def test_load_recorded_empty_and_labelled(tmp_path, k3_cost):
     assert len(rec) == 2 and (rec["label"] == "recorded 2026-11-30 abc1234def").all()
     assert rec["seconds"].tolist() == [0.5, 0.003]
     fig = roofline_figure(points_from_cost(k3_cost, "h200"), ["h200"], recorded_dir=tmp_path)
-    assert any(t.name == "recorded 2026-11-30 abc1234def" for t in fig.data)
+    assert any(t.name == "naive · recorded 2026-11-30 abc1234def" for t in fig.data)  # its stage, then its run
+    # a recording goes under the ceilings of the kind of machine it ran on, and a figure says what it left out
+    (tmp_path / "cpu.json").write_text(json.dumps({
+        "date": "2026-11-29T10:00:00Z", "commit": "fedcba98", "device": "cpu", "preset": "tiny", "stage": "compiled",
+        "records": [{"block": "step", "seconds": 0.01, "flops": 1e8, "bytes": 1e8}]}))
+    fig = roofline_figure(points_from_cost(k3_cost, "h200"), ["h200"], recorded_dir=tmp_path)
+    assert not any("fedcba98" in str(t.name) for t in fig.data)
+    assert any("1 recorded point(s) from machines not drawn here" in a.text for a in fig.layout.annotations)
+    local = dataclasses.replace(get_hardware("h200"), key="local", name="local", measured=True)
+    fig = roofline_figure(points_from_cost(k3_cost, "h200"), ["h200", local], recorded_dir=tmp_path)
+    assert any("fedcba98" in str(t.name) for t in fig.data) and any("abc1234def" in str(t.name) for t in fig.data)
+    (tmp_path / "cpu.json").unlink()
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="bad.json"):
         load_recorded(tmp_path)

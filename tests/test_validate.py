@@ -25,6 +25,7 @@ from kimik3.validation import (
     bf16_pair,
     compare_to_reference,
     compare_with_trace,
+    drift_figure,
     drift_with_depth,
     hazard_table,
     only_batches,
@@ -33,6 +34,7 @@ from kimik3.validation import (
     run_validation,
     support_refusal,
 )
+from kimik3.validation.metric import TOL
 
 # ---------------------------------------------------------------- fake stages (registered per test)
 
@@ -279,6 +281,10 @@ def test_drift_with_depth_small():
     assert len(d) == cfg.num_hidden_layers + 1 and d["mixer"].iloc[-1] == "logits"
     assert (d["error"] > 0).all() and (d["error"] < 1).all()
     assert list(d["mixer"].iloc[:-1]) == [cfg.mixer(i) for i in range(cfg.num_hidden_layers)]
+    # the tolerance line is a named trace at its value (an hline's annotation on a log axis sat at 10^value)
+    fig = drift_figure(d)
+    tol = [t for t in fig.data if t.name and t.name.startswith("TOL bf16_stage")]
+    assert len(tol) == 1 and set(tol[0].y) == {TOL["bf16_stage"]} and not fig.layout.annotations
 
 
 def test_hazard_table_small():

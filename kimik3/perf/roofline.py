@@ -50,16 +50,20 @@ def _compute_dtype_for(expert_dtype: str) -> str:
 
 def points_from_cost(cost: DecodeCost, hardware: str | HardwareSpec | None = "h200",
                      seconds: float | Mapping[str, float] | None = None, *, by: str = "kind",
-                     compute_dtype: str | None = None, stage: str = "analytic") -> pd.DataFrame:
+                     compute_dtype: str | None = None, stage: str = "analytic", kind: str | None = None
+                     ) -> pd.DataFrame:
     """Roofline points for one decode step, one per block kind (``by="kind"``), per (layer, block)
     (``by="layer"``) or one for the whole step (``by="step"``).
 
     Without ``seconds`` each point is timed at its own lower bound on ``hardware`` (max of bytes/bandwidth and
     FLOPs/peak), so it lies on that chip's roofline: the best any implementation could do. With ``seconds`` (one
     time for the step, or a block → seconds mapping) the points are measured: same FLOPs and bytes, real time.
+    ``kind`` names what such times are when they are not measurements (e.g. "calibrated model v2"): the legend
+    shows it instead of "measured", and a point above its ceiling is still flagged.
     """
     if by not in ("kind", "layer", "step"):
         raise ValueError(f"by must be 'kind', 'layer' or 'step', got {by!r}")
+    times_are = kind if seconds is not None else None
     df = cost.by_block.copy()
     df["bytes"] = df[_BYTE_COLUMNS].sum(axis=1)
     if by == "kind":
@@ -78,17 +82,17 @@ def points_from_cost(cost: DecodeCost, hardware: str | HardwareSpec | None = "h2
             raise ValueError("analytic points need a hardware to be timed at their bound (or pass seconds=)")
         peak, _ = spec.compute_ceiling(compute_dtype or _compute_dtype_for(cost.expert_dtype))
         g["seconds"] = np.maximum(g["bytes"] / spec.hbm_bandwidth, g["flops"] / peak)
-        kind = "analytic"
+        kind_of_times = "analytic"
     elif isinstance(seconds, Mapping):
         g["seconds"] = g["block"].map(seconds)
         g = g.dropna(subset=["seconds"]).reset_index(drop=True)
-        kind = "measured"
+        kind_of_times = "measured"
     else:
         if by != "step":
             raise ValueError("a single measured time applies to the whole step: use by='step' or a mapping")
         g["seconds"] = float(seconds)
-        kind = "measured"
-    g["stage"], g["kind"] = stage, kind
+        kind_of_times = "measured"
+    g["stage"], g["kind"] = stage, (times_are or kind_of_times)
     g["hardware"] = spec.name if spec is not None else ""
     g["intensity"] = g["flops"] / g["bytes"]
     g["flops_per_s"] = g["flops"] / g["seconds"]
@@ -109,6 +113,22 @@ def _recorded_points(recorded_dir: str | Path) -> pd.DataFrame:
     out["flops_per_s"] = out["flops"] / out["seconds"]
     out["ceiling_Bps"] = [_record_ceiling(r) for r in rec.to_dict("records")]
     return out[[*POINT_COLUMNS, "ceiling_Bps"]].reset_index(drop=True)
+
+
+def _recorded_on(device: str, specs: Sequence[HardwareSpec]) -> bool:
+    """Whether a recording made on ``device`` belongs under one of ``specs``' ceilings: a CPU run under a measured
+    (local) machine's, a GPU run under the datasheet entry its name names (``NVIDIA H200`` under ``h200``)."""
+    import re
+
+    dev = device.lower()
+    gpu = any(w in dev for w in ("nvidia", "cuda", "amd instinct", "mi300", "mi355")) or bool(
+        re.search(r"\b(h100|h200|b200|gb200|gb300)\b", dev))
+    for sp in specs:
+        if sp.measured and not gpu:
+            return True
+        if not sp.measured and re.search(rf"\b{re.escape(sp.key.split('-')[0])}\b", dev):
+            return True
+    return False
 
 
 def _record_ceiling(r: Mapping) -> float:
@@ -226,11 +246,16 @@ def roofline_figure(points=None, hardware: Sequence[str | HardwareSpec] = ("h200
     next to it (default: only when there are at most 15 points; hover always shows it).
     """
     pts = _as_points(points)
+    specs = [_hw(h) for h in hardware]
+    elsewhere = 0
     if recorded:
         rec = _recorded_points(recorded_dir)
+        if not rec.empty:  # a recording is placed only under the ceilings of the kind of machine it ran on
+            here = np.array([_recorded_on(str(d), specs) for d in rec["hardware"]], dtype=bool)
+            elsewhere = int((~here).sum())
+            rec = rec[here]
         if not rec.empty:
             pts = pd.concat([pts, rec], ignore_index=True) if not pts.empty else rec
-    specs = [_hw(h) for h in hardware]
     if not pts.empty:
         pts = check_ceilings(pts, specs)
         flagged, pts = pts[pts["above_ceiling"]], pts[~pts["above_ceiling"]]
@@ -266,7 +291,7 @@ def roofline_figure(points=None, hardware: Sequence[str | HardwareSpec] = ("h200
             is_rec = (g["kind"] == "recorded").all()
             fig.add_trace(go.Scatter(
                 x=g["intensity"], y=g["flops_per_s"], mode="markers+text" if label_points else "markers",
-                name=g["label"].iloc[0] if is_rec else name, text=printed[g.index].tolist(),
+                name=f"{g['stage'].iloc[0]} · {g['label'].iloc[0]}" if is_rec else name, text=printed[g.index].tolist(),
                 hovertext=g["label"], textposition="top center",
                 marker=dict(size=9, symbol="diamond" if is_rec else "circle",
                             color=_PALETTE[(len(specs) + k) % len(_PALETTE)]),
@@ -285,6 +310,10 @@ def roofline_figure(points=None, hardware: Sequence[str | HardwareSpec] = ("h200
     fig.update_yaxes(type="log", title="attained FLOP/s")
     fig.update_layout(title=title or "Roofline: decode blocks against memory and compute ceilings",
                       template="plotly_white", legend=dict(font=dict(size=10)), height=560)
+    if elsewhere:
+        fig.add_annotation(text=f"{elsewhere} recorded point(s) from machines not drawn here left out",
+                           xref="paper", yref="paper", x=1.0, y=0.0, xanchor="right", yanchor="bottom",
+                           showarrow=False, font=dict(size=10, color="#777"))
     if any(sp.measured for sp in specs):
         fig.add_annotation(text="measured memory ceiling = read bandwidth (STREAM-style): decode's ceiling, "
                                 "since a step reads weights and cache and writes almost nothing",
@@ -352,14 +381,17 @@ def latency_roofline_figure(preset: str | ModelConfig = "kimi-k3", hardware: Seq
     arguments go to :func:`latency_table`.
     """
     table = latency_table(preset, hardware, batch_sizes, context_lens, expert_dtype, **kwargs)
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("lower bound: ms per decode step",
-                                                        "upper bound: tokens/s per user"))
+    # short names (the chip's key, its count, the context) and titles: the datasheet names filled half the width
+    # with legend and the two subplot titles ran into each other
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
+                        subplot_titles=("ms per step (lower bound)", "tokens/s per user (upper bound)"))
     dashes = ["solid", "dash", "dot", "dashdot", "longdash"]
     for i, ((_, n), g_hw) in enumerate(table.groupby(["hardware", "devices"], sort=False)):
         for j, (t, g) in enumerate(g_hw.groupby("context_len", sort=False)):
-            name = f"{g['hardware_name'].iloc[0]} ×{n}, T={t:,}"
+            name = f"{g['hardware'].iloc[0].upper()} ×{n}, T={t:,}"
             style = dict(color=_PALETTE[i % len(_PALETTE)], dash=dashes[j % len(dashes)])
-            hover = "B=%{x}<br>%{y:.3g}<br>%{text}<extra>" + name + "</extra>"
+            hover = ("B=%{x}<br>%{y:.3g}<br>%{text}<extra>" + f"{g['hardware_name'].iloc[0]} ×{n}, T={t:,}"
+                     + "</extra>")
             text = [f"{b / 1e9:.1f} GB/step, {bd}-bound" for b, bd in zip(g["bytes"], g["bound"])]
             fig.add_trace(go.Scatter(x=g["batch_size"], y=g["ms_per_step"], mode="lines+markers", name=name,
                                      legendgroup=name, line=style, text=text, hovertemplate=hover), row=1, col=1)

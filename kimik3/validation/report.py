@@ -200,9 +200,10 @@ def drift_figure(drift: pd.DataFrame) -> Any:
                         hovertemplate="logits<br>e = %{y:.3e}<extra></extra>")
     for x in layers.loc[layers["block_start"], "layer"]:
         fig.add_vline(x=x, line=dict(color="#bbb", dash="dot", width=1))
-    fig.add_hline(y=TOL["bf16_stage"], line=dict(color="#2ca02c", dash="dash", width=1),
-                  annotation_text="TOL bf16_stage (micro/tiny logits; not a bound here)",
-                  annotation_position="top left")
+    # a named line trace, not add_hline: an hline's annotation on a log axis lands at 10^value (the top of the plot)
+    fig.add_scatter(x=[layers["layer"].min(), layers["layer"].max()], y=[TOL["bf16_stage"]] * 2, mode="lines",
+                    name="TOL bf16_stage (micro/tiny logits; not a bound here)",
+                    line=dict(color="#2ca02c", dash="dash", width=1), hoverinfo="skip")
     a = drift.attrs
     fig.update_yaxes(type="log", title="e(bf16, fp32) of the layer output")
     fig.update_xaxes(title="layer (dotted: AttnRes block starts)")
