@@ -311,8 +311,8 @@ def check_bench_args(stages: list[str] | tuple[str, ...], batches: list[int] | t
 
 
 COLUMNS = ["stage", "batch", "ms_per_token", "ms_min", "ms_max", "tokens_per_s", "gb_per_s", "pct_read_bw",
-           "bound", "pct_roofline", "speedup_vs_naive", "speedup_vs_compiled", "rel_err_vs_naive", "model_ms", "model_ms_min", "model_ms_max",
-           "model_roofline_ms", "status"]
+           "bound", "pct_roofline", "speedup_vs_naive", "speedup_vs_compiled", "rel_err_vs_naive", "model_ms",
+           "model_ms_min", "model_ms_max", "model_roofline_ms", "status"]
 
 
 def strongest_compile_options(device: str) -> dict:

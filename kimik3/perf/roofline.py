@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -118,8 +119,6 @@ def _recorded_points(recorded_dir: str | Path) -> pd.DataFrame:
 def _recorded_on(device: str, specs: Sequence[HardwareSpec]) -> bool:
     """Whether a recording made on ``device`` belongs under one of ``specs``' ceilings: a CPU run under a measured
     (local) machine's, a GPU run under the datasheet entry its name names (``NVIDIA H200`` under ``h200``)."""
-    import re
-
     dev = device.lower()
     gpu = any(w in dev for w in ("nvidia", "cuda", "amd instinct", "mi300", "mi355")) or bool(
         re.search(r"\b(h100|h200|b200|gb200|gb300)\b", dev))
