@@ -15,11 +15,6 @@ from kimik3.validation import bf16_pair, compare_to_reference
 CPU_STAGES = ["absorbed", "compiled"]
 BATCHES = [1, 2, 8, 33]
 STEPS = 32
-# (stage, batch) cases of the CI run: `compiled` at batches 1 and 8 costs about a minute of Inductor compiles and is
-# in CI's validate --quick matrix already (every batch, 2 steps), so its 32-step form runs in the slow matrix; the
-# odd and the padded batch (33, 2) stay here, where a compiled graph's shape handling differs most
-CASES = [pytest.param(s, b, marks=pytest.mark.slow) if (s, b) in {("compiled", 1), ("compiled", 8)} else (s, b)
-         for b in BATCHES for s in CPU_STAGES]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +27,8 @@ def micro_bf16(micro):
     return bf16_pair(micro)
 
 
-@pytest.mark.parametrize("stage, batch", CASES)
+@pytest.mark.parametrize("stage", CPU_STAGES)
+@pytest.mark.parametrize("batch", BATCHES)
 def test_stage_matches_naive_fp32(micro, stage, batch):
     r = compare_to_reference(micro, stage, batch, prompt_len=12, steps=STEPS, seed=batch)
     assert r.tokens_equal, f"greedy tokens diverged: {r.as_dict()}"
@@ -40,7 +36,8 @@ def test_stage_matches_naive_fp32(micro, stage, batch):
     assert len(r.errors) == STEPS + 1 and len(set(r.prompt_lengths)) > 1 or batch == 1
 
 
-@pytest.mark.parametrize("stage, batch", CASES)
+@pytest.mark.parametrize("stage", CPU_STAGES)
+@pytest.mark.parametrize("batch", BATCHES)
 def test_stage_matches_naive_bf16_teacher_forced(micro_bf16, stage, batch):
     low, ref = micro_bf16
     r = compare_to_reference(low, stage, batch, prompt_len=12, steps=STEPS, seed=100 + batch, reference=ref)
