@@ -273,13 +273,10 @@ def _roofline_columns(nbytes: float, flops: float, seconds: float, bw: float, ce
     a matmul rate measured in the run's dtype the compute ceiling is unknown and only the memory one is used
     (``bound`` says so)."""
     rate = ceiling.get("matmul_flops_per_s")
-    same = ceiling.get("matmul_dtype") == {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dt)
-    mem_s = nbytes / bw
-    comp_s = flops / rate if (rate and same) else None
-    roof = max(mem_s, comp_s or 0.0)
-    bound = "memory" if comp_s is None or mem_s >= comp_s else "compute"
-    if comp_s is None:
-        bound = "memory (no compute ceiling measured in this dtype)"
+    mem_s, roof, bound = nbytes / bw, nbytes / bw, "memory (no compute ceiling measured in this dtype)"
+    if rate and ceiling.get("matmul_dtype") == {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dt):
+        roof = max(mem_s, flops / rate)
+        bound = "memory" if roof == mem_s else "compute"
     return {"roofline_ms": roof * 1e3, "bound": bound, "pct_roofline": 100 * roof / seconds}
 
 

@@ -70,7 +70,7 @@ from kimik3.megakernel.instructions import Kind, Mode, Op, Program, encoding_tab
 from kimik3.megakernel.timeline import gantt, makespan_ns
 from kimik3.notebook.start import start_notebook
 from kimik3.perf.cost import decode_cost
-from kimik3.perf.hardware import get_hardware
+from kimik3.perf.hardware import get_hardware, hardware_for_device
 from kimik3.perf.recorded import load_recorded
 from kimik3.perf.roofline import points_from_cost, roofline_figure, save_html
 from kimik3.validation.metric import TOL, rel_error
@@ -370,7 +370,7 @@ scores = scores.set_index(["stage", "batch", "experts", "design"]).sort_index()
 scores_now = scores.xs((CURRENT_DESIGN, "bf16"), level=("design", "experts"))
 rec = load_recorded("data/measurements")
 meas = rec[(rec["block"] == "step") & (rec["preset"] == SHARD)
-           & rec["device"].astype(str).str.contains("H200", case=False)] if not rec.empty else rec
+           & (rec["device"].astype(str).map(hardware_for_device) == "h200")] if not rec.empty else rec
 
 
 def measured_ms(st: str, b: int) -> float:

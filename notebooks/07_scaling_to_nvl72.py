@@ -202,10 +202,18 @@ for r in stated.itertuples():
                         marker=dict(size=12, symbol="star" if r.hardware == "gb300" else "diamond",
                                     color="black" if r.hardware == "gb300" else "#d62728",
                                     line=dict(width=2, color="black"), opacity=1.0 if r.verified else 0.5))
-for r in speeds[speeds["batch_size"].isna()].itertuples():  # a figure for no stated batch: a line across, named
-    fig_tok.add_scatter(x=[min(batch_sizes), max(batch_sizes)], y=[r.per_user] * 2, mode="lines",
-                        name=f"published: {r.label}", line=dict(dash="dash", color="gray", width=1),
-                        hovertemplate=f"{r.label}: {r.per_user:,.0f} tokens/s/user<extra>published</extra>")
+
+
+def published_line(fig: go.Figure, claim, xs: list[float]) -> None:
+    """A published speed as a named dashed line across ``xs`` (a line trace: an hline's annotation on a log axis is
+    placed at 10^value, and several of them print on top of each other)."""
+    fig.add_scatter(x=[min(xs), max(xs)], y=[claim.per_user] * 2, mode="lines", name=f"published: {claim.label}",
+                    line=dict(dash="dash", color="gray", width=1),
+                    hovertemplate=f"{claim.label}: {claim.per_user:,.0f} tokens/s/user<extra>published</extra>")
+
+
+for r in speeds[speeds["batch_size"].isna()].itertuples():  # a figure for no stated batch: a line across
+    published_line(fig_tok, r, batch_sizes)
 fig_tok.update_xaxes(type="log", title="batch size (sequences per step)")
 fig_tok.update_yaxes(type="log", title="tokens / s / user")
 fig_tok.update_layout(template="plotly_white", height=560, legend=dict(font=dict(size=10)),
@@ -244,12 +252,8 @@ for (name, o), g in sens.groupby(["deployment", "overlap"], sort=False):
     fig_sens.add_scatter(x=g["alpha_us"], y=g["tok_s_user"], name=f"{name}, overlap {o:g}",
                          line=dict(dash="solid" if o else "dot"))
 batch1 = speeds[speeds["batch_size"].isna() | (speeds["batch_size"] == 1)]
-# the published figures as horizontal line traces named in the legend: an hline's annotation on a log axis is placed
-# at 10^value (it blew this axis up to 10^127) and several of them print on top of each other
 for r in batch1.itertuples():
-    fig_sens.add_scatter(x=[min(alphas), max(alphas)], y=[r.per_user] * 2, mode="lines", name=f"published: {r.label}",
-                         line=dict(dash="dash", color="gray", width=1),
-                         hovertemplate=f"{r.label}: {r.per_user:,.0f} tokens/s/user<extra>published</extra>")
+    published_line(fig_sens, r, alphas)
 fig_sens.update_xaxes(type="log", title="latency per all-to-all, µs (all-reduce: half)")
 fig_sens.update_yaxes(type="log", title="tokens / s / user at batch 1")
 fig_sens.update_layout(template="plotly_white", height=480, title="Batch-1 speed against the collective latency")

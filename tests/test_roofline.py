@@ -13,7 +13,15 @@ import pandas as pd
 import pytest
 
 from kimik3.perf.cost import decode_cost
-from kimik3.perf.hardware import DATA_DIR, get_hardware, hardware_table, list_hardware, local_hardware, measure_local
+from kimik3.perf.hardware import (
+    DATA_DIR,
+    get_hardware,
+    hardware_for_device,
+    hardware_table,
+    list_hardware,
+    local_hardware,
+    measure_local,
+)
 from kimik3.perf.recorded import RECORDED_COLUMNS, claims_vs_bound, load_published, load_recorded
 from kimik3.perf.roofline import (
     declutter_labels,
@@ -133,6 +141,10 @@ def test_hardware_entries_are_complete_and_sourced():
         assert h.source and all(isinstance(s, str) and s for s in h.source)
         assert set(h.uncertain) <= set(raw[key]) and (not h.uncertain or h.note)
     assert get_hardware("H100").key == "h100-sxm" and get_hardware("GB300 NVL72").key == "gb300"
+    # a device's name as torch gives it -> its datasheet entry (whole words, the longest name first), None for the rest
+    assert hardware_for_device("NVIDIA H200") == "h200" and hardware_for_device("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert hardware_for_device("NVIDIA GB200") == "gb200" and hardware_for_device("NVIDIA B200") == "b200"
+    assert hardware_for_device("cpu") is None and hardware_for_device("NVIDIA H2000") is None
     with pytest.raises(ValueError, match="known"):
         get_hardware("tpu-v1")
     assert get_hardware("gb300").peak_flops("fp4") > get_hardware("gb200").peak_flops("fp4")

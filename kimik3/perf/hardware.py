@@ -83,6 +83,18 @@ def _normalise(name: str) -> str:
     return _ALIASES.get(k, k)
 
 
+def hardware_for_device(device: str) -> str | None:
+    """The datasheet key a device's name names (torch's ``get_device_name``: "NVIDIA H200" -> "h200", "NVIDIA H100
+    80GB HBM3" -> "h100-sxm"), or None (a CPU, or a chip with no entry): a key or alias as whole words of the
+    name, the longest first."""
+    words = _normalise(device).split("-")
+    for name in sorted(set(_load()) | set(_ALIASES), key=len, reverse=True):
+        n = name.split("-")
+        if any(words[i:i + len(n)] == n for i in range(len(words) - len(n) + 1)):
+            return _ALIASES.get(name, name)
+    return None
+
+
 def list_hardware() -> list[str]:
     """Keys of the datasheet entries in ``data/hardware.json``."""
     return list(_load())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from plotly.subplots import make_subplots
 
 from kimik3.model.config import PRESET_NAMES, ModelConfig
 from kimik3.perf.cost import BYTES_PER_ELEMENT, MLA_FORMS, DecodeCost, decode_cost
-from kimik3.perf.hardware import HardwareSpec, get_hardware, list_hardware
+from kimik3.perf.hardware import HardwareSpec, get_hardware, hardware_for_device, list_hardware
 from kimik3.perf.recorded import load_recorded
 
 __all__ = ["RooflinePanel", "check_ceilings", "declutter_labels", "latency_roofline_figure", "latency_table",
@@ -64,7 +63,6 @@ def points_from_cost(cost: DecodeCost, hardware: str | HardwareSpec | None = "h2
     """
     if by not in ("kind", "layer", "step"):
         raise ValueError(f"by must be 'kind', 'layer' or 'step', got {by!r}")
-    times_are = kind if seconds is not None else None
     df = cost.by_block.copy()
     df["bytes"] = df[_BYTE_COLUMNS].sum(axis=1)
     if by == "kind":
@@ -83,17 +81,17 @@ def points_from_cost(cost: DecodeCost, hardware: str | HardwareSpec | None = "h2
             raise ValueError("analytic points need a hardware to be timed at their bound (or pass seconds=)")
         peak, _ = spec.compute_ceiling(compute_dtype or _compute_dtype_for(cost.expert_dtype))
         g["seconds"] = np.maximum(g["bytes"] / spec.hbm_bandwidth, g["flops"] / peak)
-        kind_of_times = "analytic"
+        kind = "analytic"
     elif isinstance(seconds, Mapping):
         g["seconds"] = g["block"].map(seconds)
         g = g.dropna(subset=["seconds"]).reset_index(drop=True)
-        kind_of_times = "measured"
+        kind = kind or "measured"
     else:
         if by != "step":
             raise ValueError("a single measured time applies to the whole step: use by='step' or a mapping")
         g["seconds"] = float(seconds)
-        kind_of_times = "measured"
-    g["stage"], g["kind"] = stage, (times_are or kind_of_times)
+        kind = kind or "measured"
+    g["stage"], g["kind"] = stage, kind
     g["hardware"] = spec.name if spec is not None else ""
     g["intensity"] = g["flops"] / g["bytes"]
     g["flops_per_s"] = g["flops"] / g["seconds"]
@@ -117,17 +115,11 @@ def _recorded_points(recorded_dir: str | Path) -> pd.DataFrame:
 
 
 def _recorded_on(device: str, specs: Sequence[HardwareSpec]) -> bool:
-    """Whether a recording made on ``device`` belongs under one of ``specs``' ceilings: a CPU run under a measured
-    (local) machine's, a GPU run under the datasheet entry its name names (``NVIDIA H200`` under ``h200``)."""
-    dev = device.lower()
-    gpu = any(w in dev for w in ("nvidia", "cuda", "amd instinct", "mi300", "mi355")) or bool(
-        re.search(r"\b(h100|h200|b200|gb200|gb300)\b", dev))
-    for sp in specs:
-        if sp.measured and not gpu:
-            return True
-        if not sp.measured and re.search(rf"\b{re.escape(sp.key.split('-')[0])}\b", dev):
-            return True
-    return False
+    """Whether a recording made on ``device`` belongs under one of ``specs``' ceilings: a GPU run under the datasheet
+    entry its name names (:func:`~kimik3.perf.hardware.hardware_for_device`), any other run under a measured (local)
+    machine's."""
+    key = hardware_for_device(device)
+    return any((key is None) if sp.measured else (sp.key == key) for sp in specs)
 
 
 def _record_ceiling(r: Mapping) -> float:
