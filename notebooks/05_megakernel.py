@@ -336,13 +336,15 @@ if native is not None:
 # actually does instead — bytes in flight per SM (Little's law against the HBM latency), the shared-memory stage
 # actually allocated and when it is filled, the global round trips counted per instruction, serial loops at the
 # latency each trip waits on — against the *achievable* HBM read bandwidth. Its constants
-# (`data/perf/constants.json`) each carry a source and are the same for every design. Two designs are committed:
+# (`data/perf/constants.json`) each carry a source and are the same for every design. Three designs are committed:
 # `v1`, the kernels before the redesign (one 64 KiB stage filled for the *current* instruction after its fetch, every
 # thread stalled on `cp.async.wait_group 0`, 24 KiB of weight loads in flight per SM, a scalar-load MLA absorption),
-# and `v2`, today's kernels (`data/perf/designs/v2.json`; scores in `data/perf/scores-v2.json`). Each design is scored
-# on the program it was built for (v1's MLA_PARTIAL took all 96 heads of a split; today's program cuts them into
-# tiles when SMs are left over), and `v2` also with the routed experts stored as MXFP4 (the K3 release's format: the
-# program carries the codes and scales, its expert opcodes decode them; the roofline then moves MXFP4 bytes). Same
+# `v2`, the redesigned kernels (`data/perf/designs/v2.json`; scores in `data/perf/scores-v2.json`), and `v3`, today's
+# kernels: v2 with the GEMV opcodes' tensor-core tiles over groups of batch passes from batch 8
+# (`data/perf/designs/v3.json`, `scores-v3.json`; the same as v2 up to batch 8). Each design is scored on the program
+# it was built for (v1's MLA_PARTIAL took all 96 heads of a split; today's program cuts them into tiles when SMs are
+# left over), and `v2` / `v3` also with the routed experts stored as MXFP4 (the K3 release's format: the program
+# carries the codes and scales, its expert opcodes decode them; the roofline then moves MXFP4 bytes). Same
 # command-line view: `python -m kimik3 predict --preset k3-shard --stage megakernel --batch 1 --json` (`--experts
 # mxfp4`, `--design v1` for the record).
 #
@@ -489,17 +491,19 @@ display(pd.concat(parts).sort_index().round(1))
 # ### Batch 1 to 64: where the design stops scaling
 #
 # Decode is served at many batch sizes, not at batch 1 alone. The model, its constants unchanged, scores each committed
-# design against the batch (`k3-shard`, context 4096, bf16 experts): the fraction of the roofline (the step's bytes
-# over the achievable HBM read bandwidth) and the tokens per second it implies, beside the roofline's own tokens per
-# second. The bytes barely grow with the batch, so a design that reads every weight once per step keeps its step
-# time, and its throughput grows with the batch; today's GEMV opcodes read each weight row once per *pass of 8 batch
-# rows* (`mk_addr.gemv_batch_tile`) and the expert opcodes once per 8 tokens of an expert, so past batch 8 the step
-# grows linearly with the batch and the throughput stops. A design that reads every weight once at any batch up to
-# 64 (tiles over all the batch rows that need a weight) is the next redesign: it is drawn here once its design file
-# exists (`data/perf/designs/`). On the right, the same program measured on this CPU (`megakernel-cpu`, one worker
-# thread per core), against its roofline: the larger of the step's bytes over the measured read bandwidth and its
-# FLOPs over the measured fp32 matmul rate (past a few batch rows a CPU step is compute-bound, where the read bandwidth
-# alone understates it; both fractions are drawn).
+# design against the batch (`k3-shard`, context 4096, bf16 experts): the fraction of the roofline (the step's bytes over
+# the achievable HBM read bandwidth) and the tokens per second it implies, beside the roofline's own tokens per second.
+# The bytes barely grow with the batch, so a design that reads every weight once per step keeps its step time, and its
+# throughput grows with the batch. v2's GEMV opcodes read each weight row once per *pass of 8 batch rows*
+# (`mk_addr.gemv_batch_tile`), so past batch 8 its step grows linearly with the batch and the throughput stops. v3
+# (today's) reads a GEMV weight tile once per *group* of passes (`mk_addr.gemv_groups`: 32 batch rows for one weight, 16
+# for MLP_GATE_UP's and FFN_OUT's two, the accumulators' register budget); What is left between v3 and the roofline past
+# batch 8 is the next design: LM_HEAD still reads the vocabulary once per pass of 8 rows on CUDA cores (on tensor cores
+# it fits the k3-shard megakernel's registers but not yet the tiny one's), and the routed experts read an expert's rows
+# once per few of its tokens (dense: 2 per pass above batch 8). On the right, the same program measured on this CPU
+# (`megakernel-cpu`, one worker thread per core), against its roofline: the larger of the step's bytes over the measured
+# read bandwidth and its FLOPs over the measured fp32 matmul rate (past a few batch rows a CPU step is compute-bound,
+# where the read bandwidth alone understates it; both fractions are drawn).
 
 # %%
 curve_designs = [d for d in ("v1", "v2", "v3") if (PERF_DIR / "designs" / f"{d}.json").exists()]

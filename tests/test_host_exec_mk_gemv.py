@@ -1,15 +1,17 @@
-"""The megakernel's tensor-core GEMV path (``kernels/megakernel/gemv.py`` at a batch pass of 8 rows) executed on the
-host.
+"""The megakernel's tensor-core GEMV path (``kernels/megakernel/gemv.py`` from batch 8: 16-row tiles x groups of
+passes of 8 batch rows) executed on the host.
 
 ``kimik3.kernels.verify.host_exec_mk_gemv`` runs the lane-level helper ``device_fns.weight_tile_mma`` (row clamping, the
-staged / unstaged choice, chunk addresses of the two weight rows and the x row, the x normalisation, the tail clamp
-and zeroing, the registers handed to ``megakernel.mma.mma_chunk``) over every (16-row tile, pass) item and lane of
-an instruction; only the ``mma.sync`` is evaluated by ``megakernel.mma.mma_reference``. The opcodes' epilogues are
-replayed per accumulator register into outputs poisoned with NaN (every store counted) and compared with the CPU
-interpreter's opcode reference. Boxes that end inside a tile, K not a multiple of 32 (the tail), a tile straddling the
-stage's end, batch 8 and 64 (8 passes), every FFN_OUT source combination and an LM_HEAD arg-max tie are covered;
-planted bugs (wrong register order, wrong chunk, gamma missing, no tail zeroing, the staged rule, the tile height)
-must fail. Host runs go through a subprocess: a device-only instruction reached on the host aborts the process.
+staged / unstaged choice, chunk addresses of the two weight rows and the x row, the x normalisation, the tail clamp and
+zeroing, the registers handed to ``megakernel.mma.mma_chunk``) over every (16-row tile, pass group) item and lane of an
+instruction; only the ``mma.sync`` is evaluated by ``megakernel.mma.mma_reference``. The opcodes' epilogues are replayed
+per accumulator register into outputs poisoned with NaN (every store counted) and compared with the CPU interpreter's
+opcode reference. Boxes that end inside a tile, K not a multiple of 32 (the tail), a tile straddling the stage's end,
+batch 8, 17, 33 and 40 (a partial last pass; at 40 the two-weight opcodes' second group has a pass wholly past the
+batch) and 64 (8 passes: two groups for one weight, four for two), every FFN_OUT source combination and an LM_HEAD
+arg-max tie are covered; planted bugs (wrong register order, wrong chunk, gamma missing, no tail zeroing, the staged
+rule, the tile height, a pass's x row, an accumulator column's batch row) must fail. Host runs go through a subprocess:
+a device-only instruction reached on the host aborts the process.
 """
 
 from __future__ import annotations
@@ -25,23 +27,23 @@ pytestmark = pytest.mark.host
 # the stage's end (read from global memory), the first from the stage (its unstaged rows are poisoned)
 CASES: list[dict] = [
     {"op": "norm_proj", "args": {"K": 200, "n": 37, "staged": 20}},
-    {"op": "norm_proj", "args": {"K": 256, "n": 37, "fp32": True, "B": 16}},
-    {"op": "mlp_gate_up", "args": {"K": 264, "n": 21, "staged": 21}},
+    {"op": "norm_proj", "args": {"K": 256, "n": 37, "fp32": True, "B": 33}},
+    {"op": "mlp_gate_up", "args": {"K": 264, "n": 21, "staged": 21, "B": 64}},
     {"op": "o_proj_residual", "args": {"K": 264, "n": 40, "accumulate": True}},
     {"op": "o_proj_residual", "args": {"K": 256, "n": 16, "accumulate": False, "B": 64}},
     {"op": "ffn_out", "args": {"K": 256, "K2": 136, "n": 30, "flags": 7, "staged": 18}},
     {"op": "ffn_out", "args": {"K": 256, "n": 30, "flags": 3}},
     {"op": "ffn_out", "args": {"K": 200, "n": 30, "flags": 2, "staged": 5}},
-    {"op": "ffn_out", "args": {"K": 256, "n": 30, "flags": 5, "B": 16}},
+    {"op": "ffn_out", "args": {"K": 256, "n": 30, "flags": 5, "B": 40}},
     {"op": "lm_head", "args": {"K": 256, "n": 300, "r0": 1000, "staged": 40}},
-    {"op": "lm_head", "args": {"K": 200, "n": 250, "r0": 7, "ties": True}},
+    {"op": "lm_head", "args": {"K": 200, "n": 250, "r0": 7, "ties": True, "B": 17}},
 ]
 
 # Planted bugs: (module, [(original, mutated)]) and the case that must then fail.
 MUTANTS: dict[str, tuple[list, dict]] = {
     # rows g and g + 8 of the A fragments swapped
-    "mk-mma-register-order": (["megakernel.device_fns", [["_chunk_mma(acc, ua[None, u], ub[None, u], ux[None, u]",
-                                                          "_chunk_mma(acc, ub[None, u], ua[None, u], ux[None, u]"]]],
+    "mk-mma-register-order": (["megakernel.device_fns", [["_chunk_mma(acc[None, p], ua[None, u], ub[None, u],",
+                                                          "_chunk_mma(acc[None, p], ub[None, u], ua[None, u],"]]],
                               {"op": "o_proj_residual", "args": {"K": 264, "n": 40, "accumulate": True}}),
     # k blocks one chunk apart instead of one quad (4 chunks) apart
     "mk-mma-chunk": (["megakernel.device_fns", [["cc = [c + 4 * u if", "cc = [c + u if"]]],
@@ -58,9 +60,17 @@ MUTANTS: dict[str, tuple[list, dict]] = {
     "mk-mma-staged-rule": (["megakernel.device_fns", [["if cutlass.min(j0 + (MMA_ROWS - 1), n - 1) < staged_rows:",
                                                        "if j0 < staged_rows:"]]],
                            {"op": "norm_proj", "args": {"K": 200, "n": 37, "staged": 20}}),
+    # every pass of a group reads the x rows one row (not one pass of 8) after the previous pass's
+    "mk-mma-pass-row": (["megakernel.device_fns", [["r = cutlass.min(xr + p * MMA_COLS, rows - 1)",
+                                                    "r = cutlass.min(xr + p, rows - 1)"]]],
+                        {"op": "o_proj_residual", "args": {"K": 256, "n": 16, "accumulate": False, "B": 64}}),
+    # an accumulator column stored at the mirrored batch row of its pass (the C fragment's column -> batch row map)
+    "mk-mma-group-col": (["contracts.addr", [["    return (group * passes + p) * GEMV_BT + col\n",
+                                              "    return (group * passes + p) * GEMV_BT + (GEMV_BT - 1 - col)\n"]]],
+                         {"op": "norm_proj", "args": {"K": 256, "n": 37, "fp32": True, "B": 33}}),
     # work items 8 rows apart while every tile computes 16: rows stored twice
-    "mk-mma-tile-rows": (["contracts.addr", [["return GEMV_MMA_ROWS if bt == GEMV_BT else 1",
-                                              "return 8 if bt == GEMV_BT else 1"]]],
+    "mk-mma-tile-rows": (["contracts.addr", [["return GEMV_MMA_ROWS if gemv_mma(batch) else 1",
+                                              "return 8 if gemv_mma(batch) else 1"]]],
                          {"op": "o_proj_residual", "args": {"K": 264, "n": 40, "accumulate": True}}),
 }
 
@@ -110,7 +120,7 @@ def test_tile_registers_are_the_chunk_layout() -> None:
     g = torch.Generator().manual_seed(3)
     W = torch.randn(16, 64, generator=g).bfloat16()
     x = torch.randn(8, 64, generator=g).bfloat16()
-    regs = tile_registers(F, W, 16, x, [(0, 0)], None, None, 2)[0]  # [32, k blocks, 12]
+    regs = tile_registers(F, W, 16, x, [(0, 0)], None, None, 2)[0, 0]  # one pass: [32, k blocks, 12]
     for lane in (0, 5, 31):
         gg, q = M.lane_group(lane), M.lane_quad(lane)
         for kb in range(2):

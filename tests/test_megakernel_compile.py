@@ -2,10 +2,11 @@
 the synchronisation the design relies on; the host side (static shapes, device contract, prebuilt export, launch
 signature) is checked on the CPU.
 
-Compiling is the cost, so by default only tiny B=1 for sm_90a and sm_100a, k3-shard B=8 for sm_90a, tiny B=1 with
-MXFP4 routed experts (``MKConfig.fp4``) for sm_90a, and micro B=1 exported through the prebuilt path with TVM-FFI;
-artefacts are cached by source hash (``build.py``), so a second run only re-exports micro. The full matrix (every
-preset x batch x arch, dense and MXFP4) is marked slow.
+Compiling is the cost, so by default only tiny B=1 for sm_90a and sm_100a, k3-shard B=8 and tiny B=33 (the GEMV
+opcodes' pass groups) for sm_90a, tiny B=1 with MXFP4 routed experts (``MKConfig.fp4``) for sm_90a, and micro B=1
+exported through the prebuilt path with TVM-FFI; artefacts are cached by source hash (``build.py``), so a second run
+only re-exports micro. The full matrix (every preset x batch 1, 8, 16, 32, 33, 64 x arch, dense and MXFP4) is marked
+slow.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from kimik3.megakernel.kernel_shapes import MAX_BUFS, MAX_CTRS, MAX_INSTR, PROG_
 # tiny-rank: the loopback check's kernel (every rank of tiny over 2 in one launch: the local-rank table), built for
 # rank programs (MKConfig.ranks: the collective opcodes, pushes, system-scope counters); k3-rank, one rank's program
 # of the rack, compiles the same code at the rack's shapes (the slow matrix)
-CI_SM90 = ["megakernel/tiny/b1", "megakernel/k3-shard/b8", "megakernel/tiny/b1-mxfp4", "megakernel/tiny-rank/b1"]
+# tiny/b33: the GEMV opcodes' pass groups (3 passes for one weight, 2 for two, the last pass partial)
+CI_SM90 = ["megakernel/tiny/b1", "megakernel/k3-shard/b8", "megakernel/tiny/b1-mxfp4", "megakernel/tiny-rank/b1",
+           "megakernel/tiny/b33"]
 CI_SM100 = ["megakernel/tiny/b1"]
 # the design's synchronisation, in the PTX: acquire spin with back-off, release signal, first-error CAS, error-word
 # poll, timestamps, SM id, asynchronous weight prefetch into smem, CTA barriers
@@ -80,8 +83,9 @@ def test_compiles_for_sm100a(name: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("name", [f"megakernel/{p}/b{b}{f}" for p in ("micro", "tiny", "k3-shard") for b in (1, 8, 64)
-                                  for f in ("", "-mxfp4")] + [f"megakernel/k3-rank/b{b}-mxfp4" for b in (1, 8)])
+@pytest.mark.parametrize("name", [f"megakernel/{p}/b{b}{f}" for p in ("micro", "tiny", "k3-shard")
+                                  for b in (1, 8, 16, 32, 33, 64) for f in ("", "-mxfp4")]
+                         + [f"megakernel/k3-rank/b{b}-mxfp4" for b in (1, 8)])
 def test_full_matrix(name: str, arch: str) -> None:
     v = R.get_variant(name)
     _check(B.build(v, arch), v, arch)

@@ -12,7 +12,16 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from kimik3.kernels.contracts.addr import gemv_batch_tile, gemv_item, gemv_tile_rows, gemv_tiles
+from kimik3.kernels.contracts.addr import (
+    GEMV_GROUP_PASSES,
+    gemv_batch_tile,
+    gemv_group_passes,
+    gemv_group_row,
+    gemv_groups,
+    gemv_item,
+    gemv_tile_rows,
+    gemv_tiles,
+)
 from kimik3.kernels.megakernel.device_fns import NW
 from kimik3.kernels.verify.host_exec import load_mutant
 
@@ -62,19 +71,67 @@ def test_one_pass_is_the_row() -> None:
     assert [gemv_item(k, 7, 1) for k in range(7)] == [(k, 0) for k in range(7)]
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8, 16, 64])
+@pytest.mark.parametrize("batch", [1, 3, 7, 8, 16, 33, 64])
 def test_tiles_cover_the_box_rows(batch: int) -> None:
-    """A pass of 8 rows takes the tensor-core path: items are 16-row tiles (``megakernel.mma.MMA_ROWS``;
-    ``contracts.addr`` cannot import it), the tiles cover every row and none starts past the box. Other passes: one row
-    per item."""
+    """From batch 8 the GEMV opcodes take the tensor-core path: items are 16-row tiles (``megakernel.mma.MMA_ROWS``;
+    ``contracts.addr`` cannot import it), the tiles cover every row and none starts past the box. Below: one row per
+    item."""
     from kimik3.kernels.megakernel.mma import MMA_ROWS
 
-    bt = gemv_batch_tile(batch)
-    tr = gemv_tile_rows(bt)
-    assert tr == (MMA_ROWS if bt == 8 else 1)
+    tr = gemv_tile_rows(batch)
+    assert tr == (MMA_ROWS if batch >= 8 else 1)
     for n in ROWS:
         nt = gemv_tiles(n, tr)
         assert (nt - 1) * tr < n <= nt * tr, (n, tr, nt)
+
+
+def group_problems(row: Callable[[int, int, int, int], int], batch: int, sources: int) -> list[str]:
+    """What is wrong with the tensor-core GEMV's pass groups at ``batch`` (``row``: the device's ``gemv_group_row``):
+    every batch row must be one (group, pass, column) exactly once, and the rows past the batch (read clamped, never
+    stored) only in the last pass of the last group."""
+    P, ng = gemv_group_passes(batch, sources), gemv_groups(batch, sources)
+    seen: dict[int, tuple[int, int, int]] = {}
+    out: list[str] = []
+    for t in range(ng):
+        for p in range(P):
+            for c in range(8):
+                b = row(t, p, c, P)
+                if b < 0:
+                    out.append(f"group {t} pass {p} column {c}: row {b}")
+                elif b < batch:
+                    if b in seen:
+                        out.append(f"batch row {b} at {seen[b]} and {(t, p, c)}")
+                    seen[b] = (t, p, c)
+    missing = [b for b in range(batch) if b not in seen]
+    if missing:
+        out.append(f"batch rows never computed: {missing[:4]}")
+    if P > GEMV_GROUP_PASSES[sources]:
+        out.append(f"{P} passes per group for {sources} weights: over the register budget's "
+                   f"{GEMV_GROUP_PASSES[sources]}")
+    return out
+
+
+@pytest.mark.parametrize("sources", [1, 2])
+def test_pass_groups_cover_every_batch_row_once(sources: int) -> None:
+    """Batch 8 to 64 (every width, odd ones included): each row computed once, in as few groups as the register
+    budget allows (one read of a weight tile per group: a single group up to 32 rows for one weight, 16 for two)."""
+    for batch in range(8, 65):
+        assert group_problems(gemv_group_row, batch, sources) == [], batch
+        passes = -(-batch // 8)
+        assert gemv_groups(batch, sources) == -(-passes // GEMV_GROUP_PASSES[sources])
+    assert [gemv_groups(b, 1) for b in (8, 32, 33, 64)] == [1, 1, 2, 2]
+    assert [gemv_groups(b, 2) for b in (8, 16, 17, 64)] == [1, 1, 2, 4]
+
+
+def test_planted_group_row_is_caught() -> None:
+    """The check reads the real function: a pass stride off by one planted in a copy of ``kernels/contracts/addr.py``
+    (passes overlapping, the group's last rows lost) and a group stride that forgets the passes fail it."""
+    good = "    return (group * passes + p) * GEMV_BT + col\n"
+    for bad, expect in (("    return (group * passes + p) * (GEMV_BT - 1) + col\n", "at"),
+                        ("    return (group + p) * GEMV_BT + col\n", "at")):
+        mutant = load_mutant("contracts.addr", [(good, bad)])
+        found = [q for b in (16, 33, 64) for q in group_problems(mutant.gemv_group_row, b, 2)]
+        assert found and any(expect in q for q in found), (bad, found[:3])
 
 
 def test_the_warps_are_twelve() -> None:

@@ -8,10 +8,10 @@ same functions on Python ints, and one test executes them as traced DSL integers
 those functions (loaded from a modified copy of the file, as ``tests/test_host_exec.py`` does) must be reported, and
 so must a program whose declarations disagree with the device code.
 
-Whole ``micro`` and ``tiny`` programs at batch 1, 8 and 64 under both policies; ``k3-shard`` at batch 1 with the
-write count and at batch 64 every instruction's access corners (bounds and prefetch); the other ``k3-shard`` batches
-with the write count are marked slow; programs carrying MXFP4 routed experts (codes and E8M0 scales,
-``contracts.addr.fp4_row_offsets``) at ``micro`` / ``tiny`` and ``k3-shard`` batch 1. Each of them replays every
+Whole ``micro`` and ``tiny`` programs at batch 1, 8, 33 (a partial last pass) and 64 under both policies; ``k3-shard``
+at batch 1 with the write count and at batch 64 every instruction's access corners (bounds and prefetch); the other
+``k3-shard`` batches with the write count are marked slow; programs carrying MXFP4 routed experts (codes and E8M0
+scales, ``contracts.addr.fp4_row_offsets``) at ``micro`` / ``tiny`` and ``k3-shard`` batch 1. Each of them replays every
 weight-stage copy too (an instruction's own stage and the next-stage descriptor the device copies before the waits):
 only static weights, every staged element in the declared box, each descriptor equal to the next instruction's own
 stage; planted descriptors into an activation or a state, and rows past the box, are reported.
@@ -62,7 +62,7 @@ def test_rank_program_replays_clean(preset: str, world: int, rank: int, batch: i
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("batch", [1, 8, 33, 64])
 @pytest.mark.parametrize("preset", ["micro", "tiny"])
 def test_whole_program_replays_clean(preset: str, batch: int, policy: str) -> None:
     p = _program(preset, batch, policy)
@@ -141,6 +141,13 @@ MUTANTS = {
     # the [b, r, c] offset with the row and batch strides swapped: caught wherever d1 > 1
     "elem-offset-stride": ([("(wide(b) * wide(d1) + wide(r)) * wide(d2)", "(wide(b) + wide(r) * wide(d1)) * wide(d2)")],
                            {"bounds"}, ("tiny", 8)),
+    # a pass group's batch rows one group short (the group stride forgets its passes): rows of the second group of
+    # MLP_GATE_UP / FFN_OUT at batch 64 stored twice, the last 32 rows never
+    "gemv-group-stride": ([("    return (group * passes + p) * GEMV_BT + col\n",
+                            "    return (group + p) * GEMV_BT + col\n")], {"write_once"}, ("tiny", 64)),
+    # the tensor-core passes rounded down: batch 33's last, partial pass (row 32) never computed
+    "gemv-passes-floor": ([("    return (batch + (GEMV_BT - 1)) // GEMV_BT\n", "    return batch // GEMV_BT\n")],
+                        {"write_once"}, ("tiny", 33)),
     # MXFP4 code rows at the scales' row stride (d2 / 16): runs of codes that start mid-row and cross rows
     "fp4-code-row-stride": ([("return expert_row_offset(d1, d2, e, r, wide), expert_row_offset(sd1,",
                               "return expert_row_offset(d1, sd2, e, r, wide), expert_row_offset(sd1,")],
@@ -170,15 +177,15 @@ def test_mutated_lines_are_the_ones_the_device_code_calls() -> None:
     assert len(re.findall(r"\btile_rows\(", gemv)) == 5  # NORM_PROJ, MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD
     # the tensor-core path's tiles and both paths' item order are written once, in _for_items, and every GEMV
     # opcode's work items go through it
-    assert gemv.count("mk_addr.gemv_tiles(n, TR)") == 1 and gemv.count("mk_addr.gemv_item(k, nt, NBT)") == 1
+    assert gemv.count("mk_addr.gemv_tiles(n, TR)") == 1 and gemv.count("mk_addr.gemv_item(k, nt, NG)") == 1
     assert gemv.count("mk_addr.gemv_item(k, n, NBT)") == 1 and gemv.count("\ndef _for_items(") == 1
     ops = {b.split("(", 1)[0]: b for b in gemv.split("\ndef ")[1:] if b.startswith("op_")}
     assert sorted(ops) == ["op_ffn_out", "op_lm_head", "op_mlp_gate_up", "op_norm_proj", "op_o_proj_residual"]
     assert all("_for_items(ctx, n, " in body for body in ops.values())
-    assert "mk_addr.gemv_tile_rows(BT)" in gemv
+    assert "mk_addr.gemv_tile_rows(B)" in gemv and "mk_addr.gemv_group_row(" in gemv
     # LM_HEAD's path is one switch that the device code and the replay (lm_head_tile_rows) both read
     assert "if const_expr(MMA and mk_addr.LM_HEAD_MMA):" in gemv
-    assert '"lm_head_tile_rows", lm_head_tile_rows)(s.gbt)' in (k / "verify" / "addr_replay.py").read_text()
+    assert '"lm_head_tile_rows", lm_head_tile_rows)(s.B)' in (k / "verify" / "addr_replay.py").read_text()
     assert moe.count("expert_row_offset(") == 3  # EXPERT_GATE_UP (w1, w3), EXPERT_DOWN (w2)
     assert moe.count("fp4_row_offsets(") == 1  # fp4_row: every MXFP4 code / scale row of both expert opcodes
     assert "return elem_offset(d1, d2, b, r, c, Int64)" in operands  # _eoff: every other [b, r, c] offset

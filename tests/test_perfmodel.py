@@ -158,7 +158,7 @@ def test_constants_have_sources_and_no_design_is_missing_an_opcode():
         assert fp4 == want, name
 
 
-@pytest.mark.parametrize("design", ["v1", "v2"])
+@pytest.mark.parametrize("design", ["v1", "v2", "v3"])
 @pytest.mark.parametrize("stage", ["megakernel", "fused"])
 def test_predict_both_stages_all_batches_match_committed_scores(stage, design):
     committed = json.loads((PERF_DIR / f"scores-{design}.json").read_text())
@@ -340,7 +340,13 @@ def test_current_design_matches_the_compiled_kernels_ci_subset():
     slow). v1 described the kernels before the redesign: its compiled numbers were checked against that code and
     stay as its record."""
     from kimik3.kernels.contracts import isa
-    from kimik3.kernels.contracts.addr import LM_HEAD_MMA, gemv_mma_unroll, gemv_unroll
+    from kimik3.kernels.contracts.addr import (
+        LM_HEAD_MMA,
+        gemv_batch_tile,
+        gemv_group_passes,
+        gemv_mma_unroll,
+        gemv_unroll,
+    )
 
     mk = _compiled("megakernel/k3-shard/b8")
     m = CUR["megakernel"]
@@ -351,16 +357,20 @@ def test_current_design_matches_the_compiled_kernels_ci_subset():
 
     assert NT == m["threads"]["value"] and isa.STAGE_BYTES == m["stage_bytes"]["value"]
     assert isa.STAGE_BUFFERS == m["stage_buffers"]["value"]
-    # 16-byte weight loads in flight per lane: the CUDA-core path (passes below 8 rows), then the tensor-core path
-    # (two weight chunks per k block; x normalised as loaded holds one block fewer)
+    # 16-byte weight loads in flight per lane: the CUDA-core path (batches 1 to 7), then the tensor-core path (two
+    # weight chunks per k block; x normalised as loaded holds one block fewer; an item of several passes fewer still)
     for op, normed in (("NORM_PROJ", True), ("MLP_GATE_UP", True), ("O_PROJ_RESIDUAL", False), ("FFN_OUT", True),
-                       ("LM_HEAD", None)):
+                       ("LM_HEAD", True if LM_HEAD_MMA else None)):
         loads = m["opcodes"][op]["streams"][0]["loads"]
-        assert evaluate(loads, {"gbt": 1}) == gemv_unroll("sm_90a", 1), op
-        assert evaluate(loads, {"gbt": 4}) == gemv_unroll("sm_90a", 4), op
+        for b in (1, 4):
+            assert evaluate(loads, {"gbt": b, "mma": 0, "pg": 1, "pg2": 1}) == gemv_unroll("sm_90a", b), op
         mma = normed is not None and (op != "LM_HEAD" or LM_HEAD_MMA)
-        want = 2 * gemv_mma_unroll("sm_90a", normed) if mma else gemv_unroll("sm_90a", 8)
-        assert evaluate(loads, {"gbt": 8}) == want, op
+        sources = 2 if op in ("MLP_GATE_UP", "FFN_OUT") else 1
+        for b in (8, 33, 64):
+            env = {"gbt": gemv_batch_tile(b), "mma": 1, "pg": gemv_group_passes(b, 1), "pg2": gemv_group_passes(b, 2)}
+            want = (2 * gemv_mma_unroll("sm_90a", normed, gemv_group_passes(b, sources)) if mma
+                    else gemv_unroll("sm_90a", gemv_batch_tile(b)))
+            assert evaluate(loads, env) == want, (op, b)
     # prefetch_ahead with stage_wait = all: the own stage is waited one group behind the next one's copy
     assert m["prefetch_ahead"]["value"] and re.search(r"cp\.async\.wait_group\s+1;", mk["ptx"])
     g = _compiled("gemv.rmsnorm/k3-shard/b8")

@@ -14,12 +14,12 @@ from typing import Any
 
 from kimik3.kernels.contracts.meta import ROW_LOOP_FROM
 
-__all__ = ["GEMV_BT", "GEMV_UNROLL", "GEMV_UNROLL_X_UNROLLED", "GEMV_MMA_ROWS", "LM_HEAD_MMA", "gemv_unroll",
-           "gemv_mma_unroll", "gemv_batch_tile", "gemv_tile_rows", "lm_head_tile_rows", "gemv_tiles", "gemv_item",
-           "elem_offset",
-           "tile_rows", "expert_row_offset", "FP4_GROUP", "FP4_GROUP_BYTES", "fp4_row_offsets", "absorb_cw",
-           "peer_address", "push_item",
-           "VEC"]
+__all__ = ["GEMV_BT", "GEMV_UNROLL", "GEMV_UNROLL_X_UNROLLED", "GEMV_MMA_ROWS", "LM_HEAD_MMA", "GEMV_MMA_FROM",
+           "GEMV_GROUP_PASSES", "GEMV_GROUP_UNROLL", "GEMV_GROUP_UNROLL_FROM",
+           "gemv_unroll", "gemv_mma_unroll", "gemv_batch_tile",
+           "gemv_tile_rows", "lm_head_tile_rows", "gemv_tiles", "gemv_item", "gemv_mma", "gemv_mma_passes",
+           "gemv_groups", "gemv_group_passes", "gemv_group_row", "elem_offset", "tile_rows", "expert_row_offset",
+           "FP4_GROUP", "FP4_GROUP_BYTES", "fp4_row_offsets", "absorb_cw", "peer_address", "push_item", "VEC"]
 
 VEC = 8  # bf16 elements per 16-byte chunk (the device code's VEC)
 # MXFP4 experts (an "mxfp4" program): one E8M0 scale byte per FP4_GROUP columns, whose codes (two per byte) are one
@@ -60,10 +60,10 @@ def gemv_unroll(arch: str, bt: int = GEMV_BT) -> int:
 GEMV_MMA_ROWS = 16
 
 
-def gemv_tile_rows(bt: int) -> int:
-    """Weight rows per GEMV work item for a batch pass of ``bt`` rows: a 16-row mma tile when the pass is
-    :data:`GEMV_BT` (8) rows, else one row (the CUDA-core path)."""
-    return GEMV_MMA_ROWS if bt == GEMV_BT else 1
+def gemv_tile_rows(batch: int) -> int:
+    """Weight rows per GEMV work item at ``batch``: a 16-row mma tile on the tensor-core path (:func:`gemv_mma`),
+    else one row (the CUDA-core path)."""
+    return GEMV_MMA_ROWS if gemv_mma(batch) else 1
 
 
 def gemv_tiles(n: Any, rows: int) -> Any:
@@ -72,28 +72,31 @@ def gemv_tiles(n: Any, rows: int) -> Any:
     return (n + (rows - 1)) // rows
 
 
-# LM_HEAD's tiles stay on the CUDA-core path (one weight row per item, at every pass width). With all five GEMV opcodes
-# on tensor cores ptxas spills the batch-8 megakernels for sm_90a at the register cap (words of the VM that live
-# across the dispatch); with one of them (NORM_PROJ, O_PROJ_RESIDUAL or LM_HEAD) on CUDA cores they fit. LM_HEAD's own
-# pressure is not the cause: the spill stays with one k block per step, without γ, without the arg-max epilogue or
-# the stage branch, and with every other opcode's k blocks per step lowered. The tensor-core LM_HEAD stays in the code
-# and is host-executed (kernels/verify/host_exec_mk_gemv.py), so LM_HEAD_MMA can be switched on once it compiles
-# within the budget.
+# LM_HEAD on the tensor-core path like the other GEMV opcodes (True), or one vocabulary row per item on CUDA cores at
+# every batch (False: above batch 8 it reads the vocabulary once per pass of gemv_batch_tile rows). Off: with it on,
+# the k3-shard megakernels compile without spills for sm_90a at batch 8 to 64 (164-166 registers), but the tiny and
+# micro ones spill at every batch from 8 (16-60 spill stores; their other opcodes leave fewer registers), also with
+# LM_HEAD's k blocks per step lowered to 2. The tensor-core LM_HEAD stays in the code and is host-executed
+# (kernels/verify/host_exec_mk_gemv.py); the device code, the address replay and the model's LM_HEAD entry read the
+# switch.
 LM_HEAD_MMA = False
 
 
-def lm_head_tile_rows(bt: int) -> int:
-    """Weight rows per LM_HEAD work item for a batch pass of ``bt`` rows: :func:`gemv_tile_rows` when
-    :data:`LM_HEAD_MMA`, else 1 (the CUDA-core path)."""
-    return gemv_tile_rows(bt) if LM_HEAD_MMA else 1
+def lm_head_tile_rows(batch: int) -> int:
+    """Weight rows per LM_HEAD work item at ``batch``: :func:`gemv_tile_rows` when :data:`LM_HEAD_MMA`, else 1 (the
+    CUDA-core path)."""
+    return gemv_tile_rows(batch) if LM_HEAD_MMA else 1
 
 
-def gemv_mma_unroll(arch: str, normed: bool = False) -> int:
-    """32-element k blocks in flight per lane per step of the tensor-core GEMV path: each is two 16-byte weight
-    loads, so :func:`gemv_unroll` / 2 keeps the CUDA-core path's bytes in flight (sm_90a: 4 blocks, 12 warps x 32
-    lanes x 4 x 32 B = 48 KiB per SM). An x normalised as loaded (``normed``) also holds a γ chunk per block: one
-    block fewer there (36 KiB per SM) keeps the megakernel under the register cap without spills."""
-    return max(1, gemv_unroll(arch) // 2 - (1 if normed else 0))
+def gemv_mma_unroll(arch: str, normed: bool = False, passes: int = 1) -> int:
+    """32-element k blocks in flight per lane per step of the tensor-core GEMV path for an item of ``passes`` passes
+    (:func:`gemv_group_passes`): each is two 16-byte weight loads, so :func:`gemv_unroll` / 2 keeps the CUDA-core
+    path's bytes in flight (sm_90a: 4 blocks, 12 warps x 32 lanes x 4 x 32 B = 48 KiB per SM). An x normalised as
+    loaded (``normed``) also holds a γ chunk per block: one block fewer there (36 KiB per SM) keeps the megakernel
+    under the register cap without spills. From :data:`GEMV_GROUP_UNROLL_FROM` passes: at most
+    :data:`GEMV_GROUP_UNROLL` blocks (the passes' accumulators take the registers)."""
+    u = max(1, gemv_unroll(arch) // 2 - (1 if normed else 0))
+    return min(u, GEMV_GROUP_UNROLL) if passes >= GEMV_GROUP_UNROLL_FROM else u
 
 
 def gemv_batch_tile(batch: int) -> int:
@@ -102,6 +105,52 @@ def gemv_batch_tile(batch: int) -> int:
     if batch < 1:
         raise ValueError(f"gemv_batch_tile: batch must be >= 1, got {batch}")
     return max(d for d in range(1, min(batch, GEMV_BT) + 1) if batch % d == 0)
+
+
+
+# From batch GEMV_MMA_FROM (the mma's 8 columns) every GEMV opcode but a CUDA-core LM_HEAD runs on tensor cores, and a
+# work item is a 16-row weight tile x a *group* of passes of 8 batch rows: each k block's weight chunks are loaded
+# once and used for every pass of the group (one mma pair per pass), so the tile streams from memory once per group,
+# not once per pass. A group holds GEMV_GROUP_PASSES[sources] passes, sources being the weights an item accumulates
+# at once (MLP_GATE_UP's gate and up, FFN_OUT's routed and mlp rows): 4 fp32 accumulators per lane per pass and
+# source live across the whole k loop, under the 168-register cap. The last pass of a batch that is not a multiple
+# of 8 reads its missing x rows at row B - 1 and stores none of them (gemv_group_row).
+GEMV_MMA_FROM = 8
+GEMV_GROUP_PASSES = {1: 4, 2: 2}
+# k blocks per step of an item of GEMV_GROUP_UNROLL_FROM passes or more: with the one-pass 3 (normalised x) or 4 the
+# batch-64 megakernel spilled there (ptxas, sm_90a, 168-register cap); with 8 passes per group it spilled even at 2
+GEMV_GROUP_UNROLL = 2
+GEMV_GROUP_UNROLL_FROM = 4
+
+
+def gemv_mma(batch: int) -> bool:
+    """Whether the GEMV opcodes run on tensor cores at ``batch`` (a CUDA-core LM_HEAD aside: :data:`LM_HEAD_MMA`)."""
+    return batch >= GEMV_MMA_FROM
+
+
+def gemv_mma_passes(batch: int) -> int:
+    """Passes of 8 batch rows on the tensor-core path (the last one partial when 8 does not divide ``batch``)."""
+    return (batch + (GEMV_BT - 1)) // GEMV_BT
+
+
+def gemv_groups(batch: int, sources: int = 1) -> int:
+    """Pass groups of a tensor-core GEMV item loop at ``batch`` for an opcode accumulating ``sources`` weights at
+    once: as few as :data:`GEMV_GROUP_PASSES` allows (each group is one more read of every weight tile)."""
+    cap = GEMV_GROUP_PASSES[sources]
+    return (gemv_mma_passes(batch) + (cap - 1)) // cap
+
+
+def gemv_group_passes(batch: int, sources: int = 1) -> int:
+    """Passes per group (the groups balanced: ``cdiv(passes, groups)``; the last group's extra passes, if any,
+    lie wholly past the batch and store nothing)."""
+    ng = gemv_groups(batch, sources)
+    return (gemv_mma_passes(batch) + (ng - 1)) // ng
+
+
+def gemv_group_row(group: Any, p: int, col: Any, passes: int) -> Any:
+    """Batch row of column ``col`` (0..7) of pass ``p`` of pass group ``group`` (groups of ``passes`` passes): the
+    rows a tensor-core GEMV item reads and stores (a row at or past the batch is read clamped, never stored)."""
+    return (group * passes + p) * GEMV_BT + col
 
 
 def gemv_item(k: Any, n: Any, nbt: int) -> tuple[Any, Any]:

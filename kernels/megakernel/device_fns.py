@@ -22,7 +22,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from kimik3.kernels.common.device import bf16_round, exp_fast, sigmoid, warp_argmax, warp_max, warp_sum
 from kimik3.kernels.contracts.isa import CTA_THREADS
 from kimik3.kernels.contracts.meta import ROW_LOOP_FROM
-from kimik3.kernels.megakernel.mma import CHUNK_REGS, MMA_ROWS, mma_chunk
+from kimik3.kernels.megakernel.mma import CHUNK_REGS, MMA_COLS, MMA_ROWS, mma_chunk
 
 __all__ = [
     "NT",
@@ -199,20 +199,27 @@ def weight_row_dot(stage: Any, staged_rows: Int32, wrow0: Int64, j: Int32, nch: 
 
 # ---------------------------------------------------------------------------------------------- GEMV tiles (mma)
 @cute.jit
-def _mma_step(wa: Any, a0: Int32, wb: Any, b0: Int32, W_SMEM: cutlass.Constexpr, xv: Any, xg: Int32, gv: Any,
-              rstd: Any, c: Int32, acc: cute.Tensor, n: cutlass.Constexpr, lim: Any = None, sink: Any = None,
-              kb0: Int32 = 0) -> None:
+def _mma_step(wa: Any, a0: Int32, wb: Any, b0: Int32, W_SMEM: cutlass.Constexpr, xv: Any, xr: Int32, rows: Int32,
+              xs: Int32, gv: Any, s_rstd: Any, c: Int32, acc: cute.Tensor, n: cutlass.Constexpr, lim: Any = None,
+              sink: Any = None, kb0: Int32 = 0) -> None:
     """``n`` k blocks (chunks ``c, c + 4, ...``) of a lane's two weight rows (chunk ``a0 + ·`` of ``wa``, ``b0 + ·``
-    of ``wb``) against its x row (chunk ``xg + ·`` of ``xv``), through ``mk_mma.mma_chunk``.
+    of ``wb``) against its x row of every pass ``p`` < ``acc``'s second mode (batch row ``xr + 8p``, read at row
+    ``rows - 1`` from there on; row ``b`` at chunk ``b·xs + ·`` of ``xv``), through ``mk_mma.mma_chunk`` into
+    ``acc[None, p]``. A pass's x offset and rstd are recomputed in every step rather than held across the k loop
+    (registers: at 8 passes they would be 16 more live values next to the 32 accumulators).
 
-    All ``2n`` weight loads (and the ``n`` x loads) are issued before the first mma. With ``gv`` (the RMSNorm
-    weight) and ``rstd`` the x chunk is normalised as it is used, as ``kimik3.model.modeling.rms_norm`` does it:
-    ``bf16(γ · bf16(x · rstd))``, each product rounded to bf16, so the mma's B operand is the reference's normalised
-    activation bit for bit. With ``lim`` (the tail step) a chunk at or past ``lim`` is read at ``lim - 1`` (in
-    bounds, unconditional) and its x registers are zeroed, so it adds exactly 0.
+    All ``2n`` weight loads are issued before the first mma, and serve every pass: the weights are read once per
+    step whatever the number of passes. Then pass by pass: its ``n`` x loads, the normalisation, its mmas. With
+    ``gv`` (the RMSNorm weight) and ``s_rstd`` (the batch rows' rstd) the x chunk is normalised as it is used, as
+    ``kimik3.model.modeling.rms_norm`` does it: ``bf16(γ · bf16(x · rstd))``, each product rounded to bf16, so the
+    mma's B operand is the reference's normalised activation bit for bit. With ``lim`` (the tail step) a chunk at or
+    past ``lim`` is read at ``lim - 1`` (in bounds, unconditional) and its x registers are zeroed, so it adds
+    exactly 0.
 
-    ``sink`` (host execution only): instead of the mma, k block ``kb0 + u``'s registers (weight rows g, g + 8,
-    x row g: 12 words) are written to ``sink[kb0 + u, :]``; the host evaluates the mma (``mk_mma.mma_reference``)."""
+    ``sink`` (host execution only): instead of the mma, pass ``p``'s k block ``kb0 + u`` registers (weight rows g,
+    g + 8, x row g: 12 words) are written to ``sink[(kb0 + u)·P + p, :]``; the host evaluates the mma
+    (``mk_mma.mma_reference``)."""
+    P = cute.size(acc, mode=[1])
     if const_expr(W_SMEM):
         ld_w = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
     else:
@@ -223,12 +230,9 @@ def _mma_step(wa: Any, a0: Int32, wb: Any, b0: Int32, W_SMEM: cutlass.Constexpr,
     cc = [c + 4 * u if const_expr(lim is None) else cutlass.min(c + 4 * u, lim - 1) for u in range(n)]
     rwa = cute.make_rmem_tensor((VEC, n), BFloat16)
     rwb = cute.make_rmem_tensor((VEC, n), BFloat16)
-    rx = cute.make_rmem_tensor((VEC, n), BFloat16)
     for u in cutlass.range_constexpr(n):
         cute.copy(ld_w, wa[(a0 + cc[u], None)], rwa[None, u])
         cute.copy(ld_w, wb[(b0 + cc[u], None)], rwb[None, u])
-    for u in cutlass.range_constexpr(n):
-        cute.copy(ld_x, xv[(xg + cc[u], None)], rx[None, u])
     rg = None
     if const_expr(gv is not None):
         rg = cute.make_rmem_tensor((VEC, n), BFloat16)
@@ -236,15 +240,21 @@ def _mma_step(wa: Any, a0: Int32, wb: Any, b0: Int32, W_SMEM: cutlass.Constexpr,
             cute.copy(ld_g, gv[(cc[u], None)], rg[None, u])
     ua = cute.recast_tensor(rwa, Uint32)
     ub = cute.recast_tensor(rwb, Uint32)
-    ux = cute.recast_tensor(rx, Uint32)
-    for u in cutlass.range_constexpr(n):
-        if const_expr(gv is not None):
-            xh = (rx[None, u].load().to(Float32) * rstd).to(BFloat16)
-            rx[None, u].store((xh.to(Float32) * rg[None, u].load().to(Float32)).to(BFloat16))
-        if const_expr(lim is not None):
-            for i in cutlass.range_constexpr(CHUNK_REGS):
-                ux[i, u] = ux[i, u] if c + 4 * u < lim else Uint32(0)
-        _chunk_mma(acc, ua[None, u], ub[None, u], ux[None, u], sink, kb0 + u)
+    for p in cutlass.range_constexpr(P):
+        r = cutlass.min(xr + p * MMA_COLS, rows - 1)
+        rx = cute.make_rmem_tensor((VEC, n), BFloat16)
+        for u in cutlass.range_constexpr(n):
+            cute.copy(ld_x, xv[(r * xs + cc[u], None)], rx[None, u])
+        ux = cute.recast_tensor(rx, Uint32)
+        rstd = s_rstd[r] if const_expr(gv is not None) else None
+        for u in cutlass.range_constexpr(n):
+            if const_expr(gv is not None):
+                xh = (rx[None, u].load().to(Float32) * rstd).to(BFloat16)
+                rx[None, u].store((xh.to(Float32) * rg[None, u].load().to(Float32)).to(BFloat16))
+            if const_expr(lim is not None):
+                for i in cutlass.range_constexpr(CHUNK_REGS):
+                    ux[i, u] = ux[i, u] if c + 4 * u < lim else Uint32(0)
+            _chunk_mma(acc[None, p], ua[None, u], ub[None, u], ux[None, u], sink, (kb0 + u) * P + p)
 
 
 @cute.jit
@@ -262,22 +272,24 @@ def _chunk_mma(acc: cute.Tensor, wg: cute.Tensor, wg8: cute.Tensor, xg: cute.Ten
 
 @cute.jit
 def weight_tile_mma(stage: Any, staged_rows: Int32, wrow0: Int64, j0: Int32, n: Int32, nch: Int32, xv: Any,
-                    x0: Int32, xs: Int32, gv: Any, rstd: Any, acc: cute.Tensor, U: cutlass.Constexpr,
+                    row0: Int32, rows: Int32, xs: Int32, gv: Any, s_rstd: Any, acc: cute.Tensor, U: cutlass.Constexpr,
                     lane: Any = None, sink: Any = None) -> None:
-    """One tensor-core GEMV tile: ``acc`` (4,) fp32 = the lane's C fragments (``mk_mma.acc_row`` / ``acc_col``) of
-    ``W[j0 : j0 + 16] · X^T``, for the weight box of ``n`` rows whose row 0 is at byte address ``wrow0`` and the
-    8 x rows of a batch pass (row ``b`` at chunk ``x0 + b·xs`` of ``xv``), normalised as loaded when ``gv`` (γ) and
-    ``rstd`` (this lane's x row's rstd) are given.
+    """One tensor-core GEMV tile over a group of ``P`` batch passes (``acc``'s second mode): ``acc`` (4, P) fp32, column
+    ``p`` the lane's C fragments (``mk_mma.acc_row`` / ``acc_col``) of ``W[j0 : j0 + 16] · X_p^T``, for the weight box
+    of ``n`` rows whose row 0 is at byte address ``wrow0`` and pass ``p``'s 8 x rows ``row0 + 8p ... row0 + 8p + 7``
+    (row ``b`` at chunk ``b·xs`` of ``xv``; a row at or past ``rows``, the batch, is read at row ``rows - 1``: the
+    caller never stores it), normalised as loaded when ``gv`` (γ) and ``s_rstd`` (the batch rows' rstd, indexed by row)
+    are given.
 
-    Lane (g, q) (``mk_mma`` chunk layout) reads chunk ``4·kb + q`` of weight rows ``j0 + g`` and ``j0 + g + 8`` and
-    of x row ``g``, for every 32-element k block ``kb``. Rows past the box end are read at row ``n - 1`` (valid
-    memory, unconditional loads); their accumulators are garbage the caller never stores. The tile comes from
+    Lane (g, q) (``mk_mma`` chunk layout) reads chunk ``4·kb + q`` of weight rows ``j0 + g`` and ``j0 + g + 8`` once
+    per 32-element k block ``kb``, and of x row ``g`` of every pass. Rows past the box end are read at row ``n - 1``
+    (valid memory, unconditional loads); their accumulators are garbage the caller never stores. The tile comes from
     the shared-memory stage when every row it reads is staged (``< staged_rows``, row ``j`` at chunk ``j·nch``),
     else from global memory (the staged rows are a copy of the same weights, so the one tile straddling the
     stage's end is exact either way; the branch is warp-uniform).
 
-    Steps of ``U`` k blocks (2U weight + U x 16-byte loads in flight per lane) run in a real loop; the leftover
-    k blocks (and a partial last block when the row is not a multiple of 32 elements) are one clamped step."""
+    Steps of ``U`` k blocks (2U weight + P·U x 16-byte loads per lane) run in a real loop; the leftover k blocks (and
+    a partial last block when the row is not a multiple of 32 elements) are one clamped step."""
     if const_expr(lane is None):
         lane = cute.arch.lane_idx()
     acc.fill(0.0)
@@ -285,24 +297,24 @@ def weight_tile_mma(stage: Any, staged_rows: Int32, wrow0: Int64, j0: Int32, n: 
     q = lane % 4
     ra = cutlass.min(j0 + g, n - 1)
     rb = cutlass.min(j0 + g + MMA_ROWS // 2, n - 1)
-    xg = x0 + g * xs
+    xr = row0 + g
     steps = nch // (4 * U)  # a k block is 4 chunks (one per quad lane)
     if cutlass.min(j0 + (MMA_ROWS - 1), n - 1) < staged_rows:
         for it in cutlass.range(steps, unroll=1):
-            _mma_step(stage, ra * nch, stage, rb * nch, True, xv, xg, gv, rstd, it * (4 * U) + q, acc, U,
-                      None, sink, it * U)
+            _mma_step(stage, ra * nch, stage, rb * nch, True, xv, xr, rows, xs, gv, s_rstd, it * (4 * U) + q, acc,
+                      U, None, sink, it * U)
         if steps * (4 * U) < nch:
-            _mma_step(stage, ra * nch, stage, rb * nch, True, xv, xg, gv, rstd, steps * (4 * U) + q, acc, U,
-                      nch, sink, steps * U)
+            _mma_step(stage, ra * nch, stage, rb * nch, True, xv, xr, rows, xs, gv, s_rstd, steps * (4 * U) + q,
+                      acc, U, nch, sink, steps * U)
     else:
         wa = gchunks(wrow0 + Int64(ra) * Int64(nch) * 16)
         wb = gchunks(wrow0 + Int64(rb) * Int64(nch) * 16)
         for it in cutlass.range(steps, unroll=1):
-            _mma_step(wa, Int32(0), wb, Int32(0), False, xv, xg, gv, rstd, it * (4 * U) + q, acc, U, None, sink,
-                      it * U)
+            _mma_step(wa, Int32(0), wb, Int32(0), False, xv, xr, rows, xs, gv, s_rstd, it * (4 * U) + q, acc, U,
+                      None, sink, it * U)
         if steps * (4 * U) < nch:
-            _mma_step(wa, Int32(0), wb, Int32(0), False, xv, xg, gv, rstd, steps * (4 * U) + q, acc, U, nch, sink,
-                      steps * U)
+            _mma_step(wa, Int32(0), wb, Int32(0), False, xv, xr, rows, xs, gv, s_rstd, steps * (4 * U) + q, acc,
+                      U, nch, sink, steps * U)
 
 
 # ---------------------------------------------------------------------------------------------- reductions

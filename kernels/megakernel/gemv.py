@@ -1,13 +1,14 @@
 """The megakernel's tiled-GEMV opcodes: NORM_PROJ, MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT, LM_HEAD (device code;
 what each computes: its ``op_*`` docstring).
 
-The batch goes in passes of ``mk_addr.gemv_batch_tile(B)`` rows (up to 8): each weight chunk a lane loads serves
-every row of the pass, so up to batch 8 each weight row streams from memory once. One work-item loop
-(:func:`_for_items`: (weight rows, pass) items dealt round-robin over the warps, ``mk_addr.gemv_item``) calls each
-opcode's item function, which holds its two paths, chosen at trace time by the pass width (:func:`_mma`): a pass
-of 8 rows on tensor cores (``device_fns.weight_tile_mma``), other passes and LM_HEAD on CUDA cores
-(``device_fns.weight_row_dot``), and the opcode's epilogue. Design: ``docs/architecture.md`` (appendix: design notes
-by room, ``kernels/megakernel/gemv.py``)."""
+Two paths, chosen at trace time by the batch (:func:`_mma`). Below batch 8, CUDA cores: one pass of the whole batch
+(``mk_addr.gemv_batch_tile``), each weight chunk a lane loads serving every row of it, so each weight row streams
+from memory once (``device_fns.weight_row_dot``). From batch 8, tensor cores: 16-row weight tiles x a group of
+passes of 8 batch rows (``device_fns.weight_tile_mma``), each weight chunk loaded once per group
+(``mk_addr.gemv_groups``). One work-item loop (:func:`_for_items`: (weight rows, pass or group) items dealt
+round-robin over the warps, ``mk_addr.gemv_item``) calls each opcode's item function, which holds both paths and the
+opcode's epilogue. Design: ``docs/architecture.md`` (appendix: design notes by room, ``kernels/megakernel/gemv.py``).
+"""
 
 from __future__ import annotations
 
@@ -62,48 +63,70 @@ def _tiling(cfg: Any) -> tuple[int, int, int]:
     return BT, mk_addr.gemv_unroll(cfg.arch, BT), cfg.B // BT
 
 
-def _mma(cfg: Any, normed: bool = False) -> tuple[bool, int, int]:
-    """Whether the GEMV opcodes take the tensor-core path (a pass of 8 rows), its weight rows per work item and its k
-    blocks in flight per lane (``normed``: for an x normalised as loaded). The two paths:
+def _mma(cfg: Any, normed: bool = False, sources: int = 1) -> tuple[bool, int, int, int, int]:
+    """Whether the GEMV opcodes take the tensor-core path, its weight rows per work item, its k blocks in flight per
+    lane (``normed``: for an x normalised as loaded), and for an item accumulating ``sources`` weights at once its
+    passes per group and its groups. The two paths:
 
-    * a pass of 8 rows (B % 8 == 0: B = 8, 64): tensor cores. A work item is a 16-row weight tile
-      (``mk_addr.gemv_tile_rows``) x the pass's 8 rows, one ``mma.sync.m16n8k16`` bf16 product per 16 k
-      (``device_fns.weight_tile_mma``, the chunk layout of ``kernels/megakernel/mma.py``): lane (g, q) loads chunk q of
-      weight rows g and g + 8 and of x row g per 32-element k block, ``mk_addr.gemv_mma_unroll`` (4) k blocks per step:
-      8 weight + 4 x 16-byte loads in flight per lane, 48 KiB of weights per SM as before. Each x chunk is loaded once
-      per 16 weight rows. Normalised inputs (NORM_PROJ, MLP_GATE_UP, LM_HEAD, FFN_OUT's latent norm) are normalised as
-      loaded, ``bf16(γ·bf16(x·rstd))`` as ``kimik3.model.modeling.rms_norm`` (the mma's B operand is bf16), so no rstd
-      is applied afterwards. The accumulators come out in the C fragment layout: lane l's register i is (tile row
-      ``mk_mma.acc_row(l, i)``, pass row ``mk_mma.acc_col(l, i)``), stored by that lane with no warp sum; rows past the
-      box (the last tile's) are never stored.
-    * other passes (1 to 7 rows), and LM_HEAD at every pass width (``mk_addr.LM_HEAD_MMA``: its tensor-core tiles make
-      ptxas spill the batch-8 megakernels): CUDA cores, one weight row per item through ``device_fns.weight_row_dot``
-      (``mk_addr.gemv_unroll``: 8 16-byte weight loads in flight per lane per step, 384 threads x 8 x 16 B = 48 KiB per
-      SM; 6 at passes of 1 or 2 rows, whose x chunks are loaded next to the weights), the warp sum, then the epilogue;
-      gamma is folded into the weight in fp32 and rstd applied to the dot.
+    * batch 8 and above (``mk_addr.gemv_mma``): tensor cores. A work item is a 16-row weight tile
+      (``mk_addr.gemv_tile_rows``) x a group of passes of 8 batch rows (``mk_addr.gemv_group_passes``: up to 32 batch
+      rows for one weight, 16 for MLP_GATE_UP's and FFN_OUT's two), one ``mma.sync.m16n8k16`` bf16 product per 16 k and
+      pass (``device_fns.weight_tile_mma``, the chunk layout of ``kernels/megakernel/mma.py``): lane (g, q) loads chunk
+      q of weight rows g and g + 8 once per 32-element k block and chunk q of x row g of every pass,
+      ``mk_addr.gemv_mma_unroll`` k blocks per step (4: 8 weight 16-byte loads in flight per lane, 48 KiB of weights per
+      SM; one fewer for an x normalised as loaded; 2 from 4 passes). Each weight chunk is loaded once per group, each x
+      chunk once per 16 weight rows. Normalised inputs (NORM_PROJ, MLP_GATE_UP, LM_HEAD, FFN_OUT's latent norm) are
+      normalised as loaded, ``bf16(γ·bf16(x·rstd))`` as ``kimik3.model.modeling.rms_norm`` (the mma's B operand is
+      bf16), so no rstd is applied afterwards. The accumulators come out in the C fragment layout: lane l's register (i,
+      p) is (tile row ``mk_mma.acc_row(l, i)``, batch row ``mk_addr.gemv_group_row(group, p, mk_mma.acc_col(l, i),
+      P)``), stored by that lane with no warp sum; rows past the box (the last tile's) and batch rows past the batch are
+      never stored.
+    * batch 1 to 7 (and LM_HEAD at every batch if ``mk_addr.LM_HEAD_MMA`` is off): CUDA cores, one weight row per
+      item through ``device_fns.weight_row_dot`` (``mk_addr.gemv_unroll``: 8 16-byte weight loads in flight per lane
+      per step, 384 threads x 8 x 16 B = 48 KiB per SM; 6 at passes of 1 or 2 rows, whose x chunks are loaded next to
+      the weights), the warp sum, then the epilogue; gamma is folded into the weight in fp32 and rstd applied to the
+      dot; one pass of the batch (``mk_addr.gemv_batch_tile``).
 
     One flat item loop rather than a pass loop inside the row loop: the nested loops' state did not fit next to the dot
     step at batch 64 (ptxas spilled the megakernel)."""
-    BT = mk_addr.gemv_batch_tile(cfg.B)
-    return BT == MMA_COLS, mk_addr.gemv_tile_rows(BT), mk_addr.gemv_mma_unroll(cfg.arch, normed)
+    B = cfg.B
+    P = mk_addr.gemv_group_passes(B, sources)
+    return (mk_addr.gemv_mma(B), mk_addr.gemv_tile_rows(B), mk_addr.gemv_mma_unroll(cfg.arch, normed, P), P,
+            mk_addr.gemv_groups(B, sources))
 
 
 @cute.jit
-def _for_items(ctx: _Ctx, n: Int32, MMA: cutlass.Constexpr, item: cutlass.Constexpr, *args: Any) -> None:
-    """The GEMV opcodes' work-item loop, written once: (weight rows, batch pass) items dealt round-robin over the
-    warps (``mk_addr.gemv_item``); ``item(ctx, j, t, *args)`` computes and stores one, ``j`` its first weight row
-    (of a 16-row tile on the tensor-core path, ``MMA``) and ``t`` its pass."""
-    _, _, NBT = _tiling(ctx.cfg)
+def _for_items(ctx: _Ctx, n: Int32, MMA: cutlass.Constexpr, item: cutlass.Constexpr, sources: cutlass.Constexpr,
+               *args: Any) -> None:
+    """The GEMV opcodes' work-item loop, written once: (weight rows, batch pass or pass group) items dealt
+    round-robin over the warps (``mk_addr.gemv_item``); ``item(ctx, j, t, *args)`` computes and stores one, ``j``
+    its first weight row (of a 16-row tile on the tensor-core path, ``MMA``) and ``t`` its pass (CUDA cores) or pass
+    group (tensor cores, groups for ``sources`` weights)."""
     if const_expr(MMA):
-        _, TR, _ = _mma(ctx.cfg)
+        _, TR, _, _, NG = _mma(ctx.cfg, False, sources)
         nt = mk_addr.gemv_tiles(n, TR)
-        for k in cutlass.range(ctx.warp, nt * NBT, NW, unroll=1):
-            jt, t = mk_addr.gemv_item(k, nt, NBT)
+        for k in cutlass.range(ctx.warp, nt * NG, NW, unroll=1):
+            jt, t = mk_addr.gemv_item(k, nt, NG)
             item(ctx, jt * TR, t, *args)
     else:
+        _, _, NBT = _tiling(ctx.cfg)
         for k in cutlass.range(ctx.warp, n * NBT, NW, unroll=1):
             j, t = mk_addr.gemv_item(k, n, NBT)
             item(ctx, j, t, *args)
+
+
+def _group_row0(t: Any, P: int) -> Any:
+    """First batch row of pass group ``t`` (groups of ``P`` passes)."""
+    return mk_addr.gemv_group_row(t, 0, 0, P)
+
+
+@cute.jit
+def _mma_store(ctx: _Ctx, j: Int32, t: Int32, n: Int32, P: cutlass.Constexpr, i: cutlass.Constexpr, p: cutlass.Constexpr
+               ) -> tuple[Any, Int32, Int32]:
+    """(stored?, weight row, batch row) of a lane's accumulator register ``(i, p)`` of tensor-core item ``(j, t)``."""
+    jj = j + acc_row(ctx.lane, i)
+    b = mk_addr.gemv_group_row(t, p, acc_col(ctx.lane, i), P)
+    return (jj < n) & (b < ctx.cfg.B), jj, b
 
 
 @cute.jit
@@ -137,9 +160,9 @@ def op_norm_proj(ctx: _Ctx) -> None:
     o0 = _bx(ctx, 3, C0)
     of = gflat(Float32, ctx.s_addr[3])
     ob = gflat(BFloat16, ctx.s_addr[3])
-    MMA, _, _ = _mma(cfg, True)
-    acc = cute.make_rmem_tensor((4,) if const_expr(MMA) else (BT,), Float32)
-    _for_items(ctx, n, MMA, _norm_proj_item, staged, wrow0, n, nch, xv, xs, gv, acc, o0, of, ob, fp32)
+    MMA, _, _, P, _ = _mma(cfg, True)
+    acc = cute.make_rmem_tensor((4, P) if const_expr(MMA) else (BT,), Float32)
+    _for_items(ctx, n, MMA, _norm_proj_item, 1, staged, wrow0, n, nch, xv, xs, gv, acc, o0, of, ob, fp32)
 
 
 @cute.jit
@@ -148,18 +171,19 @@ def _norm_proj_item(ctx: _Ctx, j: Int32, t: Int32, staged: Int32, wrow0: Int64, 
     """NORM_PROJ's work item ``(j, t)`` (:func:`_for_items`): its dot and its stores."""
     cfg = ctx.cfg
     BT, U, _ = _tiling(cfg)
-    MMA, _, UM = _mma(cfg, True)
+    MMA, _, UM, P, _ = _mma(cfg, True)
     if const_expr(MMA):
-        weight_tile_mma(ctx.s_stage, staged, wrow0, j, n, nch, xv, t * BT * xs, xs, gv,
-                        ctx.s_f32[t * BT + ctx.lane // 4], acc, UM)
-        for i in cutlass.range_constexpr(4):
-            jj = j + acc_row(ctx.lane, i)
-            if jj < n:
-                off = _eoff(ctx.s_d1[3], ctx.s_d2[3], t * BT + acc_col(ctx.lane, i), Int32(0), o0 + jj)
-                if fp32 != 0:
-                    of[off] = acc[i]
-                else:
-                    ob[off] = acc[i].to(BFloat16)
+        weight_tile_mma(ctx.s_stage, staged, wrow0, j, n, nch, xv, _group_row0(t, P), Int32(cfg.B), xs, gv,
+                        ctx.s_f32, acc, UM)
+        for p in cutlass.range_constexpr(P):
+            for i in cutlass.range_constexpr(4):
+                ok, jj, b = _mma_store(ctx, j, t, n, P, i, p)
+                if ok:
+                    off = _eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), o0 + jj)
+                    if fp32 != 0:
+                        of[off] = acc[i, p]
+                    else:
+                        ob[off] = acc[i, p].to(BFloat16)
     else:
         weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U,
                        wide_tail=True)
@@ -188,10 +212,10 @@ def op_mlp_gate_up(ctx: _Ctx) -> None:
     gv = gchunks(ctx.s_addr[1])
     o0 = _bx(ctx, 4, C0)
     ob = gflat(BFloat16, ctx.s_addr[4])
-    MMA, _, _ = _mma(cfg, True)
-    ag = cute.make_rmem_tensor((4,) if const_expr(MMA) else (BT,), Float32)
-    au = cute.make_rmem_tensor((4,) if const_expr(MMA) else (BT,), Float32)
-    _for_items(ctx, n, MMA, _mlp_gate_up_item, sg, su, wg0, wu0, n, nch, xv, xs, gv, ag, au, o0, ob)
+    MMA, _, _, P, _ = _mma(cfg, True, 2)
+    ag = cute.make_rmem_tensor((4, P) if const_expr(MMA) else (BT,), Float32)
+    au = cute.make_rmem_tensor((4, P) if const_expr(MMA) else (BT,), Float32)
+    _for_items(ctx, n, MMA, _mlp_gate_up_item, 2, sg, su, wg0, wu0, n, nch, xv, xs, gv, ag, au, o0, ob)
 
 
 @cute.jit
@@ -201,17 +225,17 @@ def _mlp_gate_up_item(ctx: _Ctx, j: Int32, t: Int32, sg: Int32, su: Int32, wg0: 
     """MLP_GATE_UP's work item ``(j, t)`` (:func:`_for_items`): the gate and up dots, SiTU-GLU, the stores."""
     cfg = ctx.cfg
     BT, U, _ = _tiling(cfg)
-    MMA, _, UM = _mma(cfg, True)
+    MMA, _, UM, P, _ = _mma(cfg, True, 2)
     if const_expr(MMA):
-        r = ctx.s_f32[t * BT + ctx.lane // 4]
-        weight_tile_mma(ctx.s_stage, sg, wg0, j, n, nch, xv, t * BT * xs, xs, gv, r, ag, UM)
-        weight_tile_mma(ctx.s_stage, su, wu0, j, n, nch, xv, t * BT * xs, xs, gv, r, au, UM)
-        for i in cutlass.range_constexpr(4):
-            jj = j + acc_row(ctx.lane, i)
-            h = glu(bf16_round(ag[i]), bf16_round(au[i]), cfg.situ, cfg.situ_beta, cfg.situ_lin)
-            if jj < n:
-                ob[_eoff(ctx.s_d1[4], ctx.s_d2[4], t * BT + acc_col(ctx.lane, i), Int32(0), o0 + jj)] = \
-                    h.to(BFloat16)
+        b0 = _group_row0(t, P)
+        weight_tile_mma(ctx.s_stage, sg, wg0, j, n, nch, xv, b0, Int32(cfg.B), xs, gv, ctx.s_f32, ag, UM)
+        weight_tile_mma(ctx.s_stage, su, wu0, j, n, nch, xv, b0, Int32(cfg.B), xs, gv, ctx.s_f32, au, UM)
+        for p in cutlass.range_constexpr(P):
+            for i in cutlass.range_constexpr(4):
+                ok, jj, b = _mma_store(ctx, j, t, n, P, i, p)
+                h = glu(bf16_round(ag[i, p]), bf16_round(au[i, p]), cfg.situ, cfg.situ_beta, cfg.situ_lin)
+                if ok:
+                    ob[_eoff(ctx.s_d1[4], ctx.s_d2[4], b, Int32(0), o0 + jj)] = h.to(BFloat16)
     else:
         weight_row_dot(ctx.s_stage, sg, wg0, j, nch, xv, t * BT * xs, xs, False, gv, ag, BT, U, wide_tail=True)
         weight_row_dot(ctx.s_stage, su, wu0, j, nch, xv, t * BT * xs, xs, False, gv, au, BT, U, wide_tail=True)
@@ -241,9 +265,9 @@ def op_o_proj_residual(ctx: _Ctx) -> None:
     staged = _staged_rows(ctx, Int32(1))
     entry, c0 = _bx(ctx, 2, R0), _bx(ctx, 2, C0)
     sb = gflat(BFloat16, ctx.s_addr[2])
-    MMA, _, _ = _mma(cfg)
-    acc = cute.make_rmem_tensor((4,) if const_expr(MMA) else (BT,), Float32)
-    _for_items(ctx, n, MMA, _o_proj_item, staged, wrow0, n, nch, xv, xs, acc, entry, c0, sb, accumulate)
+    MMA, _, _, P, _ = _mma(cfg)
+    acc = cute.make_rmem_tensor((4, P) if const_expr(MMA) else (BT,), Float32)
+    _for_items(ctx, n, MMA, _o_proj_item, 1, staged, wrow0, n, nch, xv, xs, acc, entry, c0, sb, accumulate)
 
 
 @cute.jit
@@ -252,17 +276,19 @@ def _o_proj_item(ctx: _Ctx, j: Int32, t: Int32, staged: Int32, wrow0: Int64, n: 
     """O_PROJ_RESIDUAL's work item ``(j, t)`` (:func:`_for_items`): the dot, rounded to bf16, into the partial sum."""
     cfg = ctx.cfg
     BT, U, _ = _tiling(cfg)
-    MMA, _, UM = _mma(cfg)
+    MMA, _, UM, P, _ = _mma(cfg)
     if const_expr(MMA):
-        weight_tile_mma(ctx.s_stage, staged, wrow0, j, n, nch, xv, t * BT * xs, xs, None, None, acc, UM)
-        for i in cutlass.range_constexpr(4):
-            jj = j + acc_row(ctx.lane, i)
-            if jj < n:
-                off = _eoff(ctx.s_d1[2], ctx.s_d2[2], t * BT + acc_col(ctx.lane, i), entry, c0 + jj)
-                y = bf16_round(acc[i])
-                if accumulate != 0:
-                    y = sb[off].to(Float32) + y
-                sb[off] = y.to(BFloat16)
+        weight_tile_mma(ctx.s_stage, staged, wrow0, j, n, nch, xv, _group_row0(t, P), Int32(cfg.B), xs, None, None,
+                        acc, UM)
+        for p in cutlass.range_constexpr(P):
+            for i in cutlass.range_constexpr(4):
+                ok, jj, b = _mma_store(ctx, j, t, n, P, i, p)
+                if ok:
+                    off = _eoff(ctx.s_d1[2], ctx.s_d2[2], b, entry, c0 + jj)
+                    y = bf16_round(acc[i, p])
+                    if accumulate != 0:
+                        y = sb[off].to(Float32) + y
+                    sb[off] = y.to(BFloat16)
     else:
         weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, None, acc, BT, U,
                        wide_tail=True)
@@ -316,10 +342,10 @@ def op_ffn_out(ctx: _Ctx) -> None:
     n = tile_rows(_bx(ctx, io, C0), _bx(ctx, io, C1))
     entry, c0 = _bx(ctx, io, R0), _bx(ctx, io, C0)
     sb = gflat(BFloat16, ctx.s_addr[io])
-    MMA, _, _ = _mma(cfg)
-    ar = cute.make_rmem_tensor((4,) if const_expr(MMA) else (BT,), Float32)
-    am = cute.make_rmem_tensor((4,) if const_expr(MMA) else (BT,), Float32)
-    _for_items(ctx, n, MMA, _ffn_out_item, routed, mlp, av, xas, gv, nch_u, wu0, su, hv, xhs, nch_d, wd0, sd, n, io,
+    MMA, _, _, P, _ = _mma(cfg, False, 2)
+    ar = cute.make_rmem_tensor((4, P) if const_expr(MMA) else (BT,), Float32)
+    am = cute.make_rmem_tensor((4, P) if const_expr(MMA) else (BT,), Float32)
+    _for_items(ctx, n, MMA, _ffn_out_item, 2, routed, mlp, av, xas, gv, nch_u, wu0, su, hv, xhs, nch_d, wd0, sd, n, io,
                entry, c0, sb, ar, am)
 
 
@@ -331,28 +357,28 @@ def _ffn_out_item(ctx: _Ctx, j: Int32, t: Int32, routed: Any, mlp: Any, av: Any,
     stream; on tensor cores the routed latent sum is normalised as loaded when the model has the latent norm."""
     cfg = ctx.cfg
     BT, U, _ = _tiling(cfg)
-    MMA, _, UM = _mma(cfg)
+    MMA, _, UM, P, _ = _mma(cfg, False, 2)
     ar.fill(0.0)
     am.fill(0.0)
     if const_expr(MMA):
-        _, _, UN = _mma(cfg, cfg.latent_norm)
+        _, _, UN, _, _ = _mma(cfg, cfg.latent_norm, 2)
+        b0 = _group_row0(t, P)
         if routed:
-            r = None
-            if const_expr(cfg.latent_norm):
-                r = ctx.s_f32[t * BT + ctx.lane // 4]
-            weight_tile_mma(ctx.s_stage, su, wu0, j, n, nch_u, av, t * BT * xas, xas, gv, r, ar, UN)
+            r = ctx.s_f32 if const_expr(cfg.latent_norm) else None
+            weight_tile_mma(ctx.s_stage, su, wu0, j, n, nch_u, av, b0, Int32(cfg.B), xas, gv, r, ar, UN)
         if mlp:
-            weight_tile_mma(ctx.s_stage, sd, wd0, j, n, nch_d, hv, t * BT * xhs, xhs, None, None, am, UM)
-        for i in cutlass.range_constexpr(4):
-            jj = j + acc_row(ctx.lane, i)
-            out = Float32(0.0)
-            if routed:
-                out = bf16_round(ar[i])
-            if mlp:
-                out = bf16_round(out + bf16_round(am[i]))
-            if jj < n:
-                off = _eoff(ctx.s_d1[io], ctx.s_d2[io], t * BT + acc_col(ctx.lane, i), entry, c0 + jj)
-                sb[off] = _ffn_store(ctx, sb, off, out, io)
+            weight_tile_mma(ctx.s_stage, sd, wd0, j, n, nch_d, hv, b0, Int32(cfg.B), xhs, None, None, am, UM)
+        for p in cutlass.range_constexpr(P):
+            for i in cutlass.range_constexpr(4):
+                ok, jj, b = _mma_store(ctx, j, t, n, P, i, p)
+                out = Float32(0.0)
+                if routed:
+                    out = bf16_round(ar[i, p])
+                if mlp:
+                    out = bf16_round(out + bf16_round(am[i, p]))
+                if ok:
+                    off = _eoff(ctx.s_d1[io], ctx.s_d2[io], b, entry, c0 + jj)
+                    sb[off] = _ffn_store(ctx, sb, off, out, io)
     else:
         if routed:
             weight_row_dot(ctx.s_stage, su, wu0, j, nch_u, av, t * BT * xas, xas, False, gv, ar, BT, U,
@@ -393,8 +419,10 @@ def _ffn_store(ctx: _Ctx, sb: Any, off: Int64, out: Float32, io: Int32) -> BFloa
 @cute.jit
 def op_lm_head(ctx: _Ctx) -> None:
     """LM_HEAD: the final RMSNorm and one vocabulary row per work item: bf16-rounded fp32 logits and a per-warp running
-    arg-max per token, merged across the warps through shared memory (ties to the lowest id); CUDA cores at every batch
-    (``mk_addr.LM_HEAD_MMA``). Known limits: as NORM_PROJ's CUDA-core path."""
+    arg-max per token, merged across the warps through shared memory (ties to the lowest id). CUDA cores at every batch
+    unless ``mk_addr.LM_HEAD_MMA`` (off: why there); on tensor cores from batch 8: the logits of a lane's accumulators,
+    the tile's winner per batch column by a butterfly over the 8 lane groups, kept per (warp, token) by the column's
+    quad lane. Known limits: as NORM_PROJ's CUDA-core path; above batch 8 the vocabulary is read once per pass."""
     cfg = ctx.cfg
     BT, _, _ = _tiling(cfg)
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
@@ -410,23 +438,24 @@ def op_lm_head(ctx: _Ctx) -> None:
     # intra-warp synchronisation is needed
     s_bv = cute.make_tensor(ctx.s_f32.iterator + F32_VEC, cute.make_layout(NW * cfg.B))
     s_bi = ctx.s_i32
-    MMA, _, _ = _mma(cfg, True)
-    if const_expr(MMA and mk_addr.LM_HEAD_MMA):  # off: see mk_addr.LM_HEAD_MMA
+    MMA, _, _, P, _ = _mma(cfg, True)
+    if const_expr(MMA and mk_addr.LM_HEAD_MMA):
         # the slots of batch columns 2q, 2q + 1 of every pass belong to lane q < 4 (it holds the tile's winner)
         if ctx.lane < MMA_COLS // 2:
             for b in cutlass.range(2 * ctx.lane, cfg.B, MMA_COLS, unroll=1):
                 for c in cutlass.range_constexpr(2):
-                    s_bv[ctx.warp * cfg.B + b + c] = -Float32.inf
-                    s_bi[ctx.warp * cfg.B + b + c] = 2**31 - 1
-        acc = cute.make_rmem_tensor((4,), Float32)
-        _for_items(ctx, n, True, _lm_head_item, staged, wrow0, n, nch, xv, xs, gv, acc, logits, r0, s_bv, s_bi)
+                    if b + c < cfg.B:
+                        s_bv[ctx.warp * cfg.B + b + c] = -Float32.inf
+                        s_bi[ctx.warp * cfg.B + b + c] = 2**31 - 1
+        acc = cute.make_rmem_tensor((4, P), Float32)
+        _for_items(ctx, n, True, _lm_head_item, 1, staged, wrow0, n, nch, xv, xs, gv, acc, logits, r0, s_bv, s_bi)
     else:
         if ctx.lane < BT:
             for b in cutlass.range(ctx.lane, cfg.B, BT, unroll=1):
                 s_bv[ctx.warp * cfg.B + b] = -Float32.inf
                 s_bi[ctx.warp * cfg.B + b] = 2**31 - 1
         acc = cute.make_rmem_tensor((BT,), Float32)
-        _for_items(ctx, n, False, _lm_head_item, staged, wrow0, n, nch, xv, xs, gv, acc, logits, r0, s_bv, s_bi)
+        _for_items(ctx, n, False, _lm_head_item, 1, staged, wrow0, n, nch, xv, xs, gv, acc, logits, r0, s_bv, s_bi)
     cute.arch.sync_threads()
     best_v = gflat(Float32, ctx.s_addr[4])
     best_i = gflat(Int64, ctx.s_addr[5])
@@ -451,27 +480,29 @@ def _lm_head_item(ctx: _Ctx, j: Int32, t: Int32, staged: Int32, wrow0: Int64, n:
     (a warp's items ascend, so a strict > keeps the lowest id)."""
     cfg = ctx.cfg
     BT, U, _ = _tiling(cfg)
-    MMA, _, UM = _mma(cfg, True)
+    MMA, _, UM, P, _ = _mma(cfg, True)
     if const_expr(MMA and mk_addr.LM_HEAD_MMA):
-        weight_tile_mma(ctx.s_stage, staged, wrow0, j, n, nch, xv, t * BT * xs, xs, gv,
-                        ctx.s_f32[t * BT + ctx.lane // 4], acc, UM)
-        for c in cutlass.range_constexpr(2):  # batch column 2q + c: registers c (row g), c + 2 (row g + 8)
-            b = t * BT + acc_col(ctx.lane, c)
-            v = -Float32.inf
-            vi = Int32(2**31 - 1)
-            for i in cutlass.range_constexpr(c, 4, 2):  # row g, then g + 8: strict > keeps the lower
-                jj = j + acc_row(ctx.lane, i)
-                d = bf16_round(acc[i])  # the reference's bf16 linear, then fp32
-                if jj < n:
-                    logits[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), r0 + jj)] = d
-                    if d > v:
-                        v, vi = d, jj
-            v, vi = warp_argmax(v, vi, 3)  # over the 8 lane groups (lane bits 2..4): ties to the lower
-            if ctx.lane < MMA_COLS // 2:
-                slot = ctx.warp * cfg.B + b
-                if v > s_bv[slot]:
-                    s_bv[slot] = v
-                    s_bi[slot] = vi
+        weight_tile_mma(ctx.s_stage, staged, wrow0, j, n, nch, xv, _group_row0(t, P), Int32(cfg.B), xs, gv,
+                        ctx.s_f32, acc, UM)
+        for p in cutlass.range_constexpr(P):
+            for c in cutlass.range_constexpr(2):  # batch column 2q + c: registers c (row g), c + 2 (row g + 8)
+                v = -Float32.inf
+                vi = Int32(2**31 - 1)
+                b = Int32(0)
+                for i in cutlass.range_constexpr(c, 4, 2):  # row g, then g + 8: strict > keeps the lower
+                    ok, jj, b = _mma_store(ctx, j, t, n, P, i, p)
+                    d = bf16_round(acc[i, p])  # the reference's bf16 linear, then fp32
+                    if ok:
+                        logits[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), r0 + jj)] = d
+                        if d > v:
+                            v, vi = d, jj
+                v, vi = warp_argmax(v, vi, 3)  # over the 8 lane groups (lane bits 2..4): ties to the lower
+                if ctx.lane < MMA_COLS // 2:
+                    if b < cfg.B:
+                        slot = ctx.warp * cfg.B + b
+                        if v > s_bv[slot]:
+                            s_bv[slot] = v
+                            s_bi[slot] = vi
     else:
         weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U,
                        wide_tail=True)

@@ -24,7 +24,11 @@ from kimik3.kernels.contracts.addr import (
     absorb_cw,
     fp4_row_offsets,
     gemv_batch_tile,
+    gemv_group_passes,
+    gemv_group_row,
+    gemv_groups,
     gemv_item,
+    gemv_mma,
     gemv_tile_rows,
     gemv_tiles,
     lm_head_tile_rows,
@@ -91,18 +95,18 @@ def shapes_for(cfg: Any, batch: int, expert_format: str = "dense", world: int = 
 
 
 @functools.cache
-def _pass_runs(item: Callable[[int, int, int], tuple[int, int]], n: int, nbt: int, bt: int, tr: int = 1,
-               tiles: Callable[[int, int], int] | None = None) -> tuple[tuple[int, int, int], ...]:
+def _pass_runs(item: Callable[[int, int, int], tuple[int, int]], n: int, groups: tuple[tuple[int, ...], ...],
+               tr: int = 1, tiles: Callable[[int, int], int] | None = None) -> tuple[tuple[int, int, int], ...]:
     """The tile rows a GEMV opcode computes for each batch row, as ``(batch row, first tile row, rows)`` runs: the
-    work items ``k < tiles(n, tr)·nbt`` (``tiles``: the device's ``gemv_tiles``) mapped to (tile of ``tr`` rows,
-    pass) by ``item`` (the device's ``gemv_item``), the tile's rows below ``n`` stored, pass ``t`` covering batch
-    rows ``t·bt ... t·bt + bt - 1``.
+    work items ``k < tiles(n, tr)·len(groups)`` (``tiles``: the device's ``gemv_tiles``) mapped to (tile of ``tr``
+    rows, pass or pass group ``t``) by ``item`` (the device's ``gemv_item``), the tile's rows below ``n`` stored for
+    the batch rows ``groups[t]`` (a CUDA-core pass's rows, or the rows of a tensor-core pass group below the batch).
     A correct mapping gives one run ``[0, n)`` per batch row; a row twice in a pass is a second run (a double
     store), a missing one a gap (an element never stored)."""
     rows: dict[int, list[int]] = {}
     nt = (tiles or gemv_tiles)(n, tr)
-    for k in range(nt * nbt):
-        jt, t = item(k, nt, nbt)
+    for k in range(nt * len(groups)):
+        jt, t = item(k, nt, len(groups))
         rows.setdefault(t, []).extend(j for j in range(jt * tr, jt * tr + tr) if j < n)
     runs = []
     for t, js in sorted(rows.items()):
@@ -112,9 +116,20 @@ def _pass_runs(item: Callable[[int, int, int], tuple[int, int]], n: int, nbt: in
             m = 1
             while i + m < len(js) and js[i + m] == js[i] + m:
                 m += 1
-            runs += [(t * bt + bb, js[i], m) for bb in range(bt)]
+            runs += [(b, js[i], m) for b in groups[t]]
             i += m
     return tuple(runs)
+
+
+def _gemv_groups(s: _Shapes, helpers: Any, mma: bool, sources: int) -> tuple[tuple[int, ...], ...]:
+    """The batch rows of each pass (CUDA cores: ``gemv_batch_tile`` rows) or pass group (tensor cores: the rows
+    ``gemv_group_row`` gives below the batch) of a GEMV opcode's items."""
+    if not mma:
+        return tuple(tuple(range(t * s.gbt, t * s.gbt + s.gbt)) for t in range(s.gnbt))
+    row = getattr(helpers, "gemv_group_row", gemv_group_row)
+    P = getattr(helpers, "gemv_group_passes", gemv_group_passes)(s.B, sources)
+    ng = getattr(helpers, "gemv_groups", gemv_groups)(s.B, sources)
+    return tuple(tuple(b for p in range(P) for c in range(8) if (b := row(t, p, c, P)) < s.B) for t in range(ng))
 
 
 def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: list[tuple[int, int, int]],
@@ -129,7 +144,8 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
                     yield _Acc(j, helpers.elem_offset(dims[j][1], dims[j][2], b, r, c0), c1 - c0, "r")
     E, T, X = helpers.elem_offset, helpers.tile_rows, helpers.expert_row_offset
     G = getattr(helpers, "gemv_item", gemv_item)
-    TR = getattr(helpers, "gemv_tile_rows", gemv_tile_rows)(s.gbt)  # weight rows per GEMV work item
+    MMA = getattr(helpers, "gemv_mma", gemv_mma)(s.B)  # the GEMV opcodes on tensor cores
+    TR = getattr(helpers, "gemv_tile_rows", gemv_tile_rows)(s.B)  # weight rows per GEMV work item
     NT = getattr(helpers, "gemv_tiles", gemv_tiles)
     B = s.B
 
@@ -157,21 +173,22 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
         yield _Acc(js, so, ng, "r")
 
     def gemv(xj: int, wjs: tuple[int, ...], gj: int | None, oj: int | None, rstd: bool, n: int, o_how: str,
-             o_entry: int = 0, o_c0: int | None = None, tr: int = TR) -> Iterator[_Acc]:
-        """A tiled GEMV: rstd of x rows (when normed), every batch tile through weight_row_dot for rows [0, n)."""
+             o_entry: int = 0, o_c0: int | None = None, tr: int = TR, sources: int = 1) -> Iterator[_Acc]:
+        """A tiled GEMV: rstd of x rows (when normed), every batch row (CUDA cores: every pass's; tensor cores: every
+        group's, rows past the batch read at its last) against the box's rows [0, n)."""
         L = chunked(d2(wjs[0]))
         xs = d1(xj) * d2(xj)  # batch stride of x (elements), from _row0 of the x operand
         if rstd:
             yield _Acc(xj, row0(xj), chunked(d2(xj)), "r", B, xs)
-        yield _Acc(xj, row0(xj), L, "r", s.gnbt * s.gbt, xs)  # batch row t·gbt + bb of every pass
+        yield _Acc(xj, row0(xj), L, "r", B, xs)
         if gj is not None:
             yield _Acc(gj, 0, L, "r")
         for wj in wjs:
-            yield _Acc(wj, row0(wj), L, "r", n, L)  # rows j < n of the box, from weight_row_dot
+            yield _Acc(wj, row0(wj), L, "r", n, L)  # rows j < n of the box (a tile past n: read at row n - 1)
         if oj is not None:
             c0 = box[oj][4] if o_c0 is None else o_c0
-            for b, j0, m in _pass_runs(G, n, s.gnbt, s.gbt, tr, NT):  # row j of the tile -> column c0 + j
-                yield _Acc(oj, E(d1(oj), d2(oj), b, o_entry, c0 + j0), m, o_how)
+            for b, j0, m in _pass_runs(G, n, _gemv_groups(s, helpers, tr > 1, sources), tr, NT):
+                yield _Acc(oj, E(d1(oj), d2(oj), b, o_entry, c0 + j0), m, o_how)  # tile row j -> column c0 + j
 
     if op == Op.EMBED:
         L = chunked(d2(1))
@@ -191,7 +208,7 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
     elif op == Op.NORM_PROJ:
         yield from gemv(0, (2,), 1, 3, True, T(box[2][2], box[2][3]), "w")
     elif op == Op.MLP_GATE_UP:
-        yield from gemv(0, (2, 3), 1, 4, True, T(box[2][2], box[2][3]), "w")
+        yield from gemv(0, (2, 3), 1, 4, True, T(box[2][2], box[2][3]), "w", sources=2)
     elif op == Op.O_PROJ_RESIDUAL:
         yield from gemv(0, (1,), None, 2, False, T(box[1][2], box[1][3]), "rw" if args[0] else "w",
                         o_entry=box[2][2])
@@ -207,12 +224,12 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
             yield from gemv(ia, (iu,), 1 if ln else None, None, bool(ln), n, "")
         if mlp:
             yield from gemv(ih, (idn,), None, None, False, n, "")
-        for b, j0, m in _pass_runs(G, n, s.gnbt, s.gbt, TR, NT):
+        for b, j0, m in _pass_runs(G, n, _gemv_groups(s, helpers, MMA, 2), TR, NT):
             yield _Acc(io, E(d1(io), d2(io), b, box[io][2], box[io][4] + j0), m, "rw")
     elif op == Op.LM_HEAD:
         ti, r0 = args[0], args[2]
         yield from gemv(0, (2,), 1, 3, True, T(r0, args[3]), "w", o_c0=r0,
-                        tr=getattr(helpers, "lm_head_tile_rows", lm_head_tile_rows)(s.gbt))
+                        tr=getattr(helpers, "lm_head_tile_rows", lm_head_tile_rows)(s.B))
         row = box[4][2] if s.ranks else 0  # a rank's bests: its row of the mailbox
         yield _Acc(4, E(d1(4), d2(4), 0, row, ti), 1, "w", B, d1(4) * d2(4))
         yield _Acc(5, E(d1(5), d2(5), 0, row, ti), 1, "w", B, d1(5) * d2(5))

@@ -1,8 +1,8 @@
-"""Host execution of the megakernel's tensor-core GEMV path (``kernels/megakernel/gemv.py`` at a batch pass of 8 rows):
-NORM_PROJ, MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT and LM_HEAD, one instruction at a time, on CPU tensors.
+"""Host execution of the megakernel's tensor-core GEMV path (``kernels/megakernel/gemv.py`` from batch 8): NORM_PROJ,
+MLP_GATE_UP, O_PROJ_RESIDUAL, FFN_OUT and LM_HEAD, one instruction at a time, on CPU tensors.
 
-The driver runs the lane-level helper ``device_fns.weight_tile_mma`` over every (tile, pass) work item and lane of an
-instruction in a compiled host function; in place of the ``mma.sync`` (which aborts on the host) its ``sink`` writes
+The driver runs the lane-level helper ``device_fns.weight_tile_mma`` over every (tile, pass group) work item and lane of
+an instruction in a compiled host function; in place of the ``mma.sync`` (which aborts on the host) its ``sink`` writes
 the registers out and ``mk_mma.mma_reference`` evaluates them. Python then replays the opcodes' epilogues per
 accumulator register into NaN-poisoned outputs, every store counted, and compares with the CPU interpreter's opcode
 reference. Entry points: ``run_gemv_op``, ``tile_registers`` / ``mma_tiles``, ``stage_for``, ``run_case``, ``main``.
@@ -50,19 +50,18 @@ def _tile_driver(F: ModuleType) -> Any:
 
         @cute.jit
         def drive(stage: cute.Tensor, staged: Int32, w_addr: Int64, xv: cute.Tensor, xs: Int32, g_addr: Int64,
-                  mRstd: cute.Tensor, mItems: cute.Tensor, n: Int32, nch: Int32, mSink: cute.Tensor,
-                  U: cutlass.Constexpr, GAMMA: cutlass.Constexpr):
+                  mRstd: cute.Tensor, mItems: cute.Tensor, n: Int32, nch: Int32, rows: Int32, mSink: cute.Tensor,
+                  U: cutlass.Constexpr, P: cutlass.Constexpr, GAMMA: cutlass.Constexpr):
             gv = None
+            rstd = None
             if cutlass.const_expr(GAMMA):
                 gv = gchunks(g_addr)
-            acc = cute.make_rmem_tensor((4,), Float32)
+                rstd = mRstd
+            acc = cute.make_rmem_tensor((4, P), Float32)
             for i in cutlass.range(cute.size(mItems, mode=[0])):
-                j0, x0 = mItems[i, 0], mItems[i, 1]
+                j0, row0 = mItems[i, 0], mItems[i, 1]
                 for lane in cutlass.range(LANES):
-                    rstd = None
-                    if cutlass.const_expr(GAMMA):
-                        rstd = mRstd[i, lane // 4]
-                    weight_tile_mma(stage, staged, w_addr, j0, n, nch, xv, x0, xs, gv, rstd, acc, U, lane,
+                    weight_tile_mma(stage, staged, w_addr, j0, n, nch, xv, row0, rows, xs, gv, rstd, acc, U, lane,
                                     mSink[(i, lane, None, None)])
 
         _DRIVERS[key] = drive
@@ -78,11 +77,11 @@ def stage_for(W: torch.Tensor, staged: int) -> torch.Tensor:
 
 
 def tile_registers(F: ModuleType, W: torch.Tensor, staged: int, x: torch.Tensor, items: list[tuple[int, int]],
-                   gamma: torch.Tensor | None, rstd: torch.Tensor | None, U: int) -> torch.Tensor:
-    """The registers lane-level device code hands to ``mma_chunk``: [items, 32 lanes, k blocks, 12] int64 bits (k
-    blocks the device steps through: whole steps of U), for
-    the weight box ``W`` [n, K] (its first ``staged`` rows staged), x ``[B, K]`` bf16 and the work items (first tile
-    row, first batch row of the pass); ``gamma`` [K] and ``rstd`` [B] for a normalised x."""
+                   gamma: torch.Tensor | None, rstd: torch.Tensor | None, U: int, P: int = 1) -> torch.Tensor:
+    """The registers lane-level device code hands to ``mma_chunk``: [items, P passes, 32 lanes, k blocks, 12] int64
+    bits (k blocks the device steps through: whole steps of U), for the weight box ``W`` [n, K] (its first
+    ``staged`` rows staged), x ``[B, K]`` bf16 and the work items (first tile row, first batch row of the item's
+    group of ``P`` passes); ``gamma`` [K] and ``rstd`` [B] for a normalised x."""
     n, K = W.shape
     nch = K // VEC
     nkb = -(-nch // (4 * U)) * U  # k blocks the steps run (the clamped tail step runs U, some past the row)
@@ -90,16 +89,15 @@ def tile_registers(F: ModuleType, W: torch.Tensor, staged: int, x: torch.Tensor,
     Wc = W.contiguous()
     xv = x.contiguous().reshape(-1, VEC)
     g = gamma.contiguous() if gamma is not None else torch.zeros(K, dtype=torch.bfloat16)
-    mi = torch.tensor([(j0, b0 * nch) for j0, b0 in items], dtype=torch.int32).reshape(-1, 2)
-    r = torch.zeros(len(items), 8)
-    if rstd is not None:
-        for i, (_, b0) in enumerate(items):
-            r[i] = rstd[b0:b0 + 8]
-    sink = torch.zeros(len(items), LANES, nkb, REGS, dtype=torch.int32)
+    mi = torch.tensor(items, dtype=torch.int32).reshape(-1, 2)
+    B = x.shape[0]
+    r = rstd.float().contiguous() if rstd is not None else torch.zeros(B)
+    sink = torch.zeros(len(items), LANES, nkb * P, REGS, dtype=torch.int32)
     with host_trace():
-        _tile_driver(F)(_t(stage), staged, Wc.data_ptr(), _t(xv), nch, g.data_ptr(), _t(r), _t(mi), n, nch,
-                        _t(sink), U, gamma is not None)
-    return sink.to(torch.int64) & 0xFFFFFFFF
+        _tile_driver(F)(_t(stage), staged, Wc.data_ptr(), _t(xv), nch, g.data_ptr(), _t(r), _t(mi), n, nch, B,
+                        _t(sink), U, P, gamma is not None)
+    regs = (sink.to(torch.int64) & 0xFFFFFFFF).reshape(len(items), LANES, nkb, P, REGS)
+    return regs.permute(0, 3, 1, 2, 4)
 
 
 def mma_tiles(regs: torch.Tensor) -> torch.Tensor:
@@ -132,30 +130,34 @@ def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class _Tiles:
-    """The work items of one instruction as the device deals them: (tile, pass) pairs in item order, the warp of
-    each, and per item the (row, batch row) of every lane's accumulator register."""
+    """The work items of one instruction as the device deals them: (tile, pass group) pairs in item order, the warp
+    of each, the passes per group, and per item, pass and lane the (row, batch row) of every accumulator register
+    (an item accumulating ``sources`` weights at once: its groups are ``mk_addr.gemv_groups(B, sources)``)."""
 
-    def __init__(self, A: ModuleType, n: int, B: int, nw: int) -> None:
-        bt = A.gemv_batch_tile(B)
-        if bt != M.MMA_COLS:
-            raise ValueError(f"host_exec_mk_gemv: batch {B} has passes of {bt} rows, not the mma path's 8")
-        self.tr = A.gemv_tile_rows(bt)
-        nt, nbt = A.gemv_tiles(n, self.tr), B // bt
-        pairs = [A.gemv_item(k, nt, nbt) for k in range(nt * nbt)]
-        self.items = [(int(jt) * self.tr, int(t) * bt) for jt, t in pairs]
+    def __init__(self, A: ModuleType, n: int, B: int, nw: int, sources: int = 1) -> None:
+        if not A.gemv_mma(B):
+            raise ValueError(f"host_exec_mk_gemv: batch {B} runs on CUDA cores, not the mma path (batch >= "
+                             f"{A.GEMV_MMA_FROM})")
+        self.tr = A.gemv_tile_rows(B)
+        self.P = A.gemv_group_passes(B, sources)
+        nt, ng = A.gemv_tiles(n, self.tr), A.gemv_groups(B, sources)
+        pairs = [A.gemv_item(k, nt, ng) for k in range(nt * ng)]
+        self.items = [(int(jt) * self.tr, int(A.gemv_group_row(t, 0, 0, self.P))) for jt, t in pairs]
         self.warp = [k % nw for k in range(len(pairs))]  # warp w takes items w, w + nw, ... (nw: device_fns.NW)
         lane = torch.arange(LANES)[:, None]
         i = torch.arange(4)[None, :]
         r, c = M.acc_row(lane, i), M.acc_col(lane, i)  # [32, 4]
-        j0 = torch.tensor([a for a, _ in self.items])[:, None, None]
-        b0 = torch.tensor([b for _, b in self.items])[:, None, None]
-        self.row, self.col = j0 + r, b0 + c  # [items, 32, 4]
-        self.valid = self.row < n
+        j0 = torch.tensor([a for a, _ in self.items])[:, None, None, None]
+        groups = torch.tensor([int(t) for _, t in pairs])[:, None, None, None]
+        p = torch.arange(self.P)[None, :, None, None]
+        self.row = (j0 + r).expand(-1, self.P, -1, -1)  # [items, P, 32, 4]
+        self.col = A.gemv_group_row(groups, p, c, self.P)
+        self.valid = (self.row < n) & (self.col < B)
 
 
 def _gemv(F: ModuleType, T: _Tiles, W: torch.Tensor, staged: int, x: torch.Tensor, gamma: torch.Tensor | None,
           rstd: torch.Tensor | None, U: int) -> torch.Tensor:
-    return mma_tiles(tile_registers(F, W, staged, x, T.items, gamma, rstd, U))
+    return mma_tiles(tile_registers(F, W, staged, x, T.items, gamma, rstd, U, T.P))
 
 
 def run_gemv_op(op: str, *, preset: str = "tiny", B: int = 8, K: int = 256, n: int = 37, K2: int | None = None,
@@ -166,7 +168,8 @@ def run_gemv_op(op: str, *, preset: str = "tiny", B: int = 8, K: int = 256, n: i
     source: ``K2``), its first ``staged`` rows in the stage, batch ``B``, on fresh random inputs (``ties``, LM_HEAD:
     a dominant row repeated in the same lane, across groups of a tile and in another tile, so the arg-max is a tie
     the lowest id must win). ``U``: k blocks per step for every source; None: what the device runs for each
-    (``mk_addr.gemv_mma_unroll`` for :data:`ARCH`, one block fewer for an x normalised as loaded). Returns the run
+    (``mk_addr.gemv_mma_unroll`` for :data:`ARCH` and the item's passes, one block fewer for an x normalised as
+    loaded). Returns the run
     (outputs poisoned with NaN, every store counted) and the interpreter's reference outputs."""
     from kimik3.kernels.contracts.isa import FFN_LATENT_NORM, FFN_MLP, FFN_ROUTED
 
@@ -186,10 +189,10 @@ def run_gemv_op(op: str, *, preset: str = "tiny", B: int = 8, K: int = 256, n: i
     def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * scale).bfloat16()
 
-    T = _Tiles(A, n, B, F.NW)
+    T = _Tiles(A, n, B, F.NW, 2 if op in ("mlp_gate_up", "ffn_out") else 1)
 
     def u(normed: bool) -> int:
-        return U if U is not None else A.gemv_mma_unroll(ARCH, normed)
+        return U if U is not None else A.gemv_mma_unroll(ARCH, normed, T.P)
 
     it = SimpleNamespace(cfg=cfg, dtype=torch.bfloat16)
     run = HostRun({})

@@ -135,11 +135,24 @@ def promises_for(family: str, arch: str, expert_format: str = "dense", batch: in
     """The weight-stream depths a kernel family's source promises at ``batch`` rows (imported from the constants the
     device code itself uses, so the audit follows them)."""
     if family == "megakernel":
-        from kimik3.kernels.contracts.addr import gemv_batch_tile, gemv_unroll
+        from kimik3.kernels.contracts.addr import (
+            LM_HEAD_MMA,
+            gemv_batch_tile,
+            gemv_group_passes,
+            gemv_mma,
+            gemv_mma_unroll,
+            gemv_unroll,
+        )
         from kimik3.kernels.megakernel import moe as mk_moe
 
-        bt = gemv_batch_tile(batch)
-        out = [Promise(gemv_unroll(arch, bt), f"contracts.addr.gemv_unroll({arch!r}, {bt}) (GEMV opcodes)")]
+        out = []
+        if gemv_mma(batch):  # tensor cores: two weight chunks per k block of a step
+            out += [Promise(2 * gemv_mma_unroll(arch, normed, gemv_group_passes(batch, sources)),
+                            f"2 x contracts.addr.gemv_mma_unroll({arch!r}, {normed}, passes) (GEMV opcodes, "
+                            f"{sources} weight(s))") for normed in (False, True) for sources in (1, 2)]
+        if not gemv_mma(batch) or not LM_HEAD_MMA:  # CUDA cores (LM_HEAD at every batch while LM_HEAD_MMA is off)
+            bt = gemv_batch_tile(batch)
+            out += [Promise(gemv_unroll(arch, bt), f"contracts.addr.gemv_unroll({arch!r}, {bt}) (GEMV opcodes)")]
         if expert_format == "dense":
             out += [Promise(2 * mk_moe.GATE_UP_LOADS, "2 x megakernel.moe.GATE_UP_LOADS (EXPERT_GATE_UP)"),
                     Promise(mk_moe.DOWN_LOADS, "megakernel.moe.DOWN_LOADS (EXPERT_DOWN)")]

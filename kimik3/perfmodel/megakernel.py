@@ -20,14 +20,15 @@ import numpy as np
 import pandas as pd
 import torch
 
-from kimik3.kernels.contracts.addr import gemv_batch_tile
+from kimik3.kernels.contracts.addr import gemv_batch_tile, gemv_group_passes, gemv_groups, gemv_mma, gemv_mma_passes
 from kimik3.megakernel.instructions import Kind, Mode, Op, Program
 from kimik3.perfmodel.data import Constants, field
 from kimik3.perfmodel.expr import amount, evaluate
 
 __all__ = ["SYMBOLS", "instruction_symbols", "stream_ns", "instruction_times", "simulate_model"]
 
-SYMBOLS = ("B", "bt", "nbt", "gbt", "gnbt", "NT", "NW", "nops", "nwaits", "rows", "row_bytes", "heads", "nb",
+SYMBOLS = ("B", "bt", "nbt", "gbt", "gnbt", "mma", "mp", "pg", "ng", "pg2", "ng2", "NT", "NW", "nops", "nwaits", "rows",
+           "row_bytes", "heads", "nb",
            "positions", "splits", "slots", "pairs", "distinct", "k", "E", "Dmax", "H", "dk", "nope", "kvl", "rope",
            "ql", "qk", "dv", "Ie", "Dl", "Is", "tiles", "weight_bytes", "state_bytes", "act_bytes", "flops", "shfl",
            "world")
@@ -95,6 +96,13 @@ def _program_facts(program: Program) -> dict[str, float]:
     return facts
 
 
+def _gemv_groups(B: int) -> dict[str, float]:
+    """The tensor-core GEMV path's batch tiling (``kernels.contracts.addr``): ``mma`` 1 from batch 8, ``mp`` its passes
+    of 8 rows, ``pg`` / ``ng`` passes per group and groups for an item of one weight, ``pg2`` / ``ng2`` of two."""
+    return {"mma": float(gemv_mma(B)), "mp": float(gemv_mma_passes(B)), "pg": float(gemv_group_passes(B, 1)),
+            "ng": float(gemv_groups(B, 1)), "pg2": float(gemv_group_passes(B, 2)), "ng2": float(gemv_groups(B, 2))}
+
+
 def instruction_symbols(program: Program, costs: pd.DataFrame, i: int, context_len: int,
                         consts: Constants, threads: int) -> dict[str, float]:
     """The names a design expression may use for instruction ``i`` (see :data:`SYMBOLS`)."""
@@ -146,6 +154,7 @@ def instruction_symbols(program: Program, costs: pd.DataFrame, i: int, context_l
     c = costs[i] if isinstance(costs, list) else costs.iloc[i]
     return {
         "B": float(B), "bt": float(bt), "nbt": float(B // bt), "gbt": float(gbt), "gnbt": float(B // gbt),
+        **_gemv_groups(B),
         "NT": float(threads), "NW": float(threads // 32),
         "nops": float(len(ins.operands)), "nwaits": float(len(ins.waits)), "rows": rows, "row_bytes": row_bytes,
         "heads": heads, "nb": nb, "positions": positions, "splits": splits, "slots": slots,
