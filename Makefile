@@ -20,14 +20,16 @@ setup: $(VENV)/.setup-done
 run: setup
 	$(PY) -m kimik3 run-notebooks --out runs
 
-# The whole test suite (what CI runs through .ci/run): unit, oracle, kernel-compile and notebook tests.
+# The whole test suite (what CI runs through .ci/run): unit, oracle, kernel-compile and notebook tests, in TEST_WORKERS
+# pytest-xdist processes (a test module stays on one worker, so its module-scoped fixtures are built once).
+TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m ruff check kimik3 kernels tests scripts notebooks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 # The full matrices (tiny preset, more seeds and batch sizes), not part of CI.
 test-slow: setup
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadscope
 
 lint: setup
 	$(PY) -m ruff check kimik3 kernels tests scripts notebooks
