@@ -206,7 +206,7 @@ def _mma_step(wa: Any, a0: Int32, wb: Any, b0: Int32, W_SMEM: cutlass.Constexpr,
     of ``wb``) against its x row of every pass ``p`` < ``acc``'s second mode (batch row ``xr + 8p``, read at row
     ``rows - 1`` from there on; row ``b`` at chunk ``b·xs + ·`` of ``xv``), through ``mk_mma.mma_chunk`` into
     ``acc[None, p]``. A pass's x offset and rstd are recomputed in every step rather than held across the k loop
-    (registers: at 8 passes they would be 16 more live values next to the 32 accumulators).
+    (they would be two more live registers per pass next to its four accumulators).
 
     All ``2n`` weight loads are issued before the first mma, and serve every pass: the weights are read once per
     step whatever the number of passes. Then pass by pass: its ``n`` x loads, the normalisation, its mmas. With
