@@ -82,7 +82,7 @@ def _staged_bytes(program: Program, ins: Any, stage_bytes: int) -> tuple[float, 
     return float(rows * best_d2 * 2), float(best_d2 * 2)
 
 
-def _program_facts(program: Program) -> dict[str, float]:
+def _program_facts(program: Program) -> dict[str, Any]:
     """Per-program values every instruction's symbols share (computed once per program)."""
     facts = getattr(program, "_perf_facts", None)
     if facts is None:
@@ -91,7 +91,8 @@ def _program_facts(program: Program) -> dict[str, float]:
         if cfg.mla_layers:
             part = next((b for b in program.buffers if b.name == "mla_part"), None)
             splits = float(part.shape[2] // (cfg.kv_lora_rank + 2)) if part is not None else 0.0
-        facts = {"tiles": float(sum(1 for x in program.instructions if x.op == Op.LM_HEAD)), "splits": splits}
+        facts = {"tiles": float(sum(1 for x in program.instructions if x.op == Op.LM_HEAD)), "splits": splits,
+                 "gemv": _gemv_groups(program.batch)}
         program._perf_facts = facts
     return facts
 
@@ -154,7 +155,7 @@ def instruction_symbols(program: Program, costs: pd.DataFrame, i: int, context_l
     c = costs[i] if isinstance(costs, list) else costs.iloc[i]
     return {
         "B": float(B), "bt": float(bt), "nbt": float(B // bt), "gbt": float(gbt), "gnbt": float(B // gbt),
-        **_gemv_groups(B),
+        **facts["gemv"],
         "NT": float(threads), "NW": float(threads // 32),
         "nops": float(len(ins.operands)), "nwaits": float(len(ins.waits)), "rows": rows, "row_bytes": row_bytes,
         "heads": heads, "nb": nb, "positions": positions, "splits": splits, "slots": slots,
