@@ -42,8 +42,8 @@ CASES: list[dict] = [
 # Planted bugs: (module, [(original, mutated)]) and the case that must then fail.
 MUTANTS: dict[str, tuple[list, dict]] = {
     # rows g and g + 8 of the A fragments swapped
-    "mk-mma-register-order": (["megakernel.device_fns", [["_chunk_mma(acc[None, p], ua[None, u], ub[None, u],",
-                                                          "_chunk_mma(acc[None, p], ub[None, u], ua[None, u],"]]],
+    "mk-mma-register-order": (["megakernel.device_fns", [["chunk_mma(acc[None, p], ua[None, u], ub[None, u],",
+                                                          "chunk_mma(acc[None, p], ub[None, u], ua[None, u],"]]],
                               {"op": "o_proj_residual", "args": {"K": 264, "n": 40, "accumulate": True}}),
     # k blocks one chunk apart instead of one quad (4 chunks) apart
     "mk-mma-chunk": (["megakernel.device_fns", [["cc = [c + 4 * u if", "cc = [c + u if"]]],

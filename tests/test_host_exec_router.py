@@ -29,6 +29,9 @@ pytestmark = pytest.mark.host
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPED = {"n_group": 4, "topk_group": 2}
+# dense routed experts on tensor cores (batch >= 8), every token routed to expert 0 among others: the dense
+# tensor-core mutants' case
+DENSE33 = {"family": "mk.moe", "preset": "micro", "batch": 33, "crowd": True}
 # MXFP4 routed experts, the first MoE layer of a micro batch-8 program: the MXFP4 mutants' case
 MX8 = {"family": "mk.moe", "preset": "micro", "batch": 8, "layers": "first_moe", "expert_format": "mxfp4"}
 # rank 1 of 2: the second half of the experts
@@ -45,6 +48,9 @@ def _cases_ci() -> list[dict]:
     # mk.moe: ROUTER -> EXPERT_GATE_UP -> EXPERT_DOWN all host-executed; mk.<OPCODE>: that opcode, its producers by
     # the reference (batch 64: two combine accumulators per lane, experts with many tokens)
     cases += [{"family": "mk.moe", "preset": p, "batch": b} for p, b in (("micro", 64), ("tiny", 1))]
+    # dense experts on tensor cores in pass groups at an odd batch: expert 0 takes every token (three groups of 16
+    # list positions, the last one partial), others none
+    cases += [DENSE33]
     cases += [{"family": "mk.ROUTER", "preset": "micro", "batch": 8, "ties": True},
               {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}]
     cases += [{"family": "mk.misc", "preset": p, "batch": b} for p, b in (("micro", 8), ("tiny", 1))]
@@ -97,7 +103,7 @@ MUTANTS: dict[str, tuple[list, dict]] = {
     "mk-down-expert-stride": (["megakernel.moe", [[
         "wv = gchunks(ctx.s_addr[4] + expert_row_offset(ctx.s_d1[4], ctx.s_d2[4], e, r, Int64) * 2)",
         "wv = gchunks(ctx.s_addr[4] + (Int64(e) + Int64(r)) * Int64(ctx.s_d2[4]) * 2)"]]],
-        {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
+        {"family": "mk.moe", "preset": "tiny", "batch": 1}),  # (the CUDA-core path: below batch 8)
     "mk-down-slot-row": (["megakernel.moe", [["(b * ctx.s_d1[0] + j) * hs", "(b * ctx.s_d1[0]) * hs"]]],
                          {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
     "mk-down-list-weight": (["megakernel.moe", [["mw[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), j)]",
@@ -108,6 +114,16 @@ MUTANTS: dict[str, tuple[list, dict]] = {
                         {"family": "mk.EXPERT_DOWN", "preset": "micro", "batch": 8}),
     "mk-argmax-last-max": (["megakernel.misc", [["take = v > best", "take = v >= best"]]],
                            {"family": "mk.misc", "preset": "micro", "batch": 8}),
+    # dense experts on tensor cores (kernels/megakernel/moe.py dense_mma_tile and the opcodes' group loops). The
+    # token-list offset: each column's x row one list position late (its token's neighbour's activations)
+    "mk-dense-token-pos": (["megakernel.moe", [["cutlass.min(t0 + g + p * MMA_COLS, n - 1)",
+                                                "cutlass.min(t0 + g + p * MMA_COLS + 1, n - 1)"]]], DENSE33),
+    # the list's edge: the pass groups counted for one token fewer (a list of 16m + 1 tokens loses its last group)
+    "mk-dense-list-end": (["megakernel.moe", [["return mk_addr.expert_groups(n, P)",
+                                               "return mk_addr.expert_groups(n - 1, P)"]]], DENSE33),
+    # the accumulator pass: every pass of a group takes the first pass's list positions (its outputs and combine)
+    "mk-dense-pass-pos": (["megakernel.moe", [["return mk_addr.gemv_group_row(grp, p, col, P)",
+                                               "return mk_addr.gemv_group_row(grp, 0, col, P)"]]], DENSE33),
     # MXFP4 experts (kernels/megakernel/moe.py fp4_mma_tile and around; every case runs the lane code on the host with
     # the mma.sync evaluated by megakernel.mma.mma_reference). w1's scale byte read one group to the right (the next
     # group's, or the next row's first)
@@ -129,21 +145,21 @@ MUTANTS: dict[str, tuple[list, dict]] = {
     # rows g and g + 8 decoded with each other's scale
     "mk-fp4-row-scale": (["megakernel.moe", [["scales = fp4_group_scales(rs[0, 0], rs[0, 1], keep)",
                                               "scales = fp4_group_scales(rs[0, 1], rs[0, 0], keep)"]]], MX8),
-    # EXPERT_DOWN's cross-warp sum reads member k's partial from member k + 1's slot (the last one never written)
-    "mk-fp4-down-part-slot": (["megakernel.moe", [["(w + (k - 1) * ntiles) * fp4_down_part_words",
-                                                   "(w + k * ntiles) * fp4_down_part_words"]]], MX8),
+    # EXPERT_DOWN's cross-warp sum reads member m's region from the warp of member m - 1 (member 0's twice)
+    "mk-fp4-down-part-slot": (["megakernel.moe", [["ctx.s_part[(t + m * ntiles) * W + k]",
+                                                   "ctx.s_part[(t + (m - 1) * ntiles) * W + k]"]]], MX8),
     # EXPERT_DOWN's cross-warp sum stops one member short: the last member's slots are never added
-    "mk-fp4-down-last-member": (["megakernel.moe", [["for k in cutlass.range(1, g, unroll=1):",
-                                                     "for k in cutlass.range(1, g - 1, unroll=1):"]]], MX8),
+    "mk-fp4-down-last-member": (["megakernel.moe", [["for m in cutlass.range(1, g, unroll=1):",
+                                                     "for m in cutlass.range(1, g - 1, unroll=1):"]]], MX8),
     # the x values of the neighbouring group: k no longer matches between A and B
     "mk-fp4-x-group": (["megakernel.moe", [["xv[(xr0 + gi * X_CHUNKS_PER_GROUP + j, None)]",
                                             "xv[(xr0 + (gi ^ 1) * X_CHUNKS_PER_GROUP + j, None)]"]]], MX8),
     # the lane's second A row one too low (row g + 7 in place of g + 8)
     "mk-fp4-second-row": (["megakernel.moe", [["cutlass.min(rt + g + 8, r1 - 1)", "cutlass.min(rt + g + 7, r1 - 1)"]]],
                           MX8),
-    # EXPERT_DOWN's epilogue shuffles column c from the wrong lane of the row group
-    "mk-fp4-column-src": (["megakernel.moe", [["return lane_group(lane) * 4 + c // 2, c % 2",
-                                               "return lane_group(lane) * 4 + c % 4, c % 2"]]], MX8),
+    # EXPERT_DOWN's combine adds register i at its column's place in the region instead of its row's
+    "mk-fp4-down-region-row": (["megakernel.moe", [["acc_row(lane, i) * ctx.cfg.B", "acc_col(lane, i) * ctx.cfg.B"]]],
+                               MX8),
     # EXPERT_GATE_UP's epilogue stores register i's value at the other row of the lane's pair
     "mk-fp4-out-row": (["megakernel.moe", [["r = rt + acc_row(lane, i)\n", "r = rt + acc_row(lane, i ^ 2)\n"]]], MX8),
     # the code rows at half their stride (d2 counted in 16-bit units): other rows' codes, still 16-byte aligned

@@ -126,7 +126,8 @@ def _stage_rule(p: Program, ins) -> tuple[int, int, int]:
              if o.prefetch and p.buffers[o.buf].kind == Kind.WEIGHT and p.buffers[o.buf].dtype == torch.bfloat16
              and o.box[1] - o.box[0] == 1 and o.box[4] == 0 and o.box[5] == p.buffers[o.buf].shape[2]
              and p.buffers[o.buf].shape[2] % 8 == 0]
-    best = max(cands) if cands and ins.op != Op.EMBED else None  # the first of equally large ones
+    # EMBED's rows are data; EXPERT_DOWN's stage buffer is its combine scratch (isa.STAGE_SCRATCH_OPS)
+    best = max(cands) if cands and ins.op not in (Op.EMBED, Op.EXPERT_DOWN) else None  # the first of equally large
     if best is None:
         return NO_STAGE
     j = best[2]
@@ -163,6 +164,21 @@ def test_stages_follow_the_rule_and_the_queues(preset, B, S):
     if preset == "micro":
         f32 = build_program(preset, B, S, "critical_path", max_seq_len=64, act_dtype=torch.float32)
         assert all(ins.stage == NO_STAGE and ins.next_stage == NO_STAGE for ins in f32.instructions)
+
+
+def test_an_expert_down_never_stages():
+    """EXPERT_DOWN uses its own stage buffer as the combine's scratch (isa.STAGE_SCRATCH_OPS): the host chooses no
+    stage for it, and the encoder refuses a program that gives it one (no copy may land in that buffer)."""
+    from kimik3.kernels.contracts.isa import STAGE_SCRATCH_OPS
+
+    assert Op.EXPERT_DOWN in STAGE_SCRATCH_OPS
+    p = build_program("micro", 8, 3, "critical_path", max_seq_len=16)
+    down = [v for v, ins in enumerate(p.instructions) if ins.op == Op.EXPERT_DOWN]
+    assert down and all(p.instructions[v].stage == NO_STAGE for v in down)
+    q = _copy(p)
+    q.instructions[down[0]] = dataclasses.replace(q.instructions[down[0]], stage=(4, 1, 4))
+    with pytest.raises(ValueError, match="stage buffer as scratch"):
+        encode_program(q)
 
 
 # ---------------------------------------------------------------------------------------------------- waits

@@ -186,7 +186,8 @@ def test_mutated_lines_are_the_ones_the_device_code_calls() -> None:
     # LM_HEAD's path is one switch that the device code and the replay (lm_head_tile_rows) both read
     assert "if const_expr(MMA and mk_addr.LM_HEAD_MMA):" in gemv
     assert '"lm_head_tile_rows", lm_head_tile_rows)(s.B)' in (k / "verify" / "addr_replay.py").read_text()
-    assert moe.count("expert_row_offset(") == 3  # EXPERT_GATE_UP (w1, w3), EXPERT_DOWN (w2)
+    # CUDA cores: EXPERT_GATE_UP (w1, w3), EXPERT_DOWN (w2); tensor cores: expert_base (a dense tile's expert)
+    assert moe.count("expert_row_offset(") == 4
     assert moe.count("fp4_row_offsets(") == 1  # fp4_row: every MXFP4 code / scale row of both expert opcodes
     assert "return elem_offset(d1, d2, b, r, c, Int64)" in operands  # _eoff: every other [b, r, c] offset
 

@@ -158,7 +158,7 @@ def test_constants_have_sources_and_no_design_is_missing_an_opcode():
         assert fp4 == want, name
 
 
-@pytest.mark.parametrize("design", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("design", ["v1", "v2", "v3", "v4"])
 @pytest.mark.parametrize("stage", ["megakernel", "fused"])
 def test_predict_both_stages_all_batches_match_committed_scores(stage, design):
     committed = json.loads((PERF_DIR / f"scores-{design}.json").read_text())
@@ -371,6 +371,11 @@ def test_current_design_matches_the_compiled_kernels_ci_subset():
             want = (2 * gemv_mma_unroll("sm_90a", normed, gemv_group_passes(b, sources)) if mma
                     else gemv_unroll("sm_90a", gemv_batch_tile(b)))
             assert evaluate(loads, env) == want, (op, b)
+    # the dense experts on tensor cores: two weight rows x EXPERT_MMA_BLOCKS k blocks prefetched per lane and step
+    from kimik3.kernels.contracts.addr import EXPERT_MMA_BLOCKS
+
+    for op in ("EXPERT_GATE_UP", "EXPERT_DOWN"):
+        assert evaluate(m["opcodes"][op]["streams"][0]["loads"], {"xm": 1}) == 2 * EXPERT_MMA_BLOCKS, op
     # prefetch_ahead with stage_wait = all: the own stage is waited one group behind the next one's copy
     assert m["prefetch_ahead"]["value"] and re.search(r"cp\.async\.wait_group\s+1;", mk["ptx"])
     g = _compiled("gemv.rmsnorm/k3-shard/b8")

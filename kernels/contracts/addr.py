@@ -18,7 +18,9 @@ __all__ = ["GEMV_BT", "GEMV_UNROLL", "GEMV_UNROLL_X_UNROLLED", "GEMV_MMA_ROWS", 
            "GEMV_GROUP_PASSES", "GEMV_GROUP_UNROLL", "GEMV_GROUP_UNROLL_FROM",
            "gemv_unroll", "gemv_mma_unroll", "gemv_batch_tile",
            "gemv_tile_rows", "lm_head_tile_rows", "gemv_tiles", "gemv_item", "gemv_mma", "gemv_mma_passes",
-           "gemv_groups", "gemv_group_passes", "gemv_group_row", "elem_offset", "tile_rows", "expert_row_offset",
+           "gemv_groups", "gemv_group_passes", "gemv_group_row", "EXPERT_GROUP_PASSES", "EXPERT_MMA_BLOCKS",
+           "expert_mma",
+           "expert_group_passes", "expert_groups", "elem_offset", "tile_rows", "expert_row_offset",
            "FP4_GROUP", "FP4_GROUP_BYTES", "fp4_row_offsets", "absorb_cw", "peer_address", "push_item", "VEC"]
 
 VEC = 8  # bf16 elements per 16-byte chunk (the device code's VEC)
@@ -151,6 +153,38 @@ def gemv_group_row(group: Any, p: int, col: Any, passes: int) -> Any:
     """Batch row of column ``col`` (0..7) of pass ``p`` of pass group ``group`` (groups of ``passes`` passes): the
     rows a tensor-core GEMV item reads and stores (a row at or past the batch is read clamped, never stored)."""
     return (group * passes + p) * GEMV_BT + col
+
+
+# The routed experts on tensor cores: MXFP4 at every batch (a pass of 8 list positions per item), dense bf16 from
+# GEMV_MMA_FROM. A dense work item is a 16-row tile of one expert's weight x a group of passes of 8 positions of that
+# expert's token list, the positions gemv_group_row names (list positions instead of batch rows; one at or past the
+# list's end is read at the list's last token and never stored), so a tile streams once per group of the expert's
+# tokens. Passes per group: EXPERT_GROUP_PASSES per opcode (EXPERT_GATE_UP's two weights run one after the other
+# with both accumulator sets live; EXPERT_DOWN's combine holds cdiv(B, 4) x 2 more fp32 registers per lane), the
+# ptxas choice under the 168-register cap recorded in each variant's build report.
+EXPERT_GROUP_PASSES = {"gate_up": 2, "down": 2}
+# k blocks of a dense tile's two rows a lane prefetches into L1 per step (4: 128 bytes per lane, 48 KiB per 12-warp
+# CTA in flight), then loads block by block (moe.dense_mma_tile)
+EXPERT_MMA_BLOCKS = 4
+
+
+def expert_mma(batch: int, fp4: bool = False) -> bool:
+    """Whether the routed-expert opcodes run on tensor cores: always for MXFP4 experts, from :data:`GEMV_MMA_FROM`
+    for dense ones."""
+    return fp4 or gemv_mma(batch)
+
+
+def expert_group_passes(batch: int, op: str, fp4: bool = False) -> int:
+    """Passes of 8 list positions per tensor-core work item of expert opcode ``op`` ("gate_up", "down"): 1 for MXFP4;
+    for dense experts :data:`EXPERT_GROUP_PASSES`, at most the passes a list of ``batch`` tokens can need."""
+    if op not in EXPERT_GROUP_PASSES:
+        raise ValueError(f"expert_group_passes: op must be one of {sorted(EXPERT_GROUP_PASSES)}, got {op!r}")
+    return 1 if fp4 else min(EXPERT_GROUP_PASSES[op], gemv_mma_passes(batch))
+
+
+def expert_groups(n: Any, passes: int) -> Any:
+    """Pass groups over an expert's token list of ``n`` tokens (groups of ``passes`` passes of 8)."""
+    return (n + (passes * GEMV_BT - 1)) // (passes * GEMV_BT)
 
 
 def gemv_item(k: Any, n: Any, nbt: int) -> tuple[Any, Any]:

@@ -20,7 +20,8 @@ __all__ = [
     "BUFFER_WORDS", "COUNTER_WORDS", "POLICIES", "EXPERT_FORMATS", "MXFP4_OPERANDS", "DTYPE_CODES",
     "FFN_ROUTED", "FFN_MLP", "FFN_LATENT_NORM", "DEVICE_OPS", "COLLECTIVE_OPS",
     "ERROR_WORDS", "CTL_WORDS", "ERR_WATCHDOG", "ERR_BAD_PROGRAM", "CTA_THREADS", "BT_MAX", "SMEM_CARVEOUT_PERCENT",
-    "STAGE_BYTES", "STAGE_BUFFERS", "CHUNK_BYTES", "W_STAGE_OP", "W_STAGE_ROWS", "W_STAGE_CHUNKS", "W_NEXT_BUF",
+    "STAGE_BYTES", "STAGE_BUFFERS", "STAGE_SCRATCH_OPS", "CHUNK_BYTES", "W_STAGE_OP", "W_STAGE_ROWS",
+    "W_STAGE_CHUNKS", "W_NEXT_BUF",
     "W_NEXT_ELEM_LO", "W_NEXT_ELEM_HI", "W_NEXT_CHUNKS", "H_OFF_CBASE", "PEER_TABLE", "CODE_BYTES", "CTL_LOCAL",
     "LOCAL_PROGRAM", "LOCAL_BUFFERS", "LOCAL_COUNTERS", "LOCAL_TIMINGS", "LOCAL_ERROR", "LOCAL_FIELDS", "MAX_LOCAL",
     "LOCAL_TABLE",
@@ -173,6 +174,9 @@ assert W_OPS + MAX_OPERANDS * OPERAND_WORDS <= W_STAGE_OP and W_PEER_HI < INSTR_
 STAGE_BYTES = 48 * 1024  # bytes per shared-memory stage buffer
 STAGE_BUFFERS = 2  # ping-pong: this instruction reads one while the next one's weights land in the other
 CHUNK_BYTES = 16  # one cp.async copy (8 bf16 elements): the unit of W_STAGE_CHUNKS / W_NEXT_CHUNKS
+# Opcodes whose own stage buffer is their shared-memory scratch (EXPERT_DOWN: the warps' combine partials): the host
+# never stages them (W_STAGE_OP = -1, so no copy lands in that buffer while they run) and refuses a program that does.
+STAGE_SCRATCH_OPS = (Op.EXPERT_DOWN,)
 # word offsets inside one operand (OPERAND_WORDS each, from W_OPS); the box is [b0:b1, r0:r1, c0:c1]
 OW_BUF, OW_MODE, OW_BOX = 0, 1, 2
 B0, B1, R0, R1, C0, C1 = range(6)  # box fields, relative to OW_BOX

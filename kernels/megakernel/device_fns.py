@@ -35,6 +35,7 @@ __all__ = [
     "row_dot",
     "weight_row_dot",
     "weight_tile_mma",
+    "chunk_mma",
     "block_allreduce",
     "rstd_rows",
     "silu",
@@ -254,11 +255,11 @@ def _mma_step(wa: Any, a0: Int32, wb: Any, b0: Int32, W_SMEM: cutlass.Constexpr,
             if const_expr(lim is not None):
                 for i in cutlass.range_constexpr(CHUNK_REGS):
                     ux[i, u] = ux[i, u] if c + 4 * u < lim else Uint32(0)
-            _chunk_mma(acc[None, p], ua[None, u], ub[None, u], ux[None, u], sink, (kb0 + u) * P + p)
+            chunk_mma(acc[None, p], ua[None, u], ub[None, u], ux[None, u], sink, (kb0 + u) * P + p)
 
 
 @cute.jit
-def _chunk_mma(acc: cute.Tensor, wg: cute.Tensor, wg8: cute.Tensor, xg: cute.Tensor, sink: Any, kb: Int32) -> None:
+def chunk_mma(acc: cute.Tensor, wg: cute.Tensor, wg8: cute.Tensor, xg: cute.Tensor, sink: Any, kb: Int32) -> None:
     """``mk_mma.mma_chunk`` on a lane's registers, or (``sink``, host execution) the registers as it would take
     them: ``sink[kb, :]`` = weight row g, weight row g + 8, x row g (4 words each)."""
     if const_expr(sink is None):

@@ -3,12 +3,12 @@
 Each ``op_*`` is a thin GPU-only layer (thread / warp / lane indices, shuffles, the ballot, barriers, the global
 stores) around ``@cute.jit`` helpers that take the slot, expert, row, token and lane as plain integers: the slot
 lists built once per instruction (``slot_expert``, ``slot_take``, ``slot_put``, ``slot_end``, ``slot_token``; the
-ballot compaction is the ROUTER's, ``megakernel/router.py``), the lanes' dots (dense: ``gate_up_tile``,
-``down_tile``; MXFP4 on tensor cores: ``fp4_mma_tile``), the weighted fp32 combine (``down_weighted``,
-``down_combine``) and the element offsets of every store. How each opcode works: its ``op_*`` docstring.
-``kernels/verify/host_exec_mk_moe.py`` runs the same helpers on the host over every warp and lane and replays the thin
-layer in the kernel's order; the one device-only step it cannot run, the mma, it records (the operands
-``mma_chunk`` assembles, through its host sink) and evaluates with ``megakernel.mma.mma_reference``."""
+ballot compaction is the ROUTER's, ``megakernel/router.py``), the lanes' dots (CUDA cores below batch 8:
+``gate_up_tile``, ``down_tile``; tensor cores: ``dense_mma_tile``, ``fp4_mma_tile``), the weighted fp32 combine
+(``down_weighted``, ``down_combine``; tensor cores: ``mma_down_add``, ``mma_down_sum``) and the element offsets of every
+store. How each opcode works: its ``op_*`` docstring; design: docs/architecture.md#appendix-design-notes-by-room
+(kernels/megakernel/moe.py). ``kernels/verify/host_exec_mk_moe.py`` runs the same helpers on the host over every warp
+and lane, replays the thin layer in the kernel's order, and records the mma operands for ``mma.mma_reference``."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr
 from kimik3.kernels.common.device import fp4_decode_pair, fp4_group_scales, x_pair_bf16x2
 from kimik3.kernels.common.trace import evict_last, tracing_for_host
+from kimik3.kernels.contracts import addr as mk_addr
 from kimik3.kernels.contracts.addr import FP4_GROUP, FP4_GROUP_BYTES, expert_row_offset, fp4_row_offsets
 from kimik3.kernels.contracts.isa import (
     R0,
@@ -26,18 +27,30 @@ from kimik3.kernels.contracts.isa import (
 )
 from kimik3.kernels.megakernel.device_fns import (
     BIG,
+    NT,
     NW,
     VEC,
     bf16_round,
+    chunk_mma,
     gchunks,
     gflat,
     glu,
     warp_sum,
 )
-from kimik3.kernels.megakernel.mma import MMA_COLS, MMA_ROWS, acc_col, acc_row, lane_group, lane_quad, mma_chunk
+from kimik3.kernels.megakernel.mma import (
+    CHUNK_REGS,
+    MMA_COLS,
+    MMA_ROWS,
+    acc_col,
+    acc_row,
+    lane_group,
+    lane_quad,
+    mma_chunk,
+)
 from kimik3.kernels.megakernel.operands import (
     F32_WORDS,
     I32_WORDS,
+    PART_WORDS,
     _bx,
     _Ctx,
     _eoff,
@@ -45,13 +58,10 @@ from kimik3.kernels.megakernel.operands import (
 )
 from kimik3.kernels.megakernel.router import router_round_end, router_slot_of
 
-# How the expert opcodes stream (the slot-list prologue, the dense passes, the MXFP4 tensor-core items and what a
-# lane has in flight): docs/architecture.md#appendix-design-notes-by-room (kernels/megakernel/moe.py).
-# Dense tokens per pass: 4 fp32 accumulators per lane (x 2 for gate and up) up to batch 8, 2 above; larger passes
-# made ptxas spill under the 168-register cap (each variant's build report records it).
+# Dense experts below batch 8 (CUDA cores): tokens per pass, 4 fp32 accumulators per lane (x 2 for gate and up);
+# from batch 8 tensor cores (mk_addr.expert_mma), in pass groups of 8 list positions (mk_addr.expert_group_passes).
 GATE_UP_TILE = 4
 DOWN_TILE = 4
-WIDE_BATCH_TILE = 2  # both opcodes' pass above batch 8
 GATE_UP_LOADS = 4  # 16-byte chunks per lane per step of EACH of w1 and w3: 8 loads (48 KiB per CTA) in flight
 DOWN_LOADS = 6  # 16-byte w2 chunks per lane per step: 6 loads (36 KiB per CTA) in flight; a k3 w2 row (384 chunks)
 # is then exactly two steps, no clamped chunk
@@ -65,31 +75,41 @@ DOWN_BLOCKS = 4
 X_CHUNKS_PER_GROUP = FP4_GROUP // VEC  # 16-byte x chunks of one MXFP4 group (one per 8-code word)
 
 
+def expert_mma(cfg: Any) -> bool:
+    """Whether the expert opcodes run on tensor cores (``mk_addr.expert_mma``: MXFP4, or dense from batch 8)."""
+    return mk_addr.expert_mma(cfg.B, cfg.fp4)
+
+
 def gate_up_pass(cfg: Any) -> int:
-    """Tokens per pass of EXPERT_GATE_UP for the config's batch and expert format (``cfg.fp4``: the mma's 8
+    """Tokens per pass of EXPERT_GATE_UP for the config's batch and expert format (tensor cores: the mma's 8
     columns)."""
-    if cfg.fp4:
-        return min(cfg.B, MMA_COLS)
-    return min(cfg.B, GATE_UP_TILE if cfg.B <= 8 else WIDE_BATCH_TILE)
+    return min(cfg.B, MMA_COLS if expert_mma(cfg) else GATE_UP_TILE)
 
 
 def down_pass(cfg: Any) -> int:
     """Tokens per pass of EXPERT_DOWN (as :func:`gate_up_pass`)."""
-    if cfg.fp4:
-        return min(cfg.B, MMA_COLS)
-    return min(cfg.B, DOWN_TILE if cfg.B <= 8 else WIDE_BATCH_TILE)
+    return min(cfg.B, MMA_COLS if expert_mma(cfg) else DOWN_TILE)
+
+
+def mma_passes(cfg: Any, op: str) -> int:
+    """Passes of 8 list positions per tensor-core work item of ``op`` ("gate_up", "down"; ``mk_addr``)."""
+    return mk_addr.expert_group_passes(cfg.B, op, cfg.fp4)
+
+
+def mma_groups(n: Any, P: int) -> Any:
+    """Pass groups of a tensor-core item loop over a list of n tokens (``mk_addr.expert_groups``)."""
+    return mk_addr.expert_groups(n, P)
+
+
+def mma_pos(grp: Any, p: int, col: Any, P: int) -> Any:
+    """List position of column col of pass p of pass group grp (``mk_addr.gemv_group_row`` over list positions)."""
+    return mk_addr.gemv_group_row(grp, p, col, P)
 
 
 def row_tile(cfg: Any) -> int:
-    """Weight rows of a warp's work item in both expert opcodes: 1 (dense), FP4_ROWS (MXFP4); item k of warp w starts
-    at row r0 + (w + k·NW)·rows of the instruction's box."""
-    return FP4_ROWS if cfg.fp4 else 1
-
-
-def fp4_combine_width(cfg: Any) -> int:
-    """MXFP4 EXPERT_DOWN: combine accumulators per lane and row: lane (g, q) keeps tokens q, q + 4, ... of its rows
-    g and g + 8."""
-    return -(-cfg.B // 4)
+    """Weight rows of a warp's work item in both expert opcodes: 1 (CUDA cores), FP4_ROWS (tensor cores); item k of
+    warp w starts at row r0 + (w + k·NW)·rows of the instruction's box."""
+    return FP4_ROWS if expert_mma(cfg) else 1
 
 
 def slot_lists(cfg: Any) -> tuple[int, int, int]:
@@ -115,8 +135,7 @@ def slot_used(ctx: _Ctx, b: Int32, j: Int32) -> Any:
 
 @cute.jit
 def slot_take(ctx: _Ctx, b: Int32, j: Int32, e: Int32) -> Int32:
-    """1 when token b (< B) uses slot j and the slot holds an expert (e >= 0), else 0; the flag is read only for a
-    real token."""
+    """1 when token b (< B) uses slot j and the slot holds an expert (e >= 0), else 0 (flags read for real tokens)."""
     u = Int32(0)
     if b < ctx.cfg.B:
         if e >= 0:
@@ -326,10 +345,8 @@ def fp4_mma_tile(ctx: _Ctx, xv: Any, xs: Int32, ngr: Int32, wa: Any, wb: Any, jj
 @cute.jit
 def gate_up_tile(ctx: _Ctx, xv: Any, xs: Int32, nch: Int32, wg: Any, wu: Any, jj: Int32, t0: Int32, n: Int32,
                  ag: cute.Tensor, au: cute.Tensor, lane: Any = None) -> None:
-    """Dense experts: a lane's partial dots of the gate and up rows with tokens t0 .. t0 + T - 1 of list jj (those
-    below n): ``ag[t]``, ``au[t]``. Per step each lane has GATE_UP_LOADS chunks of each row in flight (chunks past
-    the row's end are read at its last chunk and count 0: straight-line, in-bounds loads), then dots them with every
-    token of the pass (the branch on the token count is warp-uniform). MXFP4: :func:`fp4_mma_tile`."""
+    """CUDA cores: a lane's partial dots of the gate and up rows with tokens t0 .. t0 + T - 1 of list jj (those below
+    n): ``ag[t]``, ``au[t]``; GATE_UP_LOADS chunks of each row in flight per step (past the row's end: its last, 0)."""
     if const_expr(lane is None):
         lane = cute.arch.lane_idx()
     T, U = cute.size(ag), GATE_UP_LOADS
@@ -367,7 +384,7 @@ def gate_up_out(ctx: _Ctx, b: Int32, j: Int32, r: Int32) -> Int64:
 
 
 @cute.jit
-def fp4_gate_up_out(ctx: _Ctx, s0: Int32, jj: Int32, t0: Int32, n: Int32, rt: Any, lane: Any,
+def mma_gate_up_out(ctx: _Ctx, s0: Int32, jj: Int32, t0: Int32, n: Int32, rt: Any, lane: Any,
                     i: cutlass.Constexpr) -> Int64:
     """MXFP4: the element offset of the hidden activation held by accumulator register i of ``lane`` after the work
     item (rows from rt, list positions from t0): row rt + ``acc_row``, the token at position t0 + ``acc_col``;
@@ -387,25 +404,17 @@ def op_expert_gate_up(ctx: _Ctx) -> None:
     tokens routed to each slot; a prologue lists every slot's expert and tokens once per instruction
     (``_build_slot_lists``).
 
-    Dense experts (bf16 weights): a warp takes one weight row at a time (the same row of w1 and w3) and each lane dots
-    its 16-byte chunks with every token of a pass on CUDA cores (``gate_up_rows``, ``gate_up_tile``); warp sums, lane 0
-    applies SiTU-GLU and stores.
-
-    MXFP4 experts (``MKConfig.fp4``): tensor cores, ``mma.sync.m16n8k16`` bf16 x bf16 -> fp32 through
-    ``megakernel/mma.py``. A warp's work item is 16 rows of w1 and of w3 x up to 8 tokens of a slot as the mma's columns
-    (``fp4_tile_rows``, ``fp4_mma_tile``): per 128-column k block lane (g, q) decodes group q of its rows g and g + 8
-    (``fp4_row`` code / scale views; ``common.device.fp4_bf16x2``: integer placement of each E2M1 code as the bf16 E2M1
-    · 2^-126 and one bf16x2 multiply by 2^(e - 1) per register, exact, in pair order; scale bytes above 128, which
-    quantisation never writes, take a branch with a second multiply) and puts the same 32 x values of its token column g
-    in the same order (``common.device.x_pair_bf16x2``: one prmt per register), so a lane's physical k depends on q
-    only, as the mma's fragment layout requires; 8 mma.sync per block and weight. The epilogue applies SiTU-GLU per
-    (row, token) on the accumulator fragments (lane holds rows ``acc_row``, tokens ``acc_col``; ``fp4_gate_up_out``).
-    Known limits: the expert is data-dependent, so the host cannot name its rows: no stage; a slot with more tokens than
-    a pass re-reads its rows (L1/L2); dense experts stay on CUDA cores (the 8 FMAs per weight at batch 8 are hidden by
-    the stream there); MXFP4 pays its decode, a few PTX instructions per weight and pass (bounded by
-    tests/test_mk_moe_fp4_ptx.py), whatever the tokens."""
-    if const_expr(ctx.cfg.fp4):
-        _op_expert_gate_up_fp4(ctx)
+    Dense experts below batch 8: CUDA cores, one weight row (of w1 and of w3) per warp, each lane dotting its chunks
+    with every token of a pass (``gate_up_rows``, ``gate_up_tile``); warp sums, lane 0 applies SiTU-GLU and stores.
+    Otherwise tensor cores (``mma.sync.m16n8k16``, ``megakernel/mma.py``): 16 rows of w1 and of w3 x the slot's list
+    positions as the mma's columns, in pass groups for dense experts (``dense_mma_tile``), one pass for MXFP4
+    (``fp4_tile_rows``, ``fp4_mma_tile``: the codes decoded exactly to bf16, the x values in the same pair order); the
+    epilogue applies SiTU-GLU per (row, token) on the fragments (``mma_gate_up_out``); how each path streams:
+    docs/architecture.md#appendix-design-notes-by-room (kernels/megakernel/moe.py). Known limits: no stage (the
+    expert is data); a slot with more tokens than a group re-reads its rows; MXFP4 pays its decode per pass (bounded
+    by tests/test_mk_moe_fp4_ptx.py)."""
+    if const_expr(expert_mma(ctx.cfg)):
+        _op_expert_gate_up_mma(ctx)
     else:
         _op_expert_gate_up_dense(ctx)
 
@@ -439,32 +448,95 @@ def _op_expert_gate_up_dense(ctx: _Ctx) -> None:
 
 
 @cute.jit
-def _op_expert_gate_up_fp4(ctx: _Ctx) -> None:
-    """MXFP4: work items of 16 rows (the same rows of w1 and w3) x up to 8 tokens per warp; the epilogue applies
-    SiTU-GLU to the (gate, up) accumulators of the same (row, token) that the lane holds and stores h."""
+def expert_base(ctx: _Ctx, j: cutlass.Constexpr, e: Int32) -> Int64:
+    """Byte address of row 0 of expert e of the dense expert weight operand j."""
+    return ctx.s_addr[j] + expert_row_offset(ctx.s_d1[j], ctx.s_d2[j], e, Int32(0), Int64) * 2
+
+
+@cute.jit
+def dense_mma_tile(ctx: _Ctx, j: cutlass.Constexpr, e: Int32, rt: Any, xv: Any, xs: Int32, nch: Int32, xrow: Any,
+                   jj: Int32, t0: Any, n: Int32, acc: cute.Tensor, U: cutlass.Constexpr, lane: Any,
+                   sink: Any = None) -> None:
+    """Dense experts on tensor cores: ``acc`` (4, P) the C fragments of rows rt .. rt + 15 of expert e's weight operand
+    j (rows past the box's end read at its last, never stored) x pass p's columns, the positions ``t0 + 8p + col`` of
+    list jj (x row at chunk ``xrow(ctx, jj, position, xs)``; a position at or past n read at n - 1, never stored).
+    Lane (g, q) takes chunk ``4·kb + q`` of its rows and its column's x row per k block kb; as ``fp4_mma_tile`` a step
+    prefetches U blocks into L1, then runs them one at a time (one block's registers live), two mma.sync per pass and
+    block (``device_fns.chunk_mma``; ``sink``, host execution: pass p's block kb at ``sink[kb·P + p, :]``). A chunk
+    past the row's end is read at its last chunk with its x zeroed."""
+    P = cute.size(acc, mode=[1])
+    r1 = ctx.s_ins[W_ARGS + 3]
+    g, q = lane_group(lane), lane_quad(lane)
+    base = expert_base(ctx, j, e)
+    wa = gchunks(base + Int64(cutlass.min(rt + g, r1 - 1)) * Int64(nch) * 16)
+    wb = gchunks(base + Int64(cutlass.min(rt + g + MMA_ROWS // 2, r1 - 1)) * Int64(nch) * 16)
+    ld_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
+    ld_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128)
+    acc.fill(0.0)
+    nkb = (nch + 3) // 4
+    for it in cutlass.range((nkb + U - 1) // U, unroll=1):
+        if const_expr(not tracing_for_host()):  # (a cache hint: no effect on any value, nothing on the host)
+            for up in cutlass.range_constexpr(U):
+                cp = cutlass.min((it * U + up) * 4 + q, nch - 1)
+                cute.arch.prefetch(wa[(cp, None)].iterator.llvm_ptr, cache_level="L1")
+                cute.arch.prefetch(wb[(cp, None)].iterator.llvm_ptr, cache_level="L1")
+        for u in cutlass.range(U, unroll=1):
+            kb = it * U + u
+            if kb < nkb:  # warp-uniform
+                c = kb * 4 + q
+                cc = cutlass.min(c, nch - 1)
+                rw = cute.make_rmem_tensor((VEC, 2), BFloat16)
+                cute.copy(ld_w, wa[(cc, None)], rw[None, 0])
+                cute.copy(ld_w, wb[(cc, None)], rw[None, 1])
+                uw = cute.recast_tensor(rw, Uint32)
+                for p in cutlass.range_constexpr(P):
+                    rx = cute.make_rmem_tensor((VEC,), BFloat16)
+                    cute.copy(ld_x, xv[(xrow(ctx, jj, cutlass.min(t0 + g + p * MMA_COLS, n - 1), xs) + cc, None)], rx)
+                    ux = cute.recast_tensor(rx, Uint32)
+                    for i in cutlass.range_constexpr(CHUNK_REGS):
+                        ux[i] = ux[i] if c < nch else Uint32(0)
+                    chunk_mma(acc[None, p], uw[None, 0], uw[None, 1], ux, sink, kb * P + p)
+
+
+@cute.jit
+def _op_expert_gate_up_mma(ctx: _Ctx) -> None:
+    """Tensor cores: work items of 16 rows (the same rows of w1 and w3) x a group of passes of the slot's list
+    positions per warp; the epilogue applies SiTU-GLU to the (gate, up) accumulators of the same (row, token) that the
+    lane holds and stores h."""
     cfg = ctx.cfg
     EXP, CNT, _ = slot_lists(cfg)
+    P = mma_passes(cfg, "gate_up")
     s0, s1, r0, r1 = ctx.s_ins[W_ARGS], ctx.s_ins[W_ARGS + 1], ctx.s_ins[W_ARGS + 2], ctx.s_ins[W_ARGS + 3]
     _build_slot_lists(ctx, s0, s1, False)
     xv = gchunks(ctx.s_addr[0])
-    xs, ngr = gate_up_dims(ctx)
+    xs, nk = gate_up_dims(ctx)
     out = gflat(BFloat16, ctx.s_addr[5])
-    ag = cute.make_rmem_tensor((4,), Float32)
-    au = cute.make_rmem_tensor((4,), Float32)
+    ag = cute.make_rmem_tensor((4, P), Float32)
+    au = cute.make_rmem_tensor((4, P), Float32)
     lane = ctx.lane
     for jj in cutlass.range(s1 - s0, unroll=1):
         n = ctx.s_i32[CNT + jj]
         if n > 0:
             e = ctx.s_i32[EXP + jj]
             for rt in cutlass.range(r0 + ctx.warp * FP4_ROWS, r1, NW * FP4_ROWS, unroll=1):
-                wg, wu = fp4_tile_rows(ctx, 3, 6, e, rt, lane), fp4_tile_rows(ctx, 4, 7, e, rt, lane)
-                for t0 in cutlass.range(0, n, MMA_COLS, unroll=1):
-                    fp4_mma_tile(ctx, xv, xs, ngr, wg, wu, jj, t0, n, ag, au, GATE_UP_BLOCKS, False, lane)
-                    for i in cutlass.range_constexpr(4):
-                        off = fp4_gate_up_out(ctx, s0, jj, t0, n, rt, lane, i)
-                        if off >= 0:
-                            h = glu(bf16_round(ag[i]), bf16_round(au[i]), cfg.situ, cfg.situ_beta, cfg.situ_lin)
-                            out[off] = h.to(BFloat16)
+                if const_expr(cfg.fp4):
+                    wg, wu = fp4_tile_rows(ctx, 3, 6, e, rt, lane), fp4_tile_rows(ctx, 4, 7, e, rt, lane)
+                for grp in cutlass.range(mma_groups(n, P), unroll=1):
+                    t0 = mma_pos(grp, 0, 0, P)
+                    if const_expr(cfg.fp4):
+                        fp4_mma_tile(ctx, xv, xs, nk, wg, wu, jj, t0, n, ag[None, 0], au[None, 0], GATE_UP_BLOCKS,
+                                     False, lane)
+                    else:
+                        U = mk_addr.EXPERT_MMA_BLOCKS
+                        dense_mma_tile(ctx, 3, e, rt, xv, xs, nk, gate_up_x, jj, t0, n, ag, U, lane)
+                        dense_mma_tile(ctx, 4, e, rt, xv, xs, nk, gate_up_x, jj, t0, n, au, U, lane)
+                    for p in cutlass.range_constexpr(P):
+                        for i in cutlass.range_constexpr(4):
+                            off = mma_gate_up_out(ctx, s0, jj, mma_pos(grp, p, 0, P), n, rt, lane, i)
+                            if off >= 0:
+                                h = glu(bf16_round(ag[i, p]), bf16_round(au[i, p]), cfg.situ, cfg.situ_beta,
+                                        cfg.situ_lin)
+                                out[off] = h.to(BFloat16)
 
 
 @cute.jit
@@ -493,9 +565,8 @@ def down_x(ctx: _Ctx, j: Int32, p: Int32, hs: Int32) -> Int32:
 @cute.jit
 def down_tile(ctx: _Ctx, hv: Any, hs: Int32, nch: Int32, wv: Any, j: Int32, t0: Int32, n: Int32, a: cute.Tensor,
               lane: Any = None) -> None:
-    """Dense experts: a lane's partial dots of the down row with the hidden rows [b, slot j] (operand 0) of tokens
-    t0 .. t0 + T - 1 of slot j's list (those below n): ``a[t]``. DOWN_LOADS w2 chunks per lane in flight per step,
-    clamped at the row's end as in :func:`gate_up_tile`. MXFP4: :func:`fp4_mma_tile`."""
+    """CUDA cores: a lane's partial dots of the down row with the hidden rows [b, slot j] (operand 0) of tokens t0 ..
+    t0 + T - 1 of slot j's list (those below n): ``a[t]``; DOWN_LOADS w2 chunks in flight, clamped as gate_up_tile."""
     if const_expr(lane is None):
         lane = cute.arch.lane_idx()
     T, U = cute.size(a), DOWN_LOADS
@@ -535,24 +606,6 @@ def down_combine(acc: cute.Tensor, y: Float32, b: Int32, first: Any, STRIDE: cut
         acc[m] = acc[m] + (y if first + STRIDE * m == b else Float32(0.0))
 
 
-def fp4_column_src(lane: Any, c: int) -> tuple[Any, int]:
-    """Where column c of the accumulator fragments of ``lane``'s rows g (register i) and g + 8 (register i + 2)
-    lives: (lane (g, c // 2), i = c % 2), the inverse of ``acc_row`` / ``acc_col``."""
-    return lane_group(lane) * 4 + c // 2, c % 2
-
-
-@cute.jit
-def fp4_down_combine(ctx: _Ctx, acc: cute.Tensor, v: Float32, v8: Float32, j: Int32, p: Int32, n: Int32,
-                     lane: Any) -> None:
-    """MXFP4: one column of a work item's fragments into the lane's combine: ``v`` / ``v8`` are the sums of the
-    lane's rows g and g + 8 for list position p of slot j (shuffled from the lane holding them); lane (g, q) keeps
-    tokens q, q + 4, ... of its two rows (``acc`` [2, fp4_combine_width]); nothing past the list's end."""
-    if p < n:
-        b = slot_token(ctx, j, p)
-        down_combine(acc[0, None], down_weighted(ctx, v, j, p), b, lane_quad(lane), 4)
-        down_combine(acc[1, None], down_weighted(ctx, v8, j, p), b, lane_quad(lane), 4)
-
-
 @cute.jit
 def down_out(ctx: _Ctx, b: Int32, r: Int32) -> Int64:
     """Element offset of the combined output [b, 0, r] (operand 5); on a rank of several, [b, rank, r] of the latent
@@ -574,15 +627,12 @@ def down_store(ctx: _Ctx, off: Int64, v: Float32) -> None:
 
 
 @cute.jit
-def fp4_down_out(ctx: _Ctx, rt: Any, lane: Any, h: cutlass.Constexpr, m: cutlass.Constexpr) -> Int64:
-    """MXFP4: the element offset of combine accumulator [h, m] of ``lane`` (row rt + g + 8h, token q + 4m), -1 (not
-    stored) past the batch or the box's last row."""
-    b = lane_quad(lane) + 4 * m
-    r = rt + lane_group(lane) + 8 * h
+def mma_down_out(ctx: _Ctx, rt: Any, r: Any, b: Any) -> Int64:
+    """Tensor cores: the element offset of the combined output of row rt + r (of a 16-row tile) and token b, -1 (not
+    stored) past the box's last row."""
     off = Int64(-1)
-    if b < ctx.cfg.B:
-        if r < ctx.s_ins[W_ARGS + 3]:
-            off = down_out(ctx, b, r)
+    if rt + r < ctx.s_ins[W_ARGS + 3]:
+        off = down_out(ctx, b, rt + r)
     return off
 
 
@@ -591,19 +641,18 @@ def op_expert_down(ctx: _Ctx) -> None:
     """EXPERT_DOWN: the combined expert output y[b, r] = Σ_slots w_slot · (h_slot · w2ᵀ)[r] of rows [r0, r1) for every
     token, the router weights listed next to the tokens by the prologue (``_build_slot_lists``).
 
-    Dense experts: a warp takes one w2 row at a time and dots it with the hidden rows of each used slot's tokens per
-    pass on CUDA cores (``down_row``, ``down_tile``); each warp sum, rounded to bf16 and times the router weight
-    (``down_weighted``), is accumulated in fp32 by the lane that keeps the token (``down_combine``); one bf16 store.
+    Dense experts below batch 8: CUDA cores, one w2 row per warp dotted with the hidden rows of each used slot's tokens
+    per pass (``down_row``, ``down_tile``); each warp sum, bf16-rounded and router-weighted (``down_weighted``), is
+    accumulated in fp32 by the lane that keeps the token (``down_combine``); one bf16 store.
 
-    MXFP4 experts: 16-row mma work items as EXPERT_GATE_UP's (``fp4_mma_tile``), spread over every warp
-    (``fp4_down_split``): the G warps of a 16-row tile split the used slots, each shuffles every token column to the
-    lanes that keep that token (``fp4_column_src``, ``fp4_down_item``) and combines it, router-weighted, in fp32 in its
-    registers (``fp4_down_combine``); the members' combines meet in the fp32 scratch after a barrier, summed in member
-    order (``fp4_down_part_put``, ``fp4_down_part_sum``), and member 0 stores (``fp4_down_out``). Known limits: no stage
-    (data-dependent expert); rows re-read per extra pass of an expert's tokens; MXFP4 at B = 64: the fp32 scratch holds
-    the slot lists' weights, so G = 1 (2 warps stream)."""
-    if const_expr(ctx.cfg.fp4):
-        _op_expert_down_fp4(ctx)
+    Tensor cores otherwise: 16-row work items as EXPERT_GATE_UP's (dense: ``dense_mma_tile`` in pass groups; MXFP4:
+    ``fp4_mma_tile``), spread over every warp (``mma_down_split``): the G warps of a 16-row tile split the used slots,
+    each adding every accumulator register, router-weighted, to its own fp32 region of the instruction's stage buffer
+    (``ctx.s_part``, ``mma_down_add``: no shuffles, no combine registers); after a barrier the members' regions are
+    summed in member order (``mma_down_sum``) and stored (``mma_down_out``). Known limits: no stage (data-dependent
+    expert; its stage buffer is the combine's); rows re-read per extra group of an expert's tokens."""
+    if const_expr(expert_mma(ctx.cfg)):
+        _op_expert_down_mma(ctx)
     else:
         _op_expert_down_dense(ctx)
 
@@ -638,118 +687,112 @@ def _op_expert_down_dense(ctx: _Ctx) -> None:
                 down_store(ctx, down_out(ctx, b, r), acc[m])
 
 
-def fp4_down_part_base(cfg: Any) -> int:
-    """EXPERT_DOWN's cross-warp partials in the fp32 scratch start past the slot lists' router weights
-    (s_f32[0, dmax·B), read by every warp until its last item): s_f32[base + ((w·2 + h)·MW + m)·32 + lane] holds
-    combine accumulator [h, m] of lane ``lane`` of partial slot w (MW = ``fp4_combine_width``; lane-contiguous, no bank
-    conflicts)."""
-    return _pad32(cfg.dmax * cfg.B)
-
-
-def fp4_down_part_words(cfg: Any) -> int:
-    """fp32 scratch words of one warp's partials."""
-    return 2 * fp4_combine_width(cfg) * 32
+def mma_down_part_words(cfg: Any) -> int:
+    """Tensor-core EXPERT_DOWN combines in the instruction's own stage buffer as fp32 ``ctx.s_part`` (the host never
+    stages an EXPERT_DOWN: ``isa.STAGE_SCRATCH_OPS``): warp w's region is s_part[w·W + r·B + b] for row r of its
+    16-row tile and token b. Returns W = 16·B (12 warps' regions: 48 KiB at B = 64)."""
+    assert NW * MMA_ROWS * cfg.B <= PART_WORDS, f"EXPERT_DOWN's combine regions need {NW * MMA_ROWS * cfg.B} words"
+    return MMA_ROWS * cfg.B
 
 
 @cute.jit
-def fp4_down_split(ctx: _Ctx) -> tuple[Int32, Int32]:
+def mma_down_split(ctx: _Ctx) -> tuple[Int32, Int32]:
     """EXPERT_DOWN's work split over the CTA's warps: (row tiles of the box, warps per tile G). Warp w takes row tile
     w % ntiles (then + NW, ... when the box has more tiles than warps: G = 1) as member m = w // ntiles of its tile's
-    G warps (members m >= G idle) and, of every tile it takes, the slots m, m + G, ...; G is capped so that the
-    partials of members 1 .. G - 1 of every tile fit the fp32 scratch past ``fp4_down_part_base``."""
-    cfg = ctx.cfg
+    G = NW // ntiles warps (members m >= G idle) and, of every tile it takes, the slots m, m + G, ..."""
     ntiles = (ctx.s_ins[W_ARGS + 3] - ctx.s_ins[W_ARGS + 2] + FP4_ROWS - 1) // FP4_ROWS
-    room = (F32_WORDS - fp4_down_part_base(cfg)) // fp4_down_part_words(cfg)  # warps' partials that fit
-    g = cutlass.max(cutlass.min(NW // cutlass.max(ntiles, 1), room // cutlass.max(ntiles, 1) + 1), 1)
-    return ntiles, g
+    return ntiles, cutlass.max(NW // cutlass.max(ntiles, 1), 1)
 
 
 @cute.jit
-def fp4_down_part_put(ctx: _Ctx, acc: cute.Tensor, slot: Any, lane: Any) -> None:
-    """A member's combine accumulators (lane ``lane``) into partial slot ``slot`` (member m >= 1 of tile t: slot
-    (m - 1)·ntiles + t, i.e. its warp - ntiles)."""
-    MW = fp4_combine_width(ctx.cfg)
-    base = fp4_down_part_base(ctx.cfg) + slot * fp4_down_part_words(ctx.cfg) + lane
-    for h in cutlass.range_constexpr(2):
-        for m in cutlass.range_constexpr(MW):
-            ctx.s_f32[base + (h * MW + m) * 32] = acc[h, m]
+def mma_down_add(ctx: _Ctx, w: Any, v: Float32, j: Any, p: Any, n: Any, lane: Any, i: cutlass.Constexpr) -> None:
+    """Accumulator register i (value ``v``) of ``lane``, its column at list position p of slot j, rounded to bf16 and
+    router-weighted (``down_weighted``), added in fp32 to warp w's region at (row ``acc_row(lane, i)``, the token);
+    nothing past the list's end. A list holds a token once, so within a slot no two lanes share a (row, token)."""
+    part = ctx.s_part  # (a name of its own: the branch writes through it, not through ctx)
+    if p < n:
+        k = w * mma_down_part_words(ctx.cfg) + acc_row(lane, i) * ctx.cfg.B + slot_token(ctx, j, p)
+        part[k] = part[k] + down_weighted(ctx, v, j, p)
 
 
 @cute.jit
-def fp4_down_part_sum(ctx: _Ctx, acc: cute.Tensor, w: Any, ntiles: Any, g: Any, lane: Any) -> None:
-    """Member 0 (warp w) of a tile adds the partials of members 1, 2, ..., G - 1 (warps w + ntiles, w + 2·ntiles,
-    ..., partial slots w, w + ntiles, ...) to its own accumulators, in that order: ((p0 + p1) + p2) + ... (after
-    the barrier that follows every member's ``fp4_down_part_put``)."""
-    MW = fp4_combine_width(ctx.cfg)
-    for k in cutlass.range(1, g, unroll=1):
-        base = fp4_down_part_base(ctx.cfg) + (w + (k - 1) * ntiles) * fp4_down_part_words(ctx.cfg) + lane
-        for h in cutlass.range_constexpr(2):
-            for m in cutlass.range_constexpr(MW):
-                acc[h, m] = acc[h, m] + ctx.s_f32[base + (h * MW + m) * 32]
+def mma_down_sum(ctx: _Ctx, t: Any, k: Any, ntiles: Any, g: Any) -> Float32:
+    """Element k (row k // B, token k % B) of row tile t summed over its G members' regions in member order ((m0 + m1)
+    + m2) + ...; member m of tile t is warp t + m·ntiles."""
+    W = mma_down_part_words(ctx.cfg)
+    v = ctx.s_part[t * W + k]
+    for m in cutlass.range(1, g, unroll=1):
+        v = v + ctx.s_part[(t + m * ntiles) * W + k]
+    return v
 
 
 @cute.jit
-def fp4_down_item(ctx: _Ctx, acc: cute.Tensor, a: cute.Tensor, j: Any, t0: Any, n: Any, lane: Any,
-                  shfl: Any) -> None:
-    """EXPERT_DOWN's epilogue of one work item (slot j, list positions t0 ..): each column c's values of the lane's
-    rows g, g + 8 fetched with ``shfl(register, source lane)`` from the lane ``fp4_column_src`` names and combined,
-    router-weighted (``fp4_down_combine``)."""
-    for c in cutlass.range_constexpr(down_pass(ctx.cfg)):
-        src, i = fp4_column_src(lane, c)
-        fp4_down_combine(ctx, acc, shfl(a, i, src), shfl(a, i + 2, src), j, t0 + c, n, lane)
+def mma_down_zero(ctx: _Ctx, w: Any, lane: Any) -> None:
+    """Warp w's region zeroed, lane ``lane`` taking every 32nd word."""
+    W = mma_down_part_words(ctx.cfg)
+    part = ctx.s_part  # (a name of its own: the loop writes through it, not through ctx)
+    for k in cutlass.range(lane, W, 32, unroll=1):
+        part[w * W + k] = Float32(0.0)
 
 
 @cute.jit
-def _shfl_device(a: cute.Tensor, i: cutlass.Constexpr, src: Any) -> Float32:
-    return cute.arch.shuffle_sync(a[i], src)
+def mma_down_store(ctx: _Ctx, rt: Any, w: Any, tiles: Any, th: Any, STRIDE: cutlass.Constexpr, ntiles: Any,
+                   g: Any) -> None:
+    """Stores from the regions: elements th, th + STRIDE, ... of ``tiles`` tiles from tile ``w`` (rows from rt + 16·t
+    for the t-th), each the sum of its tile's G members' regions (``mma_down_sum``; G = 1: the warp's own)."""
+    W = mma_down_part_words(ctx.cfg)
+    for k in cutlass.range(th, tiles * W, STRIDE, unroll=1):
+        t = k // W
+        off = mma_down_out(ctx, rt + t * FP4_ROWS, (k % W) // ctx.cfg.B, k % ctx.cfg.B)
+        if off >= 0:
+            down_store(ctx, off, mma_down_sum(ctx, w + t, k % W, ntiles, g))
 
 
 @cute.jit
-def _op_expert_down_fp4(ctx: _Ctx) -> None:
-    """MXFP4: every warp streams (``fp4_down_split``): the warps of a row tile split the used slots (member m: slots
-    m, m + G, ...), each work item (16 w2 rows x up to 8 tokens) is shuffled column by column to the lanes that keep
-    each token (lane (g, q): tokens q, q + 4, ...) and added, router-weighted, to the warp's fp32 combine
-    (``fp4_down_item``); with G > 1 every member's combine goes to the scratch, one barrier, and member 0 adds the
-    others' in member order (``fp4_down_part_sum``) and stores. fp32 order per (row, token): per member, its slots
-    ascending, passes and columns in order; then members 0 + 1 + 2 ... (not the plain slot order of one warp)."""
+def _op_expert_down_mma(ctx: _Ctx) -> None:
+    """Tensor cores: every warp streams (``mma_down_split``): the warps of a row tile split the used slots (member m:
+    slots m, m + G, ...), each work item (16 w2 rows x a group of list positions) is added, per accumulator register
+    and router-weighted, to the warp's fp32 region in shared memory (``mma_down_add``); with G > 1 one barrier, then
+    every thread sums the members' regions of some (row, token) elements in member order (``mma_down_sum``) and stores
+    them. fp32 order per (row, token): per member, its slots ascending; then members 0 + 1 + 2 ... (not the plain slot
+    order of one warp)."""
     cfg = ctx.cfg
     EXP, CNT, _ = slot_lists(cfg)
+    P = mma_passes(cfg, "down")
     r0 = ctx.s_ins[W_ARGS + 2]
     _build_slot_lists(ctx, Int32(0), Int32(cfg.dmax), True)
     hv = gchunks(ctx.s_addr[0])
-    hs, ngr = down_dims(ctx)
+    hs, nk = down_dims(ctx)
     lane, warp = ctx.lane, ctx.warp
-    ntiles, g = fp4_down_split(ctx)
+    ntiles, g = mma_down_split(ctx)
     mem = warp // cutlass.max(ntiles, 1)  # (an empty box: no tile, nothing to do)
-    a = cute.make_rmem_tensor((4,), Float32)
-    acc = cute.make_rmem_tensor((2, fp4_combine_width(cfg)), Float32)
+    a = cute.make_rmem_tensor((4, P), Float32)
     if mem < g:
         for ti in cutlass.range(warp % cutlass.max(ntiles, 1), ntiles, NW, unroll=1):
             rt = r0 + ti * FP4_ROWS
-            acc.fill(0.0)
+            mma_down_zero(ctx, warp, lane)
+            cute.arch.sync_warp()
             for j in cutlass.range(mem, cfg.dmax, g, unroll=1):
                 n = ctx.s_i32[CNT + j]
                 if n > 0:
-                    wv = fp4_tile_rows(ctx, 4, 6, ctx.s_i32[EXP + j], rt, lane)
-                    for t0 in cutlass.range(0, n, MMA_COLS, unroll=1):
-                        fp4_mma_tile(ctx, hv, hs, ngr, wv, None, j, t0, n, a, None, DOWN_BLOCKS, True, lane)
-                        fp4_down_item(ctx, acc, a, j, t0, n, lane, _shfl_device)
-            if g > 1:
-                if mem > 0:  # member 0 keeps its combine in registers
-                    fp4_down_part_put(ctx, acc, warp - ntiles, lane)
-            else:
-                _fp4_down_store(ctx, acc, rt, lane)
+                    e = ctx.s_i32[EXP + j]
+                    if const_expr(cfg.fp4):
+                        wv = fp4_tile_rows(ctx, 4, 6, e, rt, lane)
+                    for grp in cutlass.range(mma_groups(n, P), unroll=1):
+                        t0 = mma_pos(grp, 0, 0, P)
+                        if const_expr(cfg.fp4):
+                            fp4_mma_tile(ctx, hv, hs, nk, wv, None, j, t0, n, a[None, 0], None, DOWN_BLOCKS, True,
+                                         lane)
+                        else:
+                            dense_mma_tile(ctx, 4, e, rt, hv, hs, nk, down_x, j, t0, n, a, mk_addr.EXPERT_MMA_BLOCKS,
+                                           lane)
+                        for p in cutlass.range_constexpr(P):
+                            for i in cutlass.range_constexpr(4):
+                                mma_down_add(ctx, warp, a[i, p], j, mma_pos(grp, p, acc_col(lane, i), P), n, lane, i)
+                    cute.arch.sync_warp()  # the next slot's adds may hit this one's (row, token) from another lane
+            if g == 1:  # the warp's tile is whole: store it
+                mma_down_store(ctx, rt, warp, Int32(1), lane, 32, Int32(1), Int32(1))
+                cute.arch.sync_warp()  # before the next tile's zeroing
     if g > 1:  # CTA-uniform
         cute.arch.sync_threads()
-        if warp < ntiles:
-            fp4_down_part_sum(ctx, acc, warp, ntiles, g, lane)
-            _fp4_down_store(ctx, acc, r0 + warp * FP4_ROWS, lane)
-
-
-@cute.jit
-def _fp4_down_store(ctx: _Ctx, acc: cute.Tensor, rt: Any, lane: Any) -> None:
-    for h in cutlass.range_constexpr(2):
-        for m in cutlass.range_constexpr(fp4_combine_width(ctx.cfg)):
-            off = fp4_down_out(ctx, rt, lane, h, m)
-            if off >= 0:
-                down_store(ctx, off, acc[h, m])
+        mma_down_store(ctx, r0, Int32(0), ntiles, ctx.tidx, NT, ntiles, g)

@@ -16,6 +16,7 @@ from kimik3.kernels.contracts.isa import (
     OPERAND_WORDS,
     OW_BOX,
     R0,
+    STAGE_BYTES,
     W_OPS,
     W_STAGE_OP,
     W_STAGE_ROWS,
@@ -28,6 +29,7 @@ F32_WORDS = 4096  # per-instruction fp32 scratch (rstd, reductions, KDA vectors,
 I32_WORDS = 4096
 F32_RED = 64  # s_f32[F32_RED : F32_RED + NW * 2 * kmax]: block reductions
 F32_VEC = 1024  # s_f32[F32_VEC:]: KDA vectors / lm_head partials / router weights
+PART_WORDS = STAGE_BYTES // 4  # ctx.s_part: the stage buffer as fp32 scratch (isa.STAGE_SCRATCH_OPS only)
 
 def _pad32(n: int) -> int:
     return -(-n // 32) * 32

@@ -472,8 +472,10 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
         pErr = _mine(cfg, s_run, mLocal, LOCAL_ERROR, mErr)
         par = q % STAGE_BUFFERS
         s_stage = stages[(None, None, par)]  # this instruction's stage buffer (the next one fills the other)
+        # the same buffer as fp32 scratch, for the opcodes that stage nothing (isa.STAGE_SCRATCH_OPS)
+        s_part = cute.make_tensor(cute.recast_ptr(s_stage.iterator, dtype=Float32), cute.make_layout(STAGE_BYTES // 4))
         ctx = _Ctx(cfg=cfg, tidx=tidx, warp=warp, lane=lane, s_ins=s_ins, s_addr=s_addr, s_d1=s_d1, s_d2=s_d2,
-                   s_stage=s_stage, s_f32=s_f32, s_i32=s_i32, s_xbf=s_xbf, s_xb=s_xb)
+                   s_stage=s_stage, s_part=s_part, s_f32=s_f32, s_i32=s_i32, s_xbf=s_xbf, s_xb=s_xb)
         if (v >= 0) & (aborted == 0):
             # ---- fetch: warp 0 moves the row (prefetched by the previous position, else copied now) into s_ins
             if warp == 0:

@@ -42,11 +42,12 @@ def _launch(drive: Any, args: list[Any], consts: tuple[Any, ...] = ()) -> None:
     _COMPILED[sig](*wrapped)
 
 
-def _ctx(M: ModuleType, cfg: Any, mIns: Any, mAddr: Any, mD1: Any, mD2: Any, mI32: Any = None, mF32: Any = None
-         ) -> Any:
+def _ctx(M: ModuleType, cfg: Any, mIns: Any, mAddr: Any, mD1: Any, mD2: Any, mI32: Any = None, mF32: Any = None,
+         mPart: Any = None) -> Any:
     """The opcode's context as the VM's fetch leaves it (instruction words, operand addresses and dims), with host
-    tensors in place of shared memory; no thread indices: the drivers pass lanes and threads explicitly."""
-    return M._Ctx(cfg=cfg, s_ins=mIns, s_addr=mAddr, s_d1=mD1, s_d2=mD2, s_i32=mI32, s_f32=mF32)
+    tensors in place of shared memory (``mPart``: the stage buffer as fp32 scratch, ``s_part``); no thread indices: the
+    drivers pass lanes and threads explicitly."""
+    return M._Ctx(cfg=cfg, s_ins=mIns, s_addr=mAddr, s_d1=mD1, s_d2=mD2, s_i32=mI32, s_f32=mF32, s_part=mPart)
 
 
 def _scratch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +103,7 @@ class _MkSetup:
         self.g = torch.Generator().manual_seed(seed)
         self.bufs: dict[int, torch.Tensor] = {}
         self.ties = False
+        self.crowd = False
 
     # -- instruction words as the fetch leaves them
     def words(self, v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -210,14 +212,20 @@ def _store(wr: _Writes, shape: tuple[int, ...], box: tuple[int, ...], off: torch
 def _prepare(S: _MkSetup, v: int) -> None:
     """Inputs of instruction v that the random setup does not make meaningful: the rows of lazily allocated
     weights it reads; in ``ties`` mode the router logits on a coarse grid with no bias (equal choice scores: the
-    tie-break decides); the arg-max's per-tile maxima on a coarse grid (equal maxima: the first must win)."""
+    tie-break decides); in ``crowd`` mode expert 0's selection bias so high that every token picks it (one expert with
+    the whole batch, others with none: checked at the experts); the arg-max's per-tile maxima on a coarse grid (equal
+    maxima: the first must win)."""
     ins = S.p.instructions[v]
     op = ins.op.name
     if op == "ROUTER" and S.ties:
         lg, bias = S.buf(ins.operands[0].buf), S.buf(ins.operands[1].buf)
         lg.copy_(torch.round(lg * 2) / 2)
         bias.zero_()
+    elif op == "ROUTER" and S.crowd:
+        S.buf(ins.operands[1].buf).view(-1)[0] = 1e4
     elif op in ("EXPERT_GATE_UP", "EXPERT_DOWN"):
+        if S.crowd and op == "EXPERT_DOWN" and not S.views(v)[2].bool().all(0).any():  # (it sees every slot)
+            raise ValueError(f"crowd: no slot of {ins.label()} holds every token (the router bias did not steer it)")
         sel = S.views(v)[1].reshape(-1)
         experts = [int(e) for e in sel if int(e) >= 0]
         weights = (3, 4) if op == "EXPERT_GATE_UP" else (4,)

@@ -322,36 +322,75 @@ def _mma_steps(rec: torch.Tensor, nb: int) -> list[torch.Tensor]:
     return accs
 
 
+def _poison(*shape: int) -> torch.Tensor:
+    """An int32 register record whose every word is a bf16 NaN pair until the lane code writes it."""
+    return torch.full(shape, 0x7FC07FC0, dtype=torch.int32)
+
+
+def _dense_steps(M: ModuleType, cfg: Any, cols: int, op: str) -> int:
+    """Recorded rows of one dense tensor-core work item over a weight of ``cols`` columns: per pass, every 32-column
+    k block (a partial last one too)."""
+    return -(-cols // (M.VEC * 4)) * M.mma_passes(cfg, op)
+
+
+def _dense_mmas(rec: torch.Tensor, P: int) -> torch.Tensor:
+    """Evaluate dense work items from their register sinks (``rec`` [..., 32 lanes, k blocks x P, 12, 1], row kb·P + p:
+    pass p's block kb) with ``host_exec_mk_gemv.mma_tiles``: the fragments [..., P, 32, 4]."""
+    from kimik3.kernels.verify.host_exec_mk_gemv import mma_tiles
+
+    r = (rec[..., 0].to(torch.int64) & 0xFFFFFFFF)
+    r = r.reshape(*r.shape[:-2], r.shape[-2] // P, P, r.shape[-1])  # [..., lanes, kb, P, 12]
+    return mma_tiles(r.movedim(-2, -4))  # [..., P, lanes, kb, 12] -> [..., P, lanes, 4]
+
+
 def _fp4_steps(ngr: int, nb: int) -> int:
     """Recorded steps of one MXFP4 work item: 4 words per k block of 4 groups, per weight."""
     return -(-ngr // 4) * 4 * nb
 
 
-def _mk_gate_up_fp4_host(M: ModuleType) -> Any:
-    """MXFP4 EXPERT_GATE_UP: the prologue's slot lists, then every slot j of [s0, s1), warp, row tile rt = r0 +
-    16·(warp + k·NW), pass of 8 list positions and lane: ``M.fp4_tile_rows`` and ``M.fp4_mma_tile`` with the mma step
-    recorded (mRec [j - s0, warp, tile, pass, lane, step, 2, 6]), and each accumulator register's output offset
-    (``M.fp4_gate_up_out``, mOff [..., lane, 4]; -1: not stored)."""
-    key = ("mk_gate_up_fp4", M)
+def _rec_tile(M: ModuleType, ctx: Any, j: cutlass.Constexpr, js: cutlass.Constexpr, e: Any, rt: Any, xv: Any,
+              xs: Any, nk: Any, jj: Any, t0: Any, n: Any, acc: Any, lane: Any, rec: Any, DOWN: cutlass.Constexpr
+              ) -> None:
+    """One lane's share of one weight's tensor-core work item, its mma operands recorded into ``rec``: MXFP4
+    (``M.fp4_tile_rows``, ``M.fp4_mma_tile`` with :class:`_MmaRecord`; ``rec`` [steps, 2, 6]; only EXPERT_DOWN's, as
+    EXPERT_GATE_UP's steps both weights at once) or dense (``M.dense_mma_tile`` with its register sink; ``rec`` [k
+    blocks x passes, 12, 1])."""
+    if cutlass.const_expr(ctx.cfg.fp4):
+        M.fp4_mma_tile(ctx, xv, xs, nk, M.fp4_tile_rows(ctx, j, js, e, rt, lane), None, jj, t0, n, acc[None, 0], None,
+                       M.DOWN_BLOCKS, DOWN, lane, _MmaRecord(rec))
+    else:
+        M.dense_mma_tile(ctx, j, e, rt, xv, xs, nk, M.down_x if cutlass.const_expr(DOWN) else M.gate_up_x, jj, t0, n,
+                         acc, M.mk_addr.EXPERT_MMA_BLOCKS, lane, rec[None, None, 0])
+
+
+def _mk_gate_up_mma_host(M: ModuleType) -> Any:
+    """Tensor-core EXPERT_GATE_UP (dense from batch 8, or MXFP4): the prologue's slot lists, then every slot j of [s0,
+    s1), warp, row tile rt = r0 + 16·(warp + k·NW), group of passes of 8 list positions and lane: w1's and w3's work
+    items (:func:`_rec_tile`; MXFP4 records both weights' steps interleaved in mRec, dense w1 in mRec and w3 in mRecU,
+    [j - s0, warp, tile, group, lane, ...]), and each accumulator register's output offset (``M.mma_gate_up_out``, mOff
+    [..., group, pass, lane, 4]; -1: not stored)."""
+    key = ("mk_gate_up_mma", M)
     if key in _DRIVERS:
         return _DRIVERS[key]
     from kimik3.kernels.megakernel import operands as mk_operands
 
-    NW, W_ARGS, R, C = M.NW, M.W_ARGS, M.FP4_ROWS, M.MMA_COLS
+    NW, W_ARGS, R = M.NW, M.W_ARGS, M.FP4_ROWS
     lists = _lists_host(M)
 
     @cute.jit
     def drive(mIns: cute.Tensor, mAddr: cute.Tensor, mD1: cute.Tensor, mD2: cute.Tensor, mI32: cute.Tensor,
-              mF32: cute.Tensor, mE: cute.Tensor, mRec: cute.Tensor, mOff: cute.Tensor, cfg: cutlass.Constexpr):
+              mF32: cute.Tensor, mE: cute.Tensor, mRec: cute.Tensor, mRecU: cute.Tensor, mOff: cute.Tensor,
+              cfg: cutlass.Constexpr):
         ctx = _ctx(mk_operands, cfg, mIns, mAddr, mD1, mD2, mI32, mF32)
         EXP, CNT, _ = M.slot_lists(cfg)
+        P = M.mma_passes(cfg, "gate_up")
         s0, s1, r0, r1 = mIns[W_ARGS], mIns[W_ARGS + 1], mIns[W_ARGS + 2], mIns[W_ARGS + 3]
         its = cute.size(mOff, mode=[2])
         lists(ctx, s0, s1, False)
         xv = M.gchunks(mAddr[0])
-        xs, ngr = M.gate_up_dims(ctx)
-        ag = cute.make_rmem_tensor((4,), Float32)
-        au = cute.make_rmem_tensor((4,), Float32)
+        xs, nk = M.gate_up_dims(ctx)
+        ag = cute.make_rmem_tensor((4, P), Float32)
+        au = cute.make_rmem_tensor((4, P), Float32)
         for jj in cutlass.range(s1 - s0):
             mE[jj] = mI32[EXP + jj]
             n = mI32[CNT + jj]
@@ -361,39 +400,45 @@ def _mk_gate_up_fp4_host(M: ModuleType) -> Any:
                     it = Int32(0)
                     for rt in cutlass.range(r0 + warp * R, r1, NW * R):
                         if it < its:
-                            for t0 in cutlass.range(0, n, C):
-                                k = t0 // C
+                            for grp in cutlass.range(M.mma_groups(n, P)):
+                                t0 = M.mma_pos(grp, 0, 0, P)
                                 for lane in cutlass.range(LANES):
-                                    wg = M.fp4_tile_rows(ctx, 3, 6, e, rt, lane)
-                                    wu = M.fp4_tile_rows(ctx, 4, 7, e, rt, lane)
-                                    rec = _MmaRecord(mRec[jj, warp, it, k, lane, None, None, None])
-                                    M.fp4_mma_tile(ctx, xv, xs, ngr, wg, wu, jj, t0, n, ag, au, M.GATE_UP_BLOCKS,
-                                                   False, lane, rec)
-                                    for i in cutlass.range_constexpr(4):
-                                        mOff[jj, warp, it, k, lane, i] = M.fp4_gate_up_out(ctx, s0, jj, t0, n, rt,
-                                                                                           lane, i)
+                                    rec = mRec[jj, warp, it, grp, lane, None, None, None]
+                                    if cutlass.const_expr(cfg.fp4):
+                                        M.fp4_mma_tile(ctx, xv, xs, nk, M.fp4_tile_rows(ctx, 3, 6, e, rt, lane),
+                                                       M.fp4_tile_rows(ctx, 4, 7, e, rt, lane), jj, t0, n,
+                                                       ag[None, 0], au[None, 0], M.GATE_UP_BLOCKS, False, lane,
+                                                       _MmaRecord(rec))
+                                    else:
+                                        _rec_tile(M, ctx, 3, 6, e, rt, xv, xs, nk, jj, t0, n, ag, lane, rec, False)
+                                        _rec_tile(M, ctx, 4, 7, e, rt, xv, xs, nk, jj, t0, n, au, lane,
+                                                  mRecU[jj, warp, it, grp, lane, None, None, None], False)
+                                    for p in cutlass.range_constexpr(P):
+                                        for i in cutlass.range_constexpr(4):
+                                            mOff[jj, warp, it, grp, p, lane, i] = M.mma_gate_up_out(
+                                                ctx, s0, jj, M.mma_pos(grp, p, 0, P), n, rt, lane, i)
                         it = it + 1
 
     _DRIVERS[key] = drive
     return drive
 
 
-def _mk_down_fp4_host(M: ModuleType) -> Any:
-    """MXFP4 EXPERT_DOWN, in two drivers around the Python side's mmas. ``tiles``: the prologue's slot lists (tokens
-    and router weights), then every row tile rt = r0 + 16·t of the box, used slot, pass of 8 list positions and lane:
-    ``M.fp4_tile_rows`` and ``M.fp4_mma_tile`` with the mma step recorded (mRec [tile, slot, pass, lane, step, 2, 6]; an
-    item's product does not depend on which warp computes it). ``combine``: from the evaluated fragments mFr [tile,
-    slot, pass, lane, 4], the opcode's distribution and epilogue in the kernel's order: ``M.fp4_down_split``, every
-    warp's tiles and member slots with ``M.fp4_down_item`` (its column shuffles replayed by indexing the source
-    lane's fragment), each member >= 1's combine into the scratch (``M.fp4_down_part_put``), then, after every warp
-    (the barrier), member 0 of each tile adding them in member order (``M.fp4_down_part_sum``); each lane's final
-    accumulators and their offsets (``M.fp4_down_out``) into mOut / mOff [tile, lane, 2, m]."""
-    key = ("mk_down_fp4", M)
+def _mk_down_mma_host(M: ModuleType) -> Any:
+    """Tensor-core EXPERT_DOWN (dense from batch 8, or MXFP4), in two drivers around the Python side's mmas.
+    ``tiles``: the prologue's slot lists (tokens and router weights), then every row tile rt = r0 + 16·t of the box,
+    used slot, group of passes of 8 list positions and lane: the work item (:func:`_rec_tile`, mRec [tile, slot, group,
+    lane, ...]; an item's product does not depend on which warp computes it). ``combine``: from the evaluated fragments
+    mFr [tile, slot, group, pass, lane, 4], the opcode's distribution and epilogue in the kernel's order:
+    ``M.mma_down_split``, every warp's tiles and member slots, each accumulator register added to the warp's region of
+    the stage scratch (``M.mma_down_add``, mPart; within a slot no two lanes share a (row, token), so the lane order
+    is immaterial), then, after every warp (the barrier), each element summed over its tile's members in member order
+    (``M.mma_down_sum``); the values and their offsets (``M.mma_down_out``) into mOut / mOff [tile, 16·B]."""
+    key = ("mk_down_mma", M)
     if key in _DRIVERS:
         return _DRIVERS[key]
     from kimik3.kernels.megakernel import operands as mk_operands
 
-    NW, W_ARGS, R, C = M.NW, M.W_ARGS, M.FP4_ROWS, M.MMA_COLS
+    NW, W_ARGS, R = M.NW, M.W_ARGS, M.FP4_ROWS
     lists = _lists_host(M)
 
     @cute.jit
@@ -401,71 +446,60 @@ def _mk_down_fp4_host(M: ModuleType) -> Any:
               mF32: cute.Tensor, mRec: cute.Tensor, cfg: cutlass.Constexpr):
         ctx = _ctx(mk_operands, cfg, mIns, mAddr, mD1, mD2, mI32, mF32)
         EXP, CNT, _ = M.slot_lists(cfg)
+        P = M.mma_passes(cfg, "down")
         r0, r1 = mIns[W_ARGS + 2], mIns[W_ARGS + 3]
         lists(ctx, Int32(0), Int32(cfg.dmax), True)
         hv = M.gchunks(mAddr[0])
-        hs, ngr = M.down_dims(ctx)
-        a = cute.make_rmem_tensor((4,), Float32)
+        hs, nk = M.down_dims(ctx)
+        a = cute.make_rmem_tensor((4, P), Float32)
         for t in cutlass.range((r1 - r0 + R - 1) // R):
             for j in cutlass.range(cfg.dmax):
                 n = mI32[CNT + j]
                 if n > 0:
-                    for t0 in cutlass.range(0, n, C):
+                    for grp in cutlass.range(M.mma_groups(n, P)):
                         for lane in cutlass.range(LANES):
-                            wv = M.fp4_tile_rows(ctx, 4, 6, mI32[EXP + j], r0 + t * R, lane)
-                            M.fp4_mma_tile(ctx, hv, hs, ngr, wv, None, j, t0, n, a, None, M.DOWN_BLOCKS, True, lane,
-                                           _MmaRecord(mRec[t, j, t0 // C, lane, None, None, None]))
+                            _rec_tile(M, ctx, 4, 6, mI32[EXP + j], r0 + t * R, hv, hs, nk, j,
+                                      M.mma_pos(grp, 0, 0, P), n, a, lane,
+                                      mRec[t, j, grp, lane, None, None, None], True)
 
     @cute.jit
     def combine(mIns: cute.Tensor, mAddr: cute.Tensor, mD1: cute.Tensor, mD2: cute.Tensor, mI32: cute.Tensor,
-                mF32: cute.Tensor, mFr: cute.Tensor, mAcc: cute.Tensor, mOut: cute.Tensor, mOff: cute.Tensor,
+                mF32: cute.Tensor, mPart: cute.Tensor, mFr: cute.Tensor, mOut: cute.Tensor, mOff: cute.Tensor,
                 cfg: cutlass.Constexpr):
-        ctx = _ctx(mk_operands, cfg, mIns, mAddr, mD1, mD2, mI32, mF32)
+        ctx = _ctx(mk_operands, cfg, mIns, mAddr, mD1, mD2, mI32, mF32, mPart)
         _, CNT, _ = M.slot_lists(cfg)
+        P = M.mma_passes(cfg, "down")
+        W = M.mma_down_part_words(cfg)
         r0 = mIns[W_ARGS + 2]
-        MW = M.fp4_combine_width(cfg)
-        ntiles, g = M.fp4_down_split(ctx)
+        ntiles, g = M.mma_down_split(ctx)
         for warp in cutlass.range(NW):
             mem = warp // cutlass.max(ntiles, 1)
             if mem < g:
                 for t in cutlass.range(warp % cutlass.max(ntiles, 1), ntiles, NW):
-                    for lane in cutlass.range(LANES):
-                        mAcc[warp, lane, None, None].fill(0.0)
+                    for k in cutlass.range(W):
+                        mPart[warp * W + k] = Float32(0.0)
                     for j in cutlass.range(mem, cfg.dmax, g):
                         n = mI32[CNT + j]
                         if n > 0:
-                            for t0 in cutlass.range(0, n, C):
-                                for lane in cutlass.range(LANES):
-                                    M.fp4_down_item(ctx, mAcc[warp, lane, None, None], mFr[t, j, t0 // C, None, None],
-                                                    j, t0, n, lane, _shfl_host)
-                    for lane in cutlass.range(LANES):
-                        if g > 1:
-                            if mem > 0:
-                                M.fp4_down_part_put(ctx, mAcc[warp, lane, None, None], warp - ntiles, lane)
-                        else:
-                            for h in cutlass.range_constexpr(2):
-                                for m in cutlass.range_constexpr(MW):
-                                    mOut[t, lane, h, m] = mAcc[warp, lane, h, m]
-                                    mOff[t, lane, h, m] = M.fp4_down_out(ctx, r0 + t * R, lane, h, m)
+                            for grp in cutlass.range(M.mma_groups(n, P)):
+                                for p in cutlass.range_constexpr(P):
+                                    for lane in cutlass.range(LANES):
+                                        for i in cutlass.range_constexpr(4):
+                                            M.mma_down_add(ctx, warp, mFr[t, j, grp, p, lane, i], j,
+                                                           M.mma_pos(grp, p, M.acc_col(lane, i), P), n,
+                                                           lane, i)
+                    if g == 1:
+                        for k in cutlass.range(W):
+                            mOut[t, k] = mPart[warp * W + k]
+                            mOff[t, k] = M.mma_down_out(ctx, r0 + t * R, k // cfg.B, k % cfg.B)
         if g > 1:  # after the barrier
-            for warp in cutlass.range(NW):
-                if warp < ntiles:
-                    for lane in cutlass.range(LANES):
-                        M.fp4_down_part_sum(ctx, mAcc[warp, lane, None, None], warp, ntiles, g, lane)
-                        for h in cutlass.range_constexpr(2):
-                            for m in cutlass.range_constexpr(MW):
-                                mOut[warp, lane, h, m] = mAcc[warp, lane, h, m]
-                                mOff[warp, lane, h, m] = M.fp4_down_out(ctx, r0 + warp * R, lane, h, m)
+            for t in cutlass.range(ntiles):
+                for k in cutlass.range(W):
+                    mOut[t, k] = M.mma_down_sum(ctx, t, k, ntiles, g)
+                    mOff[t, k] = M.mma_down_out(ctx, r0 + t * R, k // cfg.B, k % cfg.B)
 
     _DRIVERS[key] = (tiles, combine)
     return tiles, combine
-
-
-@cute.jit
-def _shfl_host(a: cute.Tensor, i: cutlass.Constexpr, src: Any) -> Float32:
-    """``shfl.sync.idx`` of register i from lane ``src``, replayed on the host: ``a`` is every lane's fragment
-    [32, 4]."""
-    return a[src, i]
 
 
 # ---------------------------------------------------------------------------------------------- one instruction
@@ -525,16 +559,24 @@ def exec_expert_gate_up(x: _Instr, M: ModuleType) -> dict[int, torch.Tensor]:
     Returns the elements the hidden output must hold."""
     S, v, ins, words, shapes, boxes, cfg, B, out, run = (x.S, x.v, x.ins, x.words, x.shapes, x.boxes, x.cfg,
                                                          x.B, x.out, x.run)
-    if cfg.fp4:
+    if M.expert_mma(cfg):
         smax, its = S.extent(ins.op)
-        npass = -(-B // M.MMA_COLS)
-        ngr = int(words[3][3]) // M.FP4_GROUP_BYTES
+        P = M.mma_passes(cfg, "gate_up")
+        lead = (smax, M.NW, its, -(-B // (M.MMA_COLS * P)), LANES)
         e_rec = torch.full((smax,), -9, dtype=torch.int32)
-        # registers never recorded stay a bf16 NaN pair: a step the lane code skipped poisons the product
-        rec = torch.full((smax, M.NW, its, npass, LANES, _fp4_steps(ngr, 2), 2, 6), 0x7FC07FC0, dtype=torch.int32)
-        off = torch.full((smax, M.NW, its, npass, LANES, 4), -1, dtype=torch.int64)
-        _launch(_mk_gate_up_fp4_host(M), [*words, *_scratch(), e_rec, rec, off], (cfg,))
-        ga, ua = _mma_steps(rec, 2)  # the tensor-core steps (an mma.sync aborts a host run)
+        if cfg.fp4:
+            # registers never recorded stay a bf16 NaN pair: a step the lane code skipped poisons the product
+            rec = _poison(*lead, _fp4_steps(int(words[3][3]) // M.FP4_GROUP_BYTES, 2), 2, 6)
+            recu = _poison(*[1] * 8)
+        else:
+            rec, recu = (_poison(*lead, _dense_steps(M, cfg, int(words[3][3]), "gate_up"), 12, 1) for _ in range(2))
+        off = torch.full((*lead[:4], P, LANES, 4), -1, dtype=torch.int64)
+        _launch(_mk_gate_up_mma_host(M), [*words, *_scratch(), e_rec, rec, recu, off], (cfg,))
+        # the tensor-core steps (an mma.sync aborts a host run)
+        if cfg.fp4:
+            ga, ua = (t.unsqueeze(-3) for t in _mma_steps(rec, 2))
+        else:
+            ga, ua = _dense_mmas(rec, P), _dense_mmas(recu, P)
         h, wh = out(5)
         live = off >= 0
         from kimik3.model.modeling import glu
@@ -575,24 +617,32 @@ def exec_expert_down(x: _Instr, M: ModuleType) -> dict[int, torch.Tensor]:
     opcode's distribution and cross-warp sum). Returns the elements the combined output must hold."""
     S, ins, words, shapes, boxes, cfg, B, out, run = (x.S, x.ins, x.words, x.shapes, x.boxes, x.cfg, x.B, x.out,
                                                       x.run)
-    if cfg.fp4:
+    if M.expert_mma(cfg):
+        from kimik3.kernels.megakernel.operands import PART_WORDS
+
         _, its = S.extent(ins.op)
-        nt, npass, MW = its * M.NW, -(-B // M.MMA_COLS), M.fp4_combine_width(cfg)
-        ngr = int(words[3][4]) // M.FP4_GROUP_BYTES
-        rec = torch.full((nt, cfg.dmax, npass, LANES, _fp4_steps(ngr, 1), 2, 6), 0x7FC07FC0, dtype=torch.int32)
-        tiles, combine = _mk_down_fp4_host(M)
+        P = M.mma_passes(cfg, "down")
+        nt = its * M.NW
+        lead = (nt, cfg.dmax, -(-B // (M.MMA_COLS * P)), LANES)
+        if cfg.fp4:
+            rec = _poison(*lead, _fp4_steps(int(words[3][4]) // M.FP4_GROUP_BYTES, 1), 2, 6)
+        else:
+            rec = _poison(*lead, _dense_steps(M, cfg, int(words[3][4]), "down"), 12, 1)
+        tiles, combine = _mk_down_mma_host(M)
         scratch = _scratch()
         _launch(tiles, [*words, *scratch, rec], (cfg,))
-        (fr,) = _mma_steps(rec, 1)  # the tensor-core steps (an mma.sync aborts a host run)
-        res = torch.full((nt, LANES, 2, MW), float("nan"))
-        off = torch.full((nt, LANES, 2, MW), -1, dtype=torch.int64)
-        _launch(combine, [*words, *scratch, fr, torch.full((M.NW, LANES, 2, MW), float("nan")), res, off], (cfg,))
+        # the tensor-core steps (an mma.sync aborts a host run)
+        fr = _mma_steps(rec, 1)[0].unsqueeze(-3) if cfg.fp4 else _dense_mmas(rec, P)
+        W = M.mma_down_part_words(cfg)
+        res = torch.full((nt, W), float("nan"))
+        off = torch.full((nt, W), -1, dtype=torch.int64)
+        _launch(combine, [*words, *scratch, torch.full((PART_WORDS,), float("nan")), fr, res, off], (cfg,))
         y, wy = out(5)
         live = off >= 0
         _store(wy, shapes[5], boxes[5], off[live], res[live], "down")
         expect = {5: _box_mask(shapes[5], boxes[5])}
         wy.check(expect[5])
-        run.lanes_run += int(live.any(-1).any(-1).sum())
+        run.lanes_run += int(live.any(-1).sum()) * LANES
     else:
         _, its = S.extent(ins.op)
         APL = -(-B // 32)

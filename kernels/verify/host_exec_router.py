@@ -306,6 +306,7 @@ def _mk_case(case: dict[str, Any], mutated: dict[str, ModuleType]) -> tuple[Host
                  tiling=case.get("tiling"), arch=case.get("arch", "sm_90a"), world=int(case.get("world", 1)),
                  rank=int(case.get("rank", 0)))
     S.ties = bool(case.get("ties", False))
+    S.crowd = bool(case.get("crowd", False))
     chain = {"ROUTER": ("ROUTER",), "EXPERT_GATE_UP": ("ROUTER", "EXPERT_GATE_UP"),
              "EXPERT_DOWN": groups["moe"], **groups}.get(op, (op,))
     want = groups.get(op, (op,))

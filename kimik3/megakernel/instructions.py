@@ -85,6 +85,7 @@ from kimik3.kernels.contracts.isa import (
     POLICIES,
     STAGE_BUFFERS,
     STAGE_BYTES,
+    STAGE_SCRATCH_OPS,
     VERSION,
     W_AMOUNT,
     W_ARGS,
@@ -376,7 +377,7 @@ def stage_choice(ins: Instruction, buffers: list[BufferSpec]) -> tuple[int, int,
 
     Why on the host: the device then copies the rows with no choice loop, and — because the choice is written into
     the *previous* instruction's words too (:func:`assign_stages`) — before it has waited for anything."""
-    if ins.op == Op.EMBED:
+    if ins.op == Op.EMBED or ins.op in STAGE_SCRATCH_OPS:
         return NO_STAGE
     best, best_el = -1, 0
     for j, o in enumerate(ins.operands):
@@ -500,6 +501,9 @@ def encode_program(p: Program) -> torch.Tensor:
             base = W_OPS + OPERAND_WORDS * j
             r[base + OW_BUF], r[base + OW_MODE] = o.buf, int(o.mode)
             r[base + OW_BOX : base + OW_BOX + 6] = o.box
+        if ins.op in STAGE_SCRATCH_OPS and ins.stage != NO_STAGE:
+            raise ValueError(f"instruction {i} ({ins.label()}): {ins.op.name} uses its stage buffer as scratch, so "
+                             f"it cannot stage operand rows (stage {ins.stage})")
         r[W_STAGE_OP], r[W_STAGE_ROWS], r[W_STAGE_CHUNKS] = ins.stage
         nbuf, elem, nch = ins.next_stage
         if elem < 0 or elem >= 1 << 63:

@@ -14,20 +14,31 @@ docs/architecture.md#appendix-design-notes-by-room.
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
-from kimik3.kernels.contracts.addr import gemv_batch_tile, gemv_group_passes, gemv_groups, gemv_mma, gemv_mma_passes
+from kimik3.kernels.contracts.addr import (
+    expert_group_passes,
+    expert_mma,
+    gemv_batch_tile,
+    gemv_group_passes,
+    gemv_groups,
+    gemv_mma,
+    gemv_mma_passes,
+)
+from kimik3.kernels.contracts.isa import STAGE_SCRATCH_OPS
 from kimik3.megakernel.instructions import Kind, Mode, Op, Program
 from kimik3.perfmodel.data import Constants, field
 from kimik3.perfmodel.expr import amount, evaluate
 
 __all__ = ["SYMBOLS", "instruction_symbols", "stream_ns", "instruction_times", "simulate_model"]
 
-SYMBOLS = ("B", "bt", "nbt", "gbt", "gnbt", "mma", "mp", "pg", "ng", "pg2", "ng2", "NT", "NW", "nops", "nwaits", "rows",
+SYMBOLS = ("B", "bt", "nbt", "gbt", "gnbt", "mma", "mp", "pg", "ng", "pg2", "ng2", "xm", "xpu", "xpd", "xgu", "xgd",
+           "NT", "NW", "nops", "nwaits", "rows",
            "row_bytes", "heads", "nb",
            "positions", "splits", "slots", "pairs", "distinct", "k", "E", "Dmax", "H", "dk", "nope", "kvl", "rope",
            "ql", "qk", "dv", "Ie", "Dl", "Is", "tiles", "weight_bytes", "state_bytes", "act_bytes", "flops", "shfl",
@@ -62,7 +73,7 @@ def stream_ns(nbytes: float, inflight: float, latency_ns: float, cap_Bps: float,
 def _staged_bytes(program: Program, ins: Any, stage_bytes: int) -> tuple[float, float]:
     """(staged bytes, bytes per staged row) exactly as the kernel chooses: the largest row-contiguous bf16 static
     weight marked PREFETCH (one D0 slice, every column, width a multiple of 8), whole rows up to the stage."""
-    if ins.op == Op.EMBED or stage_bytes <= 0:
+    if ins.op == Op.EMBED or ins.op in STAGE_SCRATCH_OPS or stage_bytes <= 0:
         return 0.0, 0.0
     best_el, best_d2 = 0, 0
     for o in ins.operands:
@@ -92,7 +103,7 @@ def _program_facts(program: Program) -> dict[str, Any]:
             part = next((b for b in program.buffers if b.name == "mla_part"), None)
             splits = float(part.shape[2] // (cfg.kv_lora_rank + 2)) if part is not None else 0.0
         facts = {"tiles": float(sum(1 for x in program.instructions if x.op == Op.LM_HEAD)), "splits": splits,
-                 "gemv": _gemv_groups(program.batch)}
+                 "gemv": {**_gemv_groups(program.batch), **_expert_groups(program.batch, cfg)}}
         program._perf_facts = facts
     return facts
 
@@ -102,6 +113,23 @@ def _gemv_groups(B: int) -> dict[str, float]:
     of 8 rows, ``pg`` / ``ng`` passes per group and groups for an item of one weight, ``pg2`` / ``ng2`` of two."""
     return {"mma": float(gemv_mma(B)), "mp": float(gemv_mma_passes(B)), "pg": float(gemv_group_passes(B, 1)),
             "ng": float(gemv_groups(B, 1)), "pg2": float(gemv_group_passes(B, 2)), "ng2": float(gemv_groups(B, 2))}
+
+
+def _expert_groups(B: int, cfg: Any) -> dict[str, float]:
+    """The dense routed experts' tensor-core tiling (``kernels.contracts.addr``): ``xm`` 1 from batch 8, ``xpu`` /
+    ``xpd`` passes of 8 list positions per group of EXPERT_GATE_UP / EXPERT_DOWN, ``xgu`` / ``xgd`` the expected groups
+    of a used slot: E[cdiv(n, 8·passes) | n > 0] for its token count n ~ Binomial(B, k / E) (each token picks k of the E
+    experts)."""
+    E, k = cfg.n_routed_experts or 0, cfg.num_experts_per_tok or 0
+    xpu, xpd = (expert_group_passes(B, op) for op in ("gate_up", "down"))
+    out = {"xm": float(expert_mma(B)), "xpu": float(xpu), "xpd": float(xpd), "xgu": 0.0, "xgd": 0.0}
+    if E and k:
+        q = k / E
+        pn = [math.comb(B, n) * q ** n * (1 - q) ** (B - n) for n in range(B + 1)]
+        used = 1.0 - pn[0]
+        for key, P in (("xgu", xpu), ("xgd", xpd)):
+            out[key] = sum(pn[n] * -(-n // (8 * P)) for n in range(1, B + 1)) / used if used > 0 else 0.0
+    return out
 
 
 def instruction_symbols(program: Program, costs: pd.DataFrame, i: int, context_len: int,
