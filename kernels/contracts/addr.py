@@ -19,8 +19,7 @@ __all__ = ["GEMV_BT", "GEMV_UNROLL", "GEMV_UNROLL_X_UNROLLED", "GEMV_MMA_ROWS", 
            "gemv_unroll", "gemv_mma_unroll", "gemv_batch_tile",
            "gemv_tile_rows", "lm_head_tile_rows", "gemv_tiles", "gemv_item", "gemv_mma", "gemv_mma_passes",
            "gemv_groups", "gemv_group_passes", "gemv_group_row", "EXPERT_GROUP_PASSES", "EXPERT_MMA_BLOCKS",
-           "expert_mma",
-           "expert_group_passes", "expert_groups", "elem_offset", "tile_rows", "expert_row_offset",
+           "expert_mma", "expert_group_passes", "expert_groups", "elem_offset", "tile_rows", "expert_row_offset",
            "FP4_GROUP", "FP4_GROUP_BYTES", "fp4_row_offsets", "absorb_cw", "peer_address", "push_item", "VEC"]
 
 VEC = 8  # bf16 elements per 16-byte chunk (the device code's VEC)
@@ -160,8 +159,7 @@ def gemv_group_row(group: Any, p: int, col: Any, passes: int) -> Any:
 # expert's token list, the positions gemv_group_row names (list positions instead of batch rows; one at or past the
 # list's end is read at the list's last token and never stored), so a tile streams once per group of the expert's
 # tokens. Passes per group: EXPERT_GROUP_PASSES per opcode (EXPERT_GATE_UP's two weights run one after the other
-# with both accumulator sets live; EXPERT_DOWN's combine holds cdiv(B, 4) x 2 more fp32 registers per lane), the
-# ptxas choice under the 168-register cap recorded in each variant's build report.
+# with both accumulator sets live), under the 168-register cap as each variant's build report records.
 EXPERT_GROUP_PASSES = {"gate_up": 2, "down": 2}
 # k blocks of a dense tile's two rows a lane prefetches into L1 per step (4: 128 bytes per lane, 48 KiB per 12-warp
 # CTA in flight), then loads block by block (moe.dense_mma_tile)

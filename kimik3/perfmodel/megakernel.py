@@ -23,6 +23,7 @@ import torch
 
 from kimik3.kernels.contracts.addr import (
     expert_group_passes,
+    expert_groups,
     expert_mma,
     gemv_batch_tile,
     gemv_group_passes,
@@ -103,7 +104,7 @@ def _program_facts(program: Program) -> dict[str, Any]:
             part = next((b for b in program.buffers if b.name == "mla_part"), None)
             splits = float(part.shape[2] // (cfg.kv_lora_rank + 2)) if part is not None else 0.0
         facts = {"tiles": float(sum(1 for x in program.instructions if x.op == Op.LM_HEAD)), "splits": splits,
-                 "gemv": {**_gemv_groups(program.batch), **_expert_groups(program.batch, cfg)}}
+                 "batch_tiling": {**_gemv_groups(program.batch), **_expert_groups(program.batch, cfg)}}
         program._perf_facts = facts
     return facts
 
@@ -128,7 +129,7 @@ def _expert_groups(B: int, cfg: Any) -> dict[str, float]:
         pn = [math.comb(B, n) * q ** n * (1 - q) ** (B - n) for n in range(B + 1)]
         used = 1.0 - pn[0]
         for key, P in (("xgu", xpu), ("xgd", xpd)):
-            out[key] = sum(pn[n] * -(-n // (8 * P)) for n in range(1, B + 1)) / used if used > 0 else 0.0
+            out[key] = sum(pn[n] * expert_groups(n, P) for n in range(1, B + 1)) / used if used > 0 else 0.0
     return out
 
 
@@ -183,7 +184,7 @@ def instruction_symbols(program: Program, costs: pd.DataFrame, i: int, context_l
     c = costs[i] if isinstance(costs, list) else costs.iloc[i]
     return {
         "B": float(B), "bt": float(bt), "nbt": float(B // bt), "gbt": float(gbt), "gnbt": float(B // gbt),
-        **facts["gemv"],
+        **facts["batch_tiling"],
         "NT": float(threads), "NW": float(threads // 32),
         "nops": float(len(ins.operands)), "nwaits": float(len(ins.waits)), "rows": rows, "row_bytes": row_bytes,
         "heads": heads, "nb": nb, "positions": positions, "splits": splits, "slots": slots,
