@@ -59,6 +59,21 @@ def test_plants_parse_and_bad_ones_are_refused() -> None:
             parse_plants(bad)
 
 
+def test_dry_run_children_run_torch_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside CI's other test worker, a child's spinning OpenMP threads slowed a CPU item ten-fold (a false hang);
+    the dry run's children get one thread unless the caller chose, the GPU run's keep torch's default."""
+    import argparse
+
+    from devcheck.phases import _child_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    args = argparse.Namespace(prebuilt=None, plant=None, dry_run=True)
+    assert _child_env(args)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in _child_env(argparse.Namespace(prebuilt=None, plant=None, dry_run=False))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert _child_env(args)["OMP_NUM_THREADS"] == "3"
+
+
 def test_errors_are_classified_by_what_they_mean() -> None:
     assert classify(LaunchRefused("grid"))[0].startswith("refused:")
     assert classify(RuntimeError("CUDA error: too many resources requested for launch")) == (
