@@ -336,17 +336,16 @@ if native is not None:
 # actually does instead — bytes in flight per SM (Little's law against the HBM latency), the shared-memory stage
 # actually allocated and when it is filled, the global round trips counted per instruction, serial loops at the
 # latency each trip waits on — against the *achievable* HBM read bandwidth. Its constants
-# (`data/perf/constants.json`) each carry a source and are the same for every design. Five designs are committed:
+# (`data/perf/constants.json`) each carry a source and are the same for every design. Four designs are committed:
 # `v1`, the kernels before the redesign (one 64 KiB stage filled for the *current* instruction after its fetch, every
 # thread stalled on `cp.async.wait_group 0`, 24 KiB of weight loads in flight per SM, a scalar-load MLA absorption),
 # `v2`, the redesigned kernels (`data/perf/designs/v2.json`; scores in `data/perf/scores-v2.json`), `v3`: v2 with the
 # GEMV opcodes' tensor-core tiles over groups of batch passes from batch 8 (`data/perf/designs/v3.json`,
-# `scores-v3.json`), `v4`: v3 with the dense routed experts on tensor cores from batch 8 over groups of 16 of each
-# expert's tokens, and EXPERT_DOWN's combine in shared memory (`v4.json`, `scores-v4.json`; the same as v3 at batch
-# 1), and `v5`, today's kernels: v4 with LM_HEAD on tensor cores from batch 8 through NORM_PROJ's tile loop (`v5.json`,
-# `scores-v5.json`). Each design is scored on the program
+# `scores-v3.json`), and `v4`, today's kernels: v3 with the dense routed experts on tensor cores from batch 8 over
+# groups of 16 of each expert's tokens, and EXPERT_DOWN's combine in shared memory (`v4.json`, `scores-v4.json`; the
+# same as v3 at batch 1). Each design is scored on the program
 # it was built for (v1's MLA_PARTIAL took all 96 heads of a split; today's program cuts them into tiles when SMs are
-# left over), and `v2` to `v5` also with the routed experts stored as MXFP4 (the K3 release's format: the program
+# left over), and `v2` to `v4` also with the routed experts stored as MXFP4 (the K3 release's format: the program
 # carries the codes and scales, its expert opcodes decode them; the roofline then moves MXFP4 bytes). Same
 # command-line view: `python -m kimik3 predict --preset k3-shard --stage megakernel --batch 1 --json` (`--experts
 # mxfp4`, `--design v1` for the record).
@@ -501,20 +500,18 @@ display(pd.concat(parts).sort_index().round(1))
 # (`mk_addr.gemv_batch_tile`), so past batch 8 its step grows linearly with the batch and the throughput stops. v3
 # reads a GEMV weight tile once per *group* of passes (`mk_addr.gemv_groups`: 32 batch rows for one weight, 16 for
 # MLP_GATE_UP's and FFN_OUT's two, the accumulators' register budget), but its dense routed experts still read each
-# row once per 2 of the expert's tokens on CUDA cores. v4 puts them on tensor cores: a 16-row tile of an expert's
-# weight streams once per 16 of that expert's tokens (`mk_addr.expert_group_passes`), so at batch 64 (about 18 tokens
-# per expert on `k3-shard`) the experts' share of the step falls from about 31 ms to about 4. v5 (today's) puts LM_HEAD
-# on tensor cores too (it read the vocabulary once per pass of 8 rows, about 17 of v4's 30 ms at batch 64): its
-# instructions go through NORM_PROJ's tile loop, then each tile's best per token is read back from its logits (why
-# that shape, and the register story behind it: `docs/architecture.md`, "LM_HEAD on tensor cores"). What is left
-# between v5 and the roofline past batch 16 is the next design: MLA_PARTIAL's FMA issue grows with the batch, and a
-# group of passes still reads a weight tile once per 32 batch rows. On the right, the same program measured on this CPU
+# row once per 2 of the expert's tokens on CUDA cores. v4 (today's) puts them on tensor cores: a 16-row tile of an
+# expert's weight streams once per 16 of that expert's tokens (`mk_addr.expert_group_passes`), so at batch 64 (about 18
+# tokens per expert on `k3-shard`) the experts' share of the step falls from about 31 ms to about 4. What is left
+# between v4 and the roofline past batch 8 is the next design: LM_HEAD still reads the vocabulary once per pass of 8
+# rows on CUDA cores (on tensor cores it fits the k3-shard megakernel's registers but the tiny and micro ones spill a
+# few registers), and MLA_PARTIAL's FMA issue grows with the batch. On the right, the same program measured on this CPU
 # (`megakernel-cpu`, one worker thread per core), against its roofline: the larger of the step's bytes over the measured
 # read bandwidth and its FLOPs over the measured fp32 matmul rate (past a few batch rows a CPU step is compute-bound,
 # where the read bandwidth alone understates it; both fractions are drawn).
 
 # %%
-curve_designs = [d for d in ("v1", "v2", "v3", "v4", "v5") if (PERF_DIR / "designs" / f"{d}.json").exists()]
+curve_designs = [d for d in ("v1", "v2", "v3", "v4") if (PERF_DIR / "designs" / f"{d}.json").exists()]
 crow = []
 for st, designs in (("megakernel", curve_designs), ("fused", [CURRENT_DESIGN])):
     for d in designs:
@@ -545,7 +542,7 @@ from plotly.subplots import make_subplots
 
 fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.14,
                     subplot_titles=(f"model: {SHARD}, H200", f"measured: {preset}, this CPU"))
-dash = {"v1": "dot", "v2": "solid", "v3": "dash", "v4": "longdash", "v5": "dashdot"}
+dash = {"v1": "dot", "v2": "solid", "v3": "dash", "v4": "longdash"}
 for (st, d), g in curve.groupby(["stage", "design"], sort=False):
     name = f"{st} {d}"
     fig.add_trace(go.Scatter(x=g["batch"], y=g["fraction of roofline"], mode="lines+markers", name=name,

@@ -183,9 +183,9 @@ def test_mutated_lines_are_the_ones_the_device_code_calls() -> None:
     assert sorted(ops) == ["op_ffn_out", "op_lm_head", "op_mlp_gate_up", "op_norm_proj", "op_o_proj_residual"]
     assert all("_for_items(ctx, n, " in body for body in ops.values())
     assert "mk_addr.gemv_tile_rows(B)" in gemv and "mk_addr.gemv_group_row(" in gemv
-    # LM_HEAD's path is its instruction's a1, which the device code and the replay both read
-    assert "tensor_cores == LM_HEAD_TENSOR_CORES" in gemv
-    assert "tc = args[1] == LM_HEAD_TENSOR_CORES" in (k / "verify" / "addr_replay.py").read_text()
+    # LM_HEAD's path is one switch that the device code and the replay (lm_head_tile_rows) both read
+    assert "if const_expr(MMA and mk_addr.LM_HEAD_MMA):" in gemv
+    assert '"lm_head_tile_rows", lm_head_tile_rows)(s.B)' in (k / "verify" / "addr_replay.py").read_text()
     # CUDA cores: EXPERT_GATE_UP (w1, w3), EXPERT_DOWN (w2); tensor cores: expert_base (a dense tile's expert)
     assert moe.count("expert_row_offset(") == 4
     assert moe.count("fp4_row_offsets(") == 1  # fp4_row: every MXFP4 code / scale row of both expert opcodes

@@ -158,7 +158,7 @@ def test_constants_have_sources_and_no_design_is_missing_an_opcode():
         assert fp4 == want, name
 
 
-@pytest.mark.parametrize("design", ["v1", "v2", "v3", "v4", "v5"])
+@pytest.mark.parametrize("design", ["v1", "v2", "v3", "v4"])
 @pytest.mark.parametrize("stage", ["megakernel", "fused"])
 def test_predict_both_stages_all_batches_match_committed_scores(stage, design):
     committed = json.loads((PERF_DIR / f"scores-{design}.json").read_text())
@@ -368,7 +368,7 @@ def test_current_design_matches_the_compiled_kernels_ci_subset():
         sources = 2 if op in ("MLP_GATE_UP", "FFN_OUT") else 1
         for b in (8, 33, 64):
             env = {"gbt": gemv_batch_tile(b), "mma": 1, "pg": gemv_group_passes(b, 1), "pg2": gemv_group_passes(b, 2)}
-            want = (2 * gemv_mma_unroll("sm_90a", normed, gemv_group_passes(b, sources), sources) if mma
+            want = (2 * gemv_mma_unroll("sm_90a", normed, gemv_group_passes(b, sources)) if mma
                     else gemv_unroll("sm_90a", gemv_batch_tile(b)))
             assert evaluate(loads, env) == want, (op, b)
     # the dense experts on tensor cores: two weight rows x EXPERT_MMA_BLOCKS k blocks prefetched per lane and step

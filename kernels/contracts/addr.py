@@ -16,7 +16,7 @@ from kimik3.kernels.contracts.meta import ROW_LOOP_FROM
 
 __all__ = ["GEMV_BT", "GEMV_UNROLL", "GEMV_UNROLL_X_UNROLLED", "GEMV_MMA_ROWS", "LM_HEAD_MMA", "GEMV_MMA_FROM",
            "GEMV_GROUP_PASSES", "GEMV_GROUP_UNROLL", "GEMV_GROUP_UNROLL_FROM",
-           "gemv_unroll", "gemv_mma_unroll", "gemv_batch_tile", "lm_head_mma",
+           "gemv_unroll", "gemv_mma_unroll", "gemv_batch_tile",
            "gemv_tile_rows", "lm_head_tile_rows", "gemv_tiles", "gemv_item", "gemv_mma", "gemv_mma_passes",
            "gemv_groups", "gemv_group_passes", "gemv_group_row", "EXPERT_GROUP_PASSES", "EXPERT_MMA_BLOCKS",
            "expert_mma", "expert_group_passes", "expert_groups", "elem_offset", "tile_rows", "expert_row_offset",
@@ -73,35 +73,31 @@ def gemv_tiles(n: Any, rows: int) -> Any:
     return (n + (rows - 1)) // rows
 
 
-# LM_HEAD on the tensor-core path from batch 8 (True): its instructions say so (isa.LM_HEAD_TENSOR_CORES in a1) and
-# the VM runs NORM_PROJ's body for their logits, then the tile's best per token read back (megakernel/gemv.py).
-# The kernel keeps LM_HEAD's CUDA-core path at every batch too: without it in the kernel, ptxas spilled the tiny and
-# micro megakernels at batch 8 to 64 (sm_90a, 20-116 spill bytes; with it 148-168 registers and none), where a
-# separate tensor-core copy of the tile loop for LM_HEAD had spilled them as well.
-LM_HEAD_MMA = True
-
-
-def lm_head_mma(batch: int) -> bool:
-    """Whether LM_HEAD's instructions at ``batch`` take the tensor-core path (the host writes it into a1)."""
-    return LM_HEAD_MMA and gemv_mma(batch)
+# LM_HEAD on the tensor-core path like the other GEMV opcodes (True), or one vocabulary row per item on CUDA cores at
+# every batch (False: above batch 8 it reads the vocabulary once per pass of gemv_batch_tile rows). Off: with it on,
+# the k3-shard megakernels compile without spills for sm_90a at batch 8 to 64 (164-166 registers), but the tiny and
+# micro ones spill at every batch from 8 (16-60 spill stores; their other opcodes leave fewer registers), also with
+# LM_HEAD's k blocks per step lowered to 2. The tensor-core LM_HEAD stays in the code and is host-executed
+# (kernels/verify/host_exec_mk_gemv.py); the device code, the address replay and the model's LM_HEAD entry read the
+# switch.
+LM_HEAD_MMA = False
 
 
 def lm_head_tile_rows(batch: int) -> int:
-    """Weight rows per LM_HEAD work item at ``batch``: :func:`gemv_tile_rows` on the tensor-core path
-    (:func:`lm_head_mma`), else 1 (the CUDA-core path)."""
-    return gemv_tile_rows(batch) if lm_head_mma(batch) else 1
+    """Weight rows per LM_HEAD work item at ``batch``: :func:`gemv_tile_rows` when :data:`LM_HEAD_MMA`, else 1 (the
+    CUDA-core path)."""
+    return gemv_tile_rows(batch) if LM_HEAD_MMA else 1
 
 
-def gemv_mma_unroll(arch: str, normed: bool = False, passes: int = 1, sources: int = 1) -> int:
+def gemv_mma_unroll(arch: str, normed: bool = False, passes: int = 1) -> int:
     """32-element k blocks in flight per lane per step of the tensor-core GEMV path for an item of ``passes`` passes
-    (:func:`gemv_group_passes`) accumulating ``sources`` weights: each block is two 16-byte weight loads, so
-    :func:`gemv_unroll` / 2 keeps the CUDA-core path's bytes in flight (sm_90a: 4 blocks, 12 warps x 32 lanes x 4 x
-    32 B = 48 KiB per SM). An x normalised as loaded (``normed``) also holds a γ chunk per block: one block fewer
-    there (36 KiB per SM) keeps the megakernel under the register cap without spills. From
-    :data:`GEMV_GROUP_UNROLL_FROM` passes, or for two weights (MLP_GATE_UP, FFN_OUT: the first weight's accumulators
-    stay live through the second's loop): at most :data:`GEMV_GROUP_UNROLL` blocks."""
+    (:func:`gemv_group_passes`): each is two 16-byte weight loads, so :func:`gemv_unroll` / 2 keeps the CUDA-core
+    path's bytes in flight (sm_90a: 4 blocks, 12 warps x 32 lanes x 4 x 32 B = 48 KiB per SM). An x normalised as
+    loaded (``normed``) also holds a γ chunk per block: one block fewer there (36 KiB per SM) keeps the megakernel
+    under the register cap without spills. From :data:`GEMV_GROUP_UNROLL_FROM` passes: at most
+    :data:`GEMV_GROUP_UNROLL` blocks (the passes' accumulators take the registers)."""
     u = max(1, gemv_unroll(arch) // 2 - (1 if normed else 0))
-    return min(u, GEMV_GROUP_UNROLL) if passes >= GEMV_GROUP_UNROLL_FROM or sources > 1 else u
+    return min(u, GEMV_GROUP_UNROLL) if passes >= GEMV_GROUP_UNROLL_FROM else u
 
 
 def gemv_batch_tile(batch: int) -> int:

@@ -147,10 +147,6 @@ CODE_BYTES = {0: 4, 1: 2, 2: 2, 3: 8, 4: 4, 5: 1, 6: 8, 7: 1}
 # word offsets inside one instruction row
 W_OP, W_LAYER, W_SM, W_QPOS = 0, 1, 2, 3
 W_ARGS = 4  # 4 words: opcode arguments a0..a3
-# LM_HEAD's a1: where its logits come from — LM_HEAD_CUDA_CORES (one vocabulary row per work item) or, from batch 8,
-# LM_HEAD_TENSOR_CORES (NORM_PROJ's tensor-core body, then the tile's best per token read back); the host picks
-# by addr.lm_head_mma, the kernel carries both paths
-LM_HEAD_CUDA_CORES, LM_HEAD_TENSOR_CORES = 0, 1
 W_SIGNAL, W_AMOUNT, W_NWAITS = 8, 9, 10
 W_WAITS = 11  # MAX_WAITS x (counter, target)
 W_NOPS = W_WAITS + 2 * MAX_WAITS  # 19

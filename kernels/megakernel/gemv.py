@@ -25,16 +25,13 @@ from kimik3.kernels.contracts.isa import (
     C1,
     FFN_MLP,
     FFN_ROUTED,
-    LM_HEAD_TENSOR_CORES,
     OPERAND_WORDS,
     OW_MODE,
     R0,
     R1,
     W_ARGS,
-    W_OP,
     W_OPS,
     Mode,
-    Op,
 )
 from kimik3.kernels.megakernel.device_fns import (
     NW,
@@ -48,7 +45,7 @@ from kimik3.kernels.megakernel.device_fns import (
     weight_row_dot,
     weight_tile_mma,
 )
-from kimik3.kernels.megakernel.mma import acc_col, acc_row
+from kimik3.kernels.megakernel.mma import MMA_COLS, acc_col, acc_row
 from kimik3.kernels.megakernel.operands import (
     F32_VEC,
     _bx,
@@ -57,10 +54,6 @@ from kimik3.kernels.megakernel.operands import (
     _row0,
     _staged_rows,
 )
-
-# NORM_PROJ's output mode for a tensor-core LM_HEAD's logits (its W_ARGS mode is 0 bf16 or 1 fp32 otherwise):
-# fp32 of the bf16-rounded product, the reference's bf16 linear
-LOGITS = 2
 
 
 def _tiling(cfg: Any) -> tuple[int, int, int]:
@@ -98,7 +91,7 @@ def _mma(cfg: Any, normed: bool = False, sources: int = 1) -> tuple[bool, int, i
     step at batch 64 (ptxas spilled the megakernel)."""
     B = cfg.B
     P = mk_addr.gemv_group_passes(B, sources)
-    return (mk_addr.gemv_mma(B), mk_addr.gemv_tile_rows(B), mk_addr.gemv_mma_unroll(cfg.arch, normed, P, sources), P,
+    return (mk_addr.gemv_mma(B), mk_addr.gemv_tile_rows(B), mk_addr.gemv_mma_unroll(cfg.arch, normed, P), P,
             mk_addr.gemv_groups(B, sources))
 
 
@@ -159,9 +152,6 @@ def op_norm_proj(ctx: _Ctx) -> None:
     BT, _, _ = _tiling(cfg)
     xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
     fp32 = ctx.s_ins[W_ARGS]
-    if const_expr(lm_head_on_norm_proj(cfg)):
-        if ctx.s_ins[W_OP] == Int32(int(Op.LM_HEAD)):
-            fp32 = Int32(LOGITS)
     n = tile_rows(_bx(ctx, 2, R0), _bx(ctx, 2, R1))
     nch = ctx.s_d2[2] // VEC
     wrow0 = _row0(ctx, 2)
@@ -190,9 +180,7 @@ def _norm_proj_item(ctx: _Ctx, j: Int32, t: Int32, staged: Int32, wrow0: Int64, 
                 ok, jj, b = _mma_store(ctx, j, t, n, P, i, p)
                 if ok:
                     off = _eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), o0 + jj)
-                    if fp32 == LOGITS:  # the reference's bf16 linear, then fp32
-                        of[off] = bf16_round(acc[i, p])
-                    elif fp32 != 0:
+                    if fp32 != 0:
                         of[off] = acc[i, p]
                     else:
                         ob[off] = acc[i, p].to(BFloat16)
@@ -428,91 +416,102 @@ def _ffn_store(ctx: _Ctx, sb: Any, off: Int64, out: Float32, io: Int32) -> BFloa
     return y
 
 
-def lm_head_on_norm_proj(cfg: Any) -> bool:
-    """Whether the kernel carries LM_HEAD's tensor-core path (``mk_addr.lm_head_mma``): for an instruction that asks
-    for it (a1 = ``LM_HEAD_TENSOR_CORES``) the VM runs ``op_norm_proj`` for its logits, the one inlined copy of that
-    tile loop (a second copy in the megakernel made ptxas spill), then ``op_lm_head`` for the bests."""
-    return mk_addr.lm_head_mma(cfg.B)
-
-
 @cute.jit
 def op_lm_head(ctx: _Ctx) -> None:
-    """LM_HEAD: the final RMSNorm, the instruction's vocabulary rows' bf16-rounded fp32 logits, and each token's best
-    (value, id) over them (ties to the lowest id), for ARGMAX. Two paths, chosen per instruction by its a1 (the host:
-    ``mk_addr.lm_head_mma``). Tensor cores (``LM_HEAD_TENSOR_CORES``, from batch 8): the VM has just run
-    ``op_norm_proj`` for the logits (its ``LOGITS`` mode), and this reads them back — the CTA's own stores, ordered
-    by the barrier — a warp per token, a lane per 32nd row, then the warp's arg-max.
-    CUDA cores: one vocabulary row per work item, a per-warp running arg-max per token merged across the warps
-    through shared memory. Known limits: as NORM_PROJ's paths; the read-back moves 4·B bytes per vocabulary row (from
-    L1/L2) next to its 2·H weight bytes; on CUDA cores above batch 8 the vocabulary is read once per pass."""
+    """LM_HEAD: the final RMSNorm and one vocabulary row per work item: bf16-rounded fp32 logits and a per-warp running
+    arg-max per token, merged across the warps through shared memory (ties to the lowest id). CUDA cores at every batch
+    unless ``mk_addr.LM_HEAD_MMA`` (off: why there); on tensor cores from batch 8: the logits of a lane's accumulators,
+    the tile's winner per batch column by a butterfly over the 8 lane groups, kept per (warp, token) by the column's
+    quad lane. Known limits: as NORM_PROJ's CUDA-core path; above batch 8 the vocabulary is read once per pass."""
     cfg = ctx.cfg
+    BT, _, _ = _tiling(cfg)
+    xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
     ti, r0 = ctx.s_ins[W_ARGS], ctx.s_ins[W_ARGS + 2]
     n = tile_rows(r0, ctx.s_ins[W_ARGS + 3])
-    best_v = gflat(Float32, ctx.s_addr[4])
-    best_i = gflat(Int64, ctx.s_addr[5])
-    row = Int32(0)  # [b, 0, ti]; a rank's bests: its row of the mailbox, [b, rank, ti]
-    if const_expr(cfg.ranks):
-        row = _bx(ctx, 4, R0)
-    tensor_cores = Int32(0)
-    if const_expr(lm_head_on_norm_proj(cfg)):
-        tensor_cores = ctx.s_ins[W_ARGS + 1]
-    if tensor_cores == LM_HEAD_TENSOR_CORES:
-        cute.arch.sync_threads()  # every warp's logits stored
-        logits = gflat(Float32, ctx.s_addr[3])
-        for b in cutlass.range(ctx.warp, cfg.B, NW, unroll=1):
-            v = -Float32.inf
-            vi = Int32(2**31 - 1)
-            for j in cutlass.range(ctx.lane, n, 32, unroll=1):  # ascending: a strict > keeps the lowest id
-                d = logits[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), r0 + j)]
-                if d > v:
-                    v, vi = d, j
-            v, vi = warp_argmax(v, vi)
-            if ctx.lane == 0:
-                best_v[_eoff(ctx.s_d1[4], ctx.s_d2[4], b, row, ti)] = v
-                best_i[_eoff(ctx.s_d1[5], ctx.s_d2[5], b, row, ti)] = Int64(r0 + vi)
+    nch = ctx.s_d2[2] // VEC
+    wrow0 = _row0(ctx, 2)
+    staged = _staged_rows(ctx, Int32(2))
+    gv = gchunks(ctx.s_addr[1])
+    logits = gflat(Float32, ctx.s_addr[3])
+    # per-(warp, token) running arg-max in smem; slot (w, b) is only ever touched by one lane of warp w, the lane
+    # that holds token b's winner below (CUDA cores: lane b % BT; tensor cores: lane (b % 8) // 2), so no
+    # intra-warp synchronisation is needed
+    s_bv = cute.make_tensor(ctx.s_f32.iterator + F32_VEC, cute.make_layout(NW * cfg.B))
+    s_bi = ctx.s_i32
+    MMA, _, _, P, _ = _mma(cfg, True)
+    if const_expr(MMA and mk_addr.LM_HEAD_MMA):
+        # the slots of batch columns 2q, 2q + 1 of every pass belong to lane q < 4 (it holds the tile's winner)
+        if ctx.lane < MMA_COLS // 2:
+            for b in cutlass.range(2 * ctx.lane, cfg.B, MMA_COLS, unroll=1):
+                for c in cutlass.range_constexpr(2):
+                    if b + c < cfg.B:
+                        s_bv[ctx.warp * cfg.B + b + c] = -Float32.inf
+                        s_bi[ctx.warp * cfg.B + b + c] = 2**31 - 1
+        acc = cute.make_rmem_tensor((4, P), Float32)
+        _for_items(ctx, n, True, _lm_head_item, 1, staged, wrow0, n, nch, xv, xs, gv, acc, logits, r0, s_bv, s_bi)
     else:
-        BT, _, _ = _tiling(cfg)
-        xv, xs = _gemv_prologue(ctx, Int32(0), cfg.eps)
-        nch = ctx.s_d2[2] // VEC
-        wrow0 = _row0(ctx, 2)
-        staged = _staged_rows(ctx, Int32(2))
-        gv = gchunks(ctx.s_addr[1])
-        logits = gflat(Float32, ctx.s_addr[3])
-        # per-(warp, token) running arg-max in smem; slot (w, b) is only ever touched by lane b % BT of warp w, so
-        # no intra-warp synchronisation is needed
-        s_bv = cute.make_tensor(ctx.s_f32.iterator + F32_VEC, cute.make_layout(NW * cfg.B))
-        s_bi = ctx.s_i32
         if ctx.lane < BT:
             for b in cutlass.range(ctx.lane, cfg.B, BT, unroll=1):
                 s_bv[ctx.warp * cfg.B + b] = -Float32.inf
                 s_bi[ctx.warp * cfg.B + b] = 2**31 - 1
         acc = cute.make_rmem_tensor((BT,), Float32)
-        _for_items(ctx, n, False, _lm_head_item, 1, staged, wrow0, nch, xv, xs, gv, acc, logits, r0, s_bv, s_bi)
-        cute.arch.sync_threads()
-        if ctx.tidx < cfg.B:
-            b = ctx.tidx
-            v, i = s_bv[b], s_bi[b]
-            for w in cutlass.range_constexpr(1, NW):
-                ov, oi = s_bv[w * cfg.B + b], s_bi[w * cfg.B + b]
-                v, i = (ov, oi) if argmax_take(ov, oi, v, i) else (v, i)
-            best_v[_eoff(ctx.s_d1[4], ctx.s_d2[4], b, row, ti)] = v
-            best_i[_eoff(ctx.s_d1[5], ctx.s_d2[5], b, row, ti)] = Int64(r0 + i)
+        _for_items(ctx, n, False, _lm_head_item, 1, staged, wrow0, n, nch, xv, xs, gv, acc, logits, r0, s_bv, s_bi)
+    cute.arch.sync_threads()
+    best_v = gflat(Float32, ctx.s_addr[4])
+    best_i = gflat(Int64, ctx.s_addr[5])
+    if ctx.tidx < cfg.B:
+        b = ctx.tidx
+        v, i = s_bv[b], s_bi[b]
+        for w in cutlass.range_constexpr(1, NW):
+            ov, oi = s_bv[w * cfg.B + b], s_bi[w * cfg.B + b]
+            v, i = (ov, oi) if argmax_take(ov, oi, v, i) else (v, i)
+        row = Int32(0)  # [b, 0, ti]; a rank's bests: its row of the mailbox, [b, rank, ti]
+        if const_expr(cfg.ranks):
+            row = _bx(ctx, 4, R0)
+        best_v[_eoff(ctx.s_d1[4], ctx.s_d2[4], b, row, ti)] = v
+        best_i[_eoff(ctx.s_d1[5], ctx.s_d2[5], b, row, ti)] = Int64(r0 + i)
 
 
 @cute.jit
-def _lm_head_item(ctx: _Ctx, j: Int32, t: Int32, staged: Int32, wrow0: Int64, nch: Int32, xv: Any, xs: Int32,
-                  gv: Any, acc: cute.Tensor, logits: Any, r0: Int32, s_bv: cute.Tensor, s_bi: cute.Tensor) -> None:
-    """LM_HEAD's CUDA-core work item ``(j, t)`` (:func:`_for_items`): the logits and the warp's running arg-max per
-    token (a warp's items ascend, so a strict > keeps the lowest id)."""
+def _lm_head_item(ctx: _Ctx, j: Int32, t: Int32, staged: Int32, wrow0: Int64, n: Int32, nch: Int32, xv: Any,
+                  xs: Int32, gv: Any, acc: cute.Tensor, logits: Any, r0: Int32, s_bv: cute.Tensor,
+                  s_bi: cute.Tensor) -> None:
+    """LM_HEAD's work item ``(j, t)`` (:func:`_for_items`): the logits and the warp's running arg-max per token
+    (a warp's items ascend, so a strict > keeps the lowest id)."""
     cfg = ctx.cfg
     BT, U, _ = _tiling(cfg)
-    weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U, wide_tail=True)
-    for bb in cutlass.range_constexpr(BT):
-        b = t * BT + bb
-        d = bf16_round(warp_sum(acc[bb]) * ctx.s_f32[b])  # the reference's bf16 linear, then fp32
-        if ctx.lane == bb % 32:
-            logits[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), r0 + j)] = d
-            slot = ctx.warp * cfg.B + b
-            if d > s_bv[slot]:
-                s_bv[slot] = d
-                s_bi[slot] = j
+    MMA, _, UM, P, _ = _mma(cfg, True)
+    if const_expr(MMA and mk_addr.LM_HEAD_MMA):
+        weight_tile_mma(ctx.s_stage, staged, wrow0, j, n, nch, xv, _group_row0(t, P), Int32(cfg.B), xs, gv,
+                        ctx.s_f32, acc, UM)
+        for p in cutlass.range_constexpr(P):
+            for c in cutlass.range_constexpr(2):  # batch column 2q + c: registers c (row g), c + 2 (row g + 8)
+                v = -Float32.inf
+                vi = Int32(2**31 - 1)
+                b = Int32(0)
+                for i in cutlass.range_constexpr(c, 4, 2):  # row g, then g + 8: strict > keeps the lower
+                    ok, jj, b = _mma_store(ctx, j, t, n, P, i, p)
+                    d = bf16_round(acc[i, p])  # the reference's bf16 linear, then fp32
+                    if ok:
+                        logits[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), r0 + jj)] = d
+                        if d > v:
+                            v, vi = d, jj
+                v, vi = warp_argmax(v, vi, 3)  # over the 8 lane groups (lane bits 2..4): ties to the lower
+                if ctx.lane < MMA_COLS // 2:
+                    if b < cfg.B:
+                        slot = ctx.warp * cfg.B + b
+                        if v > s_bv[slot]:
+                            s_bv[slot] = v
+                            s_bi[slot] = vi
+    else:
+        weight_row_dot(ctx.s_stage, staged, wrow0, j, nch, xv, t * BT * xs, xs, False, gv, acc, BT, U,
+                       wide_tail=True)
+        for bb in cutlass.range_constexpr(BT):
+            b = t * BT + bb
+            d = bf16_round(warp_sum(acc[bb]) * ctx.s_f32[b])  # the reference's bf16 linear, then fp32
+            if ctx.lane == bb % 32:
+                logits[_eoff(ctx.s_d1[3], ctx.s_d2[3], b, Int32(0), r0 + j)] = d
+                slot = ctx.warp * cfg.B + b
+                if d > s_bv[slot]:
+                    s_bv[slot] = d
+                    s_bi[slot] = j

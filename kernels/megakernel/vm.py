@@ -52,7 +52,6 @@ from kimik3.kernels.contracts.isa import (
     H_VERSION,
     H_WORLD,
     INSTR_WORDS,
-    LM_HEAD_TENSOR_CORES,
     LOCAL_BUFFERS,
     LOCAL_COUNTERS,
     LOCAL_ERROR,
@@ -73,7 +72,6 @@ from kimik3.kernels.contracts.isa import (
     STAGE_BYTES,
     VERSION,
     W_AMOUNT,
-    W_ARGS,
     W_NEXT_BUF,
     W_NEXT_CHUNKS,
     W_NEXT_ELEM_HI,
@@ -104,14 +102,7 @@ from kimik3.kernels.megakernel.device_fns import (
     VEC,
     gchunks,
 )
-from kimik3.kernels.megakernel.gemv import (
-    lm_head_on_norm_proj,
-    op_ffn_out,
-    op_lm_head,
-    op_mlp_gate_up,
-    op_norm_proj,
-    op_o_proj_residual,
-)
+from kimik3.kernels.megakernel.gemv import op_ffn_out, op_lm_head, op_mlp_gate_up, op_norm_proj, op_o_proj_residual
 from kimik3.kernels.megakernel.kda import op_kda_step
 from kimik3.kernels.megakernel.misc import op_argmax, op_attn_res_mix, op_embed
 from kimik3.kernels.megakernel.mla import op_mla_kv_append, op_mla_partial, op_mla_q, op_mla_reduce
@@ -235,32 +226,16 @@ def _check_static(cfg: MKConfig) -> None:
 
 
 @cute.jit
-def _waits_ok(s_ins: cute.Tensor, s_wok: cute.Tensor) -> Int32:
-    """1 when every wait of the instruction in ``s_ins`` was satisfied (``s_wok``), else 0 (a watchdog or error)."""
-    go = Int32(1)
-    for w in cutlass.range_constexpr(MAX_WAITS):
-        if w < s_ins[W_NWAITS]:
-            go = go & s_wok[w]
-    return go
-
-
-@cute.jit
 def _dispatch(ctx: _Ctx, op: Int32) -> None:
     """One branch per opcode (all threads of the CTA take the same one, so barriers inside are legal). Families
     absent from the config (no KDA / MLA / MoE layers) compile to nothing."""
     cfg = ctx.cfg
-    proj = op == OP_NORM_PROJ
-    if const_expr(lm_head_on_norm_proj(cfg)):  # a tensor-core LM_HEAD's logits: NORM_PROJ's body, one copy of it
-        proj = proj | ((op == OP_LM_HEAD) & (ctx.s_ins[W_ARGS + 1] == LM_HEAD_TENSOR_CORES))
     if op == OP_EMBED:
         op_embed(ctx)
     elif op == OP_ATTN_RES_MIX:
         op_attn_res_mix(ctx)
-    elif proj:
+    elif op == OP_NORM_PROJ:
         op_norm_proj(ctx)
-        if const_expr(lm_head_on_norm_proj(cfg)):
-            if ctx.s_ins[W_OP] == OP_LM_HEAD:  # re-read: ``op`` held across the body would cost it a register
-                op_lm_head(ctx)  # the tile's best per token
     elif op == OP_MLP_GATE_UP:
         op_mlp_gate_up(ctx)
     elif op == OP_O_PROJ_RESIDUAL:
@@ -557,7 +532,11 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
                     s_run[RUN_V] = vn
             cute.arch.cp_async_wait_group(1)  # own stage landed; the most recent group (next stage / row) in flight
             cute.arch.sync_threads()  # broadcasts the waits' acquires, the operand table and the stage to the CTA
-            if _waits_ok(s_ins, s_wok) != 0:
+            go = Int32(1)
+            for w in cutlass.range_constexpr(MAX_WAITS):
+                if w < nw:
+                    go = go & s_wok[w]
+            if go != 0:
                 _dispatch(ctx, s_ins[W_OP])
                 if const_expr(cfg.ranks):
                     _push(ctx, _mine(cfg, s_run, mLocal, LOCAL_PROGRAM, mProg), s_run, mPeer)
@@ -565,7 +544,6 @@ def megakernel_kernel(mProg: cute.Tensor, mBufs: cute.Tensor, mCtr: cute.Tensor,
                 aborted = Int32(1)
             # read before the barrier: warp 0 refills s_ins right after it (the next position's fetch)
             signal, amount = s_ins[W_SIGNAL], s_ins[W_AMOUNT]
-            go = _waits_ok(s_ins, s_wok)  # again: a flag held across the body would cost every body a register
             peer_lo, peer_hi = s_ins[W_PEER_LO], s_ins[W_PEER_HI]
             t0 = s_tw[0]
             for w in cutlass.range_constexpr(1, MAX_WAITS):

@@ -31,8 +31,9 @@ from kimik3.kernels.contracts.addr import (
     gemv_mma,
     gemv_tile_rows,
     gemv_tiles,
+    lm_head_tile_rows,
 )
-from kimik3.kernels.contracts.isa import BT_MAX, CHUNK_BYTES, LM_HEAD_TENSOR_CORES, STAGE_BYTES, Kind, Mode, Op
+from kimik3.kernels.contracts.isa import BT_MAX, CHUNK_BYTES, STAGE_BYTES, Kind, Mode, Op
 
 __all__ = ["Finding", "ReplayReport", "replay", "shapes_for"]
 
@@ -225,13 +226,10 @@ def _accesses(op: Op, args: tuple[int, ...], box: list[tuple[int, ...]], dims: l
             yield from gemv(ih, (idn,), None, None, False, n, "")
         for b, j0, m in _pass_runs(G, n, _gemv_groups(s, helpers, MMA, 2), TR, NT):
             yield _Acc(io, E(d1(io), d2(io), b, box[io][2], box[io][4] + j0), m, "rw")
-    elif op == Op.LM_HEAD:  # a1: its path (tensor cores: NORM_PROJ's tiles, then the tile's logits read back)
-        ti, r0, n = args[0], args[2], T(args[2], args[3])
-        tc = args[1] == LM_HEAD_TENSOR_CORES
-        yield from gemv(0, (2,), 1, 3, True, n, "w", o_c0=r0, tr=TR if tc else 1)
-        if tc:
-            for b in range(B):
-                yield _Acc(3, E(d1(3), d2(3), b, 0, r0), n, "r")
+    elif op == Op.LM_HEAD:
+        ti, r0 = args[0], args[2]
+        yield from gemv(0, (2,), 1, 3, True, T(r0, args[3]), "w", o_c0=r0,
+                        tr=getattr(helpers, "lm_head_tile_rows", lm_head_tile_rows)(s.B))
         row = box[4][2] if s.ranks else 0  # a rank's bests: its row of the mailbox
         yield _Acc(4, E(d1(4), d2(4), 0, row, ti), 1, "w", B, d1(4) * d2(4))
         yield _Acc(5, E(d1(5), d2(5), 0, row, ti), 1, "w", B, d1(5) * d2(5))

@@ -268,28 +268,32 @@ def run_gemv_op(op: str, *, preset: str = "tiny", B: int = 8, K: int = 256, n: i
         bi = torch.zeros(B, 1, 1, dtype=torch.int64)
         I._lm_head(it, SimpleNamespace(args=(0, 0, r0)), [x[:, None], gamma[None, None], W[None], logits, bv, bi])
         ref.update(logits=logits[:, 0], best_v=bv[:, 0, 0], best_i=bi[:, 0, 0])
-        # NORM_PROJ's tiles store the bf16-rounded accumulators in fp32 (its LOGITS mode); op_lm_head then reads
-        # the tile back
         d = _bf(_gemv(F, T, W, staged, x, gamma, _rstd(x, eps), u(True)))
         wr = out("logits", logits[:, 0])
         wr.store((Cb[V], R[V]), d[V], "LM_HEAD")
         wr.check()
-        got = run.outputs["logits"]
+        # per (warp, batch row): each item's tile winner (the lane-local rows then the butterfly over the 8
+        # groups: the maximum, ties to the lowest row) replaces the running best only when strictly greater
+        best = {}
+        for k, w in enumerate(T.warp):
+            dk, rk, ck, vk = d[k], R[k], Cb[k], V[k]
+            for b in ck[vk].unique().tolist():
+                sel = vk & (ck == b)
+                vals, rows = dk[sel], rk[sel]
+                top = vals.max()
+                j = int(rows[vals == top].min())
+                cur = best.get((w, b), (-float("inf"), 2**31 - 1))
+                if top > cur[0]:
+                    best[(w, b)] = (float(top), j)
         got_v = torch.full((B,), float("nan"))
         got_i = torch.full((B,), -1, dtype=torch.int64)
-        for b in range(B):  # warp b % NW; lane l: rows l, l + 32, ... ascending
-            lanes = []
-            for lane in range(LANES):
-                v, vi = -float("inf"), 2**31 - 1
-                for jj in range(lane, n, LANES):
-                    if got[b, jj] > v:
-                        v, vi = float(got[b, jj]), jj
-                lanes.append((v, vi))
-            v, vi = lanes[0]  # the warp's butterfly: the maximum, ties to the lower row
-            for ov, oi in lanes[1:]:
-                if ov > v or (ov == v and oi < vi):
-                    v, vi = ov, oi
-            got_v[b], got_i[b] = v, r0 + vi
+        for b in range(B):  # the CTA's merge over the warps, in warp order (ties to the lower id)
+            v, i = -float("inf"), 2**31 - 1
+            for w in range(F.NW):
+                ov, oi = best.get((w, b), (-float("inf"), 2**31 - 1))
+                if ov > v or (ov == v and oi < i):
+                    v, i = ov, oi
+            got_v[b], got_i[b] = v, r0 + i
         run.outputs.update(best_v=got_v, best_i=got_i)
         return run, ref
     wr.check()

@@ -136,6 +136,7 @@ def promises_for(family: str, arch: str, expert_format: str = "dense", batch: in
     device code itself uses, so the audit follows them)."""
     if family == "megakernel":
         from kimik3.kernels.contracts.addr import (
+            LM_HEAD_MMA,
             gemv_batch_tile,
             gemv_group_passes,
             gemv_mma,
@@ -146,12 +147,12 @@ def promises_for(family: str, arch: str, expert_format: str = "dense", batch: in
 
         out = []
         if gemv_mma(batch):  # tensor cores: two weight chunks per k block of a step
-            out += [Promise(2 * gemv_mma_unroll(arch, normed, gemv_group_passes(batch, sources), sources),
-                            f"2 x contracts.addr.gemv_mma_unroll({arch!r}, {normed}, passes, {sources}) (GEMV "
-                            f"opcodes, {sources} weight(s))") for normed in (False, True) for sources in (1, 2)]
-        # CUDA cores: every GEMV opcode below batch 8; LM_HEAD's CUDA-core path is in the kernel at every batch
-        bt = gemv_batch_tile(batch)
-        out += [Promise(gemv_unroll(arch, bt), f"contracts.addr.gemv_unroll({arch!r}, {bt}) (GEMV opcodes)")]
+            out += [Promise(2 * gemv_mma_unroll(arch, normed, gemv_group_passes(batch, sources)),
+                            f"2 x contracts.addr.gemv_mma_unroll({arch!r}, {normed}, passes) (GEMV opcodes, "
+                            f"{sources} weight(s))") for normed in (False, True) for sources in (1, 2)]
+        if not gemv_mma(batch) or not LM_HEAD_MMA:  # CUDA cores (LM_HEAD at every batch while LM_HEAD_MMA is off)
+            bt = gemv_batch_tile(batch)
+            out += [Promise(gemv_unroll(arch, bt), f"contracts.addr.gemv_unroll({arch!r}, {bt}) (GEMV opcodes)")]
         if expert_format == "dense":
             out += [Promise(2 * mk_moe.GATE_UP_LOADS, "2 x megakernel.moe.GATE_UP_LOADS (EXPERT_GATE_UP)"),
                     Promise(mk_moe.DOWN_LOADS, "megakernel.moe.DOWN_LOADS (EXPERT_DOWN)")]

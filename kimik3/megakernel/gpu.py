@@ -19,8 +19,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from kimik3.kernels.contracts.addr import lm_head_mma
-from kimik3.kernels.contracts.isa import DEVICE_OPS, LM_HEAD_CUDA_CORES, LM_HEAD_TENSOR_CORES, LOCAL_TABLE, PEER_TABLE
+from kimik3.kernels.contracts.isa import DEVICE_OPS, LOCAL_TABLE, PEER_TABLE
 from kimik3.kernels.contracts.meta import SUPPORTED_ARCHS as ARCHS  # the architectures kernels are built for
 from kimik3.kernels.contracts.peers import counter_words
 from kimik3.kernels.toolchain.loader import (
@@ -197,11 +196,6 @@ def check_device_contract(program: Program, cfg: ModelConfig, batch: int, shapes
                 out.append(f"#{i} {ins.label()}: latent-norm flag differs from the compiled config")
             if not flags & (FFN_ROUTED | FFN_MLP):
                 out.append(f"#{i} {ins.label()}: FFN_OUT with neither source")
-        if ins.op == Op.LM_HEAD:
-            paths = (LM_HEAD_CUDA_CORES, LM_HEAD_TENSOR_CORES) if lm_head_mma(batch) else (LM_HEAD_CUDA_CORES,)
-            if ins.args[1] not in paths:
-                out.append(f"#{i} {ins.label()}: LM_HEAD path a1 = {ins.args[1]}, the kernel for batch {batch} "
-                           f"carries {paths} (isa.LM_HEAD_CUDA_CORES / LM_HEAD_TENSOR_CORES)")
         if ins.op == Op.KDA_STEP and ins.operands[0].box[4] != ins.args[0] * (4 * cfg.kda_head_dim + 1):
             out.append(f"#{i} {ins.label()}: packed KDA input columns do not start at the head's block")
     return out

@@ -18,8 +18,6 @@ from itertools import product
 
 import torch
 
-from kimik3.kernels.contracts.addr import lm_head_mma
-from kimik3.kernels.contracts.isa import LM_HEAD_CUDA_CORES, LM_HEAD_TENSOR_CORES
 from kimik3.kernels.contracts.peers import AR_SLOTS, MOE_SLOTS, mailbox_row
 from kimik3.megakernel.instructions import (
     FFN_LATENT_NORM,
@@ -691,12 +689,11 @@ class _StepBuilder:
             bi = self.buf("mbox.lm_best_idx", Kind.MAILBOX, (B, self.world, len(tiles)), torch.int64)
         nxt = self.buf("next_token", Kind.OUTPUT, (B, 1, 1), torch.int64)
         me = self.shard.rank
-        path = LM_HEAD_TENSOR_CORES if lm_head_mma(B) else LM_HEAD_CUDA_CORES  # the device's path for the logits
         for ti, (r0, r1) in enumerate(tiles):
             n = r1 - r0
             best = [self.op(bv, W, (0, B, 0, 1, ti, ti + 1)), self.op(bi, W, (0, B, 0, 1, ti, ti + 1))] if one else \
                 [self.op(b, W | Mode.PUSH, (0, B, me, me + 1, ti, ti + 1)) for b in (bv, bi)]
-            self.add(Op.LM_HEAD, L, (ti, path, r0, r1), [
+            self.add(Op.LM_HEAD, L, (ti, 0, r0, r1), [
                 self.op(self.mix, R), self.op(fn, P), self.op(lm, P, (0, 1, r0, r1, 0, H)),
                 self.op(logits, W, (0, B, 0, 1, r0, r1)), *best], "out.lm_head",
                 {(L, "lm_head"): [n * H * _BPW, 0, B * (H * self.ab + n * 4), 2.0 * B * n * H],

@@ -18,7 +18,7 @@ __all__ = ["PERF_DIR", "CURRENT_DESIGN", "SLOWER_WHEN_LARGER", "CORNERS", "Const
 PERF_DIR = Path(__file__).resolve().parents[2] / "data" / "perf"
 # The design that describes the device code in kernels/ (its compiled numbers are checked against the build by
 # tests/test_perfmodel.py); older designs stay as the record of the code they described.
-CURRENT_DESIGN = "v5"
+CURRENT_DESIGN = "v4"
 _REQUIRED = ("sm_count", "hbm_peak_Bps", "hbm_read_efficiency", "hbm_latency_ns", "l2_latency_ns",
              "l1_latency_cycles", "sm_clock_Hz", "issue_slots_per_sm_cycle", "l1_bandwidth_bytes_per_cycle",
              "l2_bandwidth_Bps", "sm_max_bandwidth_bytes_per_cycle", "l1_capacity_bytes", "max_threads_per_sm",

@@ -31,7 +31,7 @@ from kimik3.kernels.contracts.addr import (
     gemv_mma,
     gemv_mma_passes,
 )
-from kimik3.kernels.contracts.isa import LM_HEAD_TENSOR_CORES, STAGE_SCRATCH_OPS
+from kimik3.kernels.contracts.isa import STAGE_SCRATCH_OPS
 from kimik3.megakernel.instructions import Kind, Mode, Op, Program
 from kimik3.perfmodel.data import Constants, field
 from kimik3.perfmodel.expr import amount, evaluate
@@ -199,8 +199,6 @@ def instruction_symbols(program: Program, costs: pd.DataFrame, i: int, context_l
         "weight_bytes": float(c["weight_bytes"]), "state_bytes": float(c["state_bytes"]),
         "act_bytes": float(c["act_bytes"]), "flops": float(c["flops"]), "shfl": consts.shuffle_latency_cycles,
         "world": world,
-        # an LM_HEAD's path is its own (a1: isa.LM_HEAD_TENSOR_CORES), the other GEMV opcodes' the batch's
-        **({"mma": float(a[1] == LM_HEAD_TENSOR_CORES)} if op == Op.LM_HEAD else {}),
     }
 
 
